@@ -1,0 +1,5 @@
+import sys
+
+from expertstream.cli import main
+
+sys.exit(main())

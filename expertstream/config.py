@@ -1,0 +1,75 @@
+"""`EngineConfig`: one dataclass; its field names are the CLI flags (`ram_cache_gb` -> `--ram-cache-gb`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = field(default="", metadata={"help": "working directory made by `expertstream setup`"})
+    device: str = field(default="auto", metadata={"help": "cuda, cpu or auto (cuda when available)"})
+    dtype: str = field(
+        default="auto", metadata={"help": "activation dtype: auto (bf16 on cuda, fp32 on cpu), bfloat16, float32"}
+    )
+    max_model_len: int = field(
+        default=32768, metadata={"help": "context length in tokens (KV and indexer keys are preallocated for it)"}
+    )
+    gpu_memory_gb: float | None = field(
+        default=None, metadata={"help": "VRAM budget the engine enforces on itself (default: the whole GPU)"}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "fraction of the GPU (or of --gpu-memory-gb) the engine may use"}
+    )
+    ram_cache_gb: float = field(
+        default=4.0, metadata={"help": "pinned-RAM expert cache in GiB (llama.cpp's closest word: --moe-cache-mib)"}
+    )
+    io_threads: int = field(default=16, metadata={"help": "O_DIRECT reader threads (about the drive's queue depth)"})
+    enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
+    kernels: str = field(
+        default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"}
+    )
+    seed: int | None = field(default=None, metadata={"help": "default sampling seed"})
+
+    def __post_init__(self) -> None:
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ValueError(f"gpu_memory_gb must be positive, got {self.gpu_memory_gb}")
+        if self.ram_cache_gb < 0:
+            raise ValueError(f"ram_cache_gb must be >= 0, got {self.ram_cache_gb}")
+        if self.io_threads <= 0:
+            raise ValueError(f"io_threads must be positive, got {self.io_threads}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+        """Add one flag per field (the model path is positional)."""
+        for f in dataclasses.fields(cls):
+            help_text = f.metadata.get("help", "")
+            if f.name == "model":
+                if positional_model:
+                    parser.add_argument("model", nargs="?", default="", help=help_text)
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(f.default, bool):
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            # field types are strings under `from __future__ import annotations`
+            typ = float if "float" in f.type else int if "int" in f.type else str
+            parser.add_argument(flag, type=typ, default=f.default, help=f"{help_text} (default: {f.default})")
+        parser.add_argument("--ctx-size", dest="max_model_len", type=int, help=argparse.SUPPRESS)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

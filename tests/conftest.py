@@ -1,0 +1,28 @@
+"""Shared fixtures: a tiny synthetic snapshot in NVIDIA's layout and its working directory (built once)."""
+
+import os
+
+import pytest
+import torch
+
+# Triton kernels run in the interpreter on CPU-only machines; must be set before any kernel module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_snapshot(tmp_path_factory):
+    from expertstream.synth import write_synthetic
+
+    out = tmp_path_factory.mktemp("snap") / "tiny"
+    write_synthetic(out, preset="tiny", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_workdir(tiny_snapshot, tmp_path_factory):
+    from expertstream.repack import setup_workdir
+
+    out = tmp_path_factory.mktemp("work") / "tiny"
+    setup_workdir(tiny_snapshot, out)
+    return out
