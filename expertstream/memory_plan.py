@@ -1,0 +1,206 @@
+"""The VRAM plan: what lives on the GPU under an enforced budget, and what is left for the expert cache.
+
+Everything is arithmetic on the config, the resident weights' inventory and the expert block size, so it is
+unit-tested on the CPU; the engine enforces the result with the allocator's per-process limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+GiB = 1024**3
+MiB = 1024**2
+
+# Largest first: the biggest prompt piece whose activations fit is used (fewer expert passes per prompt).
+PREFILL_PIECES = (4096, 2048, 1024, 512, 256, 128)
+# Resident matrices the plan may store FP8 row-scaled, in the order it gives them up (largest savings first).
+FP8_CANDIDATES = (
+    "linear_attn.in_proj_qkv.weight",
+    "linear_attn.in_proj_z.weight",
+    "linear_attn.out_proj.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.o_proj.weight",
+    "ple.key_proj.weight",
+    "lm_head.weight",
+)
+# Allocator fragmentation and kernel workspaces the accounting cannot see.
+RESERVE_FRACTION = 0.04
+DECODE_WORKSPACE = 64 * MiB
+ELEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I64": 8, "I32": 4}
+
+
+class MemoryPlanError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class MemoryPlan:
+    budget: int
+    resident: int
+    fp8: list[str]
+    embed_on_host: bool
+    state: int  # DeltaNet recurrent + conv, PLE context
+    kv: int  # attention K/V for max_model_len
+    indexer_keys: int
+    slots: int  # expert slot banks (double-buffered) + speculation bank
+    decode_workspace: int
+    prefill_piece: int
+    prefill_workspace: int
+    reserve: int
+    vram_cache_blocks: int
+    block_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def vram_cache(self) -> int:
+        return self.vram_cache_blocks * self.block_bytes
+
+    def describe(self) -> str:
+        rows = [
+            (
+                "resident weights"
+                + (f" ({len(self.fp8)} matrices FP8 row-scaled)" if self.fp8 else " (BF16)"),
+                self.resident,
+            ),
+            ("DeltaNet/conv/PLE state", self.state),
+            ("KV cache", self.kv),
+            ("indexer keys", self.indexer_keys),
+            ("expert slots", self.slots),
+            ("decode workspace", self.decode_workspace),
+            (f"prefill workspace ({self.prefill_piece}-token pieces)", self.prefill_workspace),
+            ("reserve", self.reserve),
+            (f"VRAM expert cache ({self.vram_cache_blocks} experts)", self.vram_cache),
+        ]
+        lines = [f"VRAM plan for a {self.budget / GiB:.2f} GiB budget:"]
+        lines += [f"  {name:<52} {nbytes / GiB:8.3f} GiB" for name, nbytes in rows]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * ELEM_BYTES[dtype]
+
+
+def _fp8_bytes(shape: tuple[int, ...]) -> int:
+    return shape[0] * shape[1] + 4 * shape[0]  # e4m3 values + one FP32 scale per row
+
+
+def plan_memory(
+    text_config: Mapping,
+    resident: Mapping[str, tuple[tuple[int, ...], str]],
+    block_bytes: int,
+    budget_bytes: int,
+    max_model_len: int,
+    act_bytes: int = 2,
+    speculative_slots: bool = True,
+) -> MemoryPlan:
+    """Plan the GPU memory.
+
+    Args:
+        text_config: the checkpoint's text_config.
+        resident: name -> (shape, safetensors dtype) of every resident tensor (workdir names; FP8 row-scaled
+            ones appear as F8_E4M3 plus their `_scale`).
+        block_bytes: bytes of one repacked expert block.
+        budget_bytes: VRAM the engine may use.
+        max_model_len: context to reserve KV and indexer keys for.
+        act_bytes: bytes per activation element (2 for bf16).
+        speculative_slots: reserve a third bank for next-layer speculation.
+
+    Returns:
+        The plan; raises MemoryPlanError naming the shortfall if even the minimum does not fit.
+    """
+    c = text_config
+    h, n_layers = c["hidden_size"], c["num_hidden_layers"]
+    types = c["layer_types"]
+    n_attn = sum(t != "linear_attention" for t in types)
+    n_lin = n_layers - n_attn
+    k = c["num_experts_per_tok"]
+    hc = c.get("hc_count", 1)
+
+    # KV and indexer keys for the whole context, state for one sequence
+    kv = n_attn * 2 * c["num_key_value_heads"] * c["head_dim"] * act_bytes * max_model_len
+    idx = (
+        n_attn
+        * (c.get("indexer_kv_heads") or 0)
+        * (c.get("indexer_head_dim") or 0)
+        * act_bytes
+        * max_model_len
+    )
+    kd, vd = (
+        c["linear_num_key_heads"] * c["linear_key_head_dim"],
+        c["linear_num_value_heads"] * c["linear_value_head_dim"],
+    )
+    conv_ch = 2 * kd + vd
+    state = n_lin * (c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"] * 4)
+    state += n_lin * (c["linear_conv_kernel_dim"] - 1) * conv_ch * act_bytes
+    if c.get("ple_layer_ids"):
+        ple_rows = (c.get("ple_conv_kernel_size", 4) - 1) * c.get("ngram_size", 3)
+        state += len(c["ple_layer_ids"]) * ple_rows * hc * h * act_bytes
+    slots = (3 if speculative_slots else 2) * k * block_bytes
+
+    # Activation bytes per prompt token at the widest point of a layer, plus the attention mask/score terms.
+    i_moe = c["moe_intermediate_size"]
+    per_tok = (
+        act_bytes
+        * (3 * hc * h + conv_ch + vd + 2 * c["num_attention_heads"] * c["head_dim"] + k * (2 * i_moe + h))
+        + 4 * c["linear_num_value_heads"] * 64
+    )  # FP32 chunk state terms of the chunked DeltaNet
+
+    def prefill_ws(piece: int) -> int:
+        mask = piece * max_model_len  # bool selection mask over the visible keys
+        scores = piece * (max_model_len // max(1, c.get("indexer_compress_ratio") or 1)) * 4
+        return piece * per_tok + mask + scores
+
+    embed = resident.get("embed_tokens.weight")
+    weights = {n: v for n, v in resident.items() if n != "embed_tokens.weight"}
+    fp8 = sorted(n for n, (_, dt) in weights.items() if dt == "F8_E4M3")
+    base = sum(_tensor_bytes(s, d) for s, d in weights.values())
+    reserve = int(budget_bytes * RESERVE_FRACTION)
+    fixed = state + kv + idx + slots + DECODE_WORKSPACE + reserve
+
+    def minimum(weight_bytes: int) -> int:
+        return weight_bytes + fixed + prefill_ws(PREFILL_PIECES[-1])
+
+    notes: list[str] = []
+    # Give up BF16 for the largest matrices, family by family, until the minimum fits.
+    for suffix in FP8_CANDIDATES:
+        if minimum(base) <= budget_bytes:
+            break
+        for name, (shape, dtype) in weights.items():
+            if name.endswith(suffix) and dtype in ("BF16", "F16") and len(shape) == 2:
+                base += _fp8_bytes(shape) - _tensor_bytes(shape, dtype)
+                fp8.append(name)
+    if minimum(base) > budget_bytes:
+        raise MemoryPlanError(
+            f"a {budget_bytes / GiB:.2f} GiB VRAM budget cannot hold this model with a {max_model_len}-token "
+            f"context: it needs at least {minimum(base) / GiB:.2f} GiB (weights {base / GiB:.2f} GiB, KV and "
+            f"indexer keys {(kv + idx) / GiB:.2f} GiB); raise --gpu-memory-gb or lower --max-model-len"
+        )
+    left = budget_bytes - base - fixed
+    piece = next(p for p in PREFILL_PIECES if prefill_ws(p) <= left // 2 or p == PREFILL_PIECES[-1])
+    left -= prefill_ws(piece)
+    if embed is not None:
+        notes.append(
+            f"token embedding ({_tensor_bytes(*embed) / GiB:.2f} GiB) stays in host RAM; rows gathered per step"
+        )
+    return MemoryPlan(
+        budget=budget_bytes,
+        resident=base,
+        fp8=sorted(fp8),
+        embed_on_host=embed is not None,
+        state=state,
+        kv=kv,
+        indexer_keys=idx,
+        slots=slots,
+        decode_workspace=DECODE_WORKSPACE,
+        prefill_piece=piece,
+        prefill_workspace=prefill_ws(piece),
+        reserve=reserve,
+        vram_cache_blocks=max(0, left // block_bytes),
+        block_bytes=block_bytes,
+        notes=notes,
+    )
