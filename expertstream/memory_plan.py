@@ -184,9 +184,8 @@ def plan_memory(
     piece = next(p for p in PREFILL_PIECES if prefill_ws(p) <= left // 2 or p == PREFILL_PIECES[-1])
     left -= prefill_ws(piece)
     if embed is not None:
-        notes.append(
-            f"token embedding ({_tensor_bytes(*embed) / GiB:.2f} GiB) stays in host RAM; rows gathered per step"
-        )
+        embed_gib = _tensor_bytes(*embed) / GiB
+        notes.append(f"token embedding ({embed_gib:.2f} GiB) stays in host RAM; rows gathered per step")
     return MemoryPlan(
         budget=budget_bytes,
         resident=base,
