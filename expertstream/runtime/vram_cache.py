@@ -1,0 +1,166 @@
+"""The VRAM tier: expert blocks in GPU slots, an LRU over them, and host->device copies on their own stream.
+
+slots [n_slots, block_bytes] uint8 on the device hold raw repacked blocks (kernels read codes and scales
+straight from them); `ws2` [n_slots, 3] float32 holds each slot's global scales. A call protects the slots it
+returns until the next call, so layer L+1's fetch never evicts what layer L's kernel is still reading.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class VramStats:
+    requests: int = 0
+    hits: int = 0
+    copies: int = 0
+    bytes_copied: int = 0
+    wait_seconds: float = 0.0  # time spent waiting for host blocks (disk or RAM tier)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+
+class VramExpertCache:
+    """LRU of expert blocks in device memory.
+
+    Args:
+        fetch_host: (keys) -> list of handles with `.wait() -> uint8 [block_bytes]` and `.release()`:
+            the host tiers (ExpertStore.request).
+        block_bytes: bytes per block.
+        n_slots: slots to allocate (>= 2 x experts per layer, so two layers never evict each other).
+        scales: [L, E, 3] float32 global scales (moved to the device once: 48 x 512 x 3 x 4 B = 295 KB).
+        device: where the slots live (a CPU device works too, for tests).
+    """
+
+    def __init__(
+        self,
+        fetch_host: Callable[[Sequence[tuple[int, int]]], list],
+        block_bytes: int,
+        n_slots: int,
+        scales: torch.Tensor,
+        device: torch.device | str,
+    ):
+        if n_slots <= 0:
+            raise ValueError(f"VRAM expert cache needs at least one slot, got {n_slots}")
+        self.device = torch.device(device)
+        self.fetch_host = fetch_host
+        self.block_bytes = block_bytes
+        self.slots = torch.empty(n_slots, block_bytes, dtype=torch.uint8, device=self.device)
+        self.ws2 = torch.zeros(n_slots, 3, dtype=torch.float32, device=self.device)
+        self.scales = scales.to(self.device, torch.float32)
+        self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> slot, oldest first
+        self.free = list(range(n_slots - 1, -1, -1))
+        self.protected: set[int] = set()
+        self.stats = VramStats()
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.in_flight: list[tuple[torch.cuda.Event, object]] = []
+        self.slot_events: dict[int, torch.cuda.Event] = {}
+
+    @property
+    def n_slots(self) -> int:
+        return self.slots.shape[0]
+
+    def _take_slot(self, keep: set[int]) -> int:
+        if self.free:
+            return self.free.pop()
+        for key, slot in self.lru.items():  # oldest first
+            if slot not in keep:
+                del self.lru[key]
+                return slot
+        raise RuntimeError(
+            f"all {self.n_slots} VRAM expert slots are in use by the current request; "
+            "the memory plan must give at least two layers' worth of slots"
+        )
+
+    def fetch(self, layer: int, experts: Sequence[int]) -> torch.Tensor:
+        """Make the blocks of `experts` (distinct ids) of `layer` resident; return their slot ids.
+
+        Returns:
+            int32 [len(experts)] slot ids on the device; the current stream waits for the copies.
+        """
+        keys = [(layer, int(e)) for e in experts]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"fetch expects distinct experts, got {list(experts)}")
+        if len(keys) > self.n_slots:
+            raise ValueError(f"{len(keys)} experts requested but only {self.n_slots} VRAM slots exist")
+        keep = set(self.protected)
+        out, missing = [], []
+        for key in keys:
+            self.stats.requests += 1
+            slot = self.lru.get(key)
+            if slot is not None:
+                self.lru.move_to_end(key)
+                self.stats.hits += 1
+                keep.add(slot)
+            out.append(slot)
+        # the previous call's slots stay protected so two consecutive layers never evict each other
+        for i, key in enumerate(keys):
+            if out[i] is None:
+                out[i] = self._take_slot(keep)
+                keep.add(out[i])
+                missing.append((i, key))
+        if missing:
+            self._copy_in(missing, out)
+        self.protected = set(out)
+        return torch.tensor(out, dtype=torch.int32, device=self.device)
+
+    def _copy_in(self, missing: list[tuple[int, tuple[int, int]]], out: list[int]) -> None:
+        self._reap()
+        handles = self.fetch_host([key for _, key in missing])
+        stream = self.copy_stream
+        for (i, key), h in zip(missing, handles):
+            t0 = time.perf_counter()
+            block = h.wait()  # blocks on the RAM/disk tiers; each block goes up the moment it arrives
+            self.stats.wait_seconds += time.perf_counter() - t0
+            slot = out[i]
+            if stream is None:
+                self.slots[slot].copy_(block)
+                h.release()
+            else:
+                last_use = self.slot_events.pop(slot, None)
+                if last_use is not None:  # never overwrite a slot a queued kernel still reads
+                    stream.wait_event(last_use)
+                with torch.cuda.stream(stream):
+                    self.slots[slot].copy_(block, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                self.in_flight.append((ev, h))  # the host buffer is released once its copy has run
+            self.ws2[slot] = self.scales[key[0], key[1]]
+            self.lru[key] = slot
+            self.stats.copies += 1
+            self.stats.bytes_copied += self.block_bytes
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def mark_used(self) -> None:
+        """Call after launching the kernel that reads the last fetch's slots: copies into them wait for it."""
+        if self.copy_stream is None:
+            return
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        for s in self.protected:
+            self.slot_events[s] = ev
+
+    def _reap(self) -> None:
+        pending = []
+        for ev, h in self.in_flight:
+            if ev.query():
+                h.release()
+            else:
+                pending.append((ev, h))
+        self.in_flight = pending
+
+    def close(self) -> None:
+        for ev, h in self.in_flight:
+            ev.synchronize()
+            h.release()
+        self.in_flight = []
