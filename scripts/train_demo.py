@@ -19,71 +19,30 @@ from pathlib import Path
 
 import torch
 
+from expertstream.checkpoint_writer import PREFIX
+
 HELD_OUT_VERSES = 404  # Revelation: the last 404 verses of the KJV
 
 
-def demo_text_config(vocab_size: int, eos_id: int) -> dict:
-    """The demo architecture: Qwen3.8-Flash-Next's structure at toy width (fits in < 30 MB as NVFP4)."""
-    layers = 8
-    return {
-        "model_type": "qwen4_exp_text",
-        "vocab_size": vocab_size,
-        "hidden_size": 256,
-        "num_hidden_layers": layers,
-        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-        "full_attention_interval": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
-        "linear_conv_kernel_dim": 4,
-        "output_gate_type": "sigmoid",
-        "hidden_act": "silu",
-        "mamba_ssm_dtype": "float32",
-        "num_experts": 64,
-        "num_experts_per_tok": 4,
-        "moe_intermediate_size": 64,
-        "shared_expert_intermediate_size": 128,
-        "router_aux_loss_coef": 0.001,
-        "output_router_logits": False,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "hc_count": 4,
-        "hc_lowrank": 32,
-        "ple_layer_ids": [2],
-        "ple_embed_dim": 256,
-        "ple_conv_kernel_size": 4,
-        "ngram_size": 3,
-        "heads_per_ngram": 8,
-        "ngram_vocab_size_base": 4001,
-        "make_ngram_vocab_size_divisible_by": 128,
-        "split_ngram_parts": 4,
-        "indexer_n_heads": 4,
-        "indexer_kv_heads": 1,
-        "indexer_head_dim": 32,
-        "indexer_budget": 128,
-        "indexer_compress_ratio": 4,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [3, 3, 2],
-            "mrope_interleaved": True,
-        },
-        "partial_rotary_factor": 0.25,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "dtype": "bfloat16",
-    }
+def checkpoint_tensors(state: dict[str, torch.Tensor]):
+    """transformers' runtime names -> the export's checkpoint names (per-expert, `model.language_model.`)."""
+    for name, t in state.items():
+        t = t.detach().cpu()
+        if name.startswith("lm_head."):
+            yield name, t.to(torch.bfloat16)
+            continue
+        name = PREFIX + name.removeprefix("model.")
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H], gate rows first
+            base, inter = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", t[e, :inter].to(torch.bfloat16)
+                yield f"{base}{e}.up_proj.weight", t[e, inter:].to(torch.bfloat16)
+        elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
+            base = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.down_proj.weight", t[e].to(torch.bfloat16)
+        else:
+            yield name, t if t.dtype == torch.long else t.to(torch.bfloat16)
 
 
 def split_corpus(path: Path) -> tuple[str, str]:
@@ -127,23 +86,25 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=2048, help="BPE merges vocabulary before special tokens")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-    from expertstream.checkpoint_writer import write_trained_checkpoint
-    from expertstream.synth_tokenizer import build_tokenizer
+    from expertstream.checkpoint_writer import write_checkpoint
+    from expertstream.synth import VOCAB_MULTIPLE, build_config
+    from expertstream.synth_tokenizer import build_tokenizer, tokenizer_files
 
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     train_text, held_text = split_corpus(args.corpus)
-    tok_dir = args.out.parent / (args.out.name + ".tokenizer")
-    tok = build_tokenizer(tok_dir, train_text, vocab_size=args.vocab)
-    eos = tok.token_to_id("<|endoftext|>")
-    vocab_size = -(-tok.get_vocab_size() // 64) * 64
-    cfg = demo_text_config(vocab_size, eos)
+    lines = train_text.splitlines()
+    tok = build_tokenizer(lines, args.vocab)
+    tok_files, ids = tokenizer_files(4096, lines, args.vocab)
+    vocab_size = -(-tok.get_vocab_size() // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    config = build_config("demo", None, None, vocab_size, ids)
+    cfg = config["text_config"]
     model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**cfg)).to(device)
     skip_indexer_when_dense(model, args.seq_len, cfg["indexer_budget"])
     n_params = sum(t.numel() for t in model.parameters())
@@ -186,8 +147,17 @@ def main() -> None:
         "command": "python scripts/train_demo.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
     }
-    write_trained_checkpoint(args.out, cfg, model.state_dict(), tok_dir, card)
+    generation = {
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "do_sample": True,
+        "temperature": 0.8,
+        "top_k": 40,
+        "top_p": 0.95,
+    }
+    write_checkpoint(args.out, config, checkpoint_tensors(model.state_dict()), tok_files, "nvfp4", generation)
     (args.out / "heldout.txt").write_text(held_text, encoding="utf-8")
+    (args.out / "model_card.json").write_text(json.dumps(card, indent=1) + "\n")
     print(json.dumps(card, indent=1))
 
 
