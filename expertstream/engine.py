@@ -1,0 +1,149 @@
+"""`Engine`: loads a working directory and owns the model, the expert store and the PLE reader."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from expertstream.config import EngineConfig
+from expertstream.layers.experts import StreamedExperts
+from expertstream.log import get_logger
+from expertstream.models.base import ModelArgs
+from expertstream.models.qwen4_exp import Qwen4ExpModel
+from expertstream.ple import PleTable
+from expertstream.state import State
+from expertstream.store import ExpertStore
+from expertstream.workdir import Workdir
+
+log = get_logger(__name__)
+
+# prompt tokens per forward call: activations grow linearly with it ([T, N*H] streams, GDN chunks), while
+# attention memory is bounded inside the model; each layer's experts are fetched once per piece
+PREFILL_PIECE = 8192
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(slots=True)
+class EngineStats:
+    requests: int  # expert lookups
+    hits: int  # served from RAM (or a read already in flight)
+    misses: int  # expert blocks read from disk
+    bytes_read: int  # expert bytes read from disk
+    read_seconds: float  # summed over reader threads
+    stall_seconds: float  # compute thread waiting for expert blocks
+    ple_bytes_read: int
+
+
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {config.device!r} was asked for but CUDA is not available")
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = DTYPES[config.dtype]
+    return device, dtype
+
+
+class Engine:
+    """A loaded model ready to run conversations.
+
+    Args:
+        config: the engine settings; `config.model` is a working directory made by `expertstream setup`.
+        control: "none", or a must-break control of the expert bank ("swap-nibbles", "no-experts").
+    """
+
+    def __init__(self, config: EngineConfig, control: str = "none"):
+        t0 = time.perf_counter()
+        self.workdir = Workdir(config.model)
+        self.args = ModelArgs.from_dict(self.workdir.text_config)
+        if config.max_model_len > self.args.max_position_embeddings:
+            log.warning(
+                "max_model_len %d clamped to the model's max_position_embeddings %d",
+                config.max_model_len,
+                self.args.max_position_embeddings,
+            )
+            config = dataclasses.replace(config, max_model_len=self.args.max_position_embeddings)
+        self.config = config
+        self.device, self.dtype = resolve_device_dtype(config)
+        self.store = ExpertStore(self.workdir, int(config.ram_cache_gb * 2**30), io_threads=config.io_threads)
+        self.bank = StreamedExperts(self.workdir, self.store, self.dtype, control)
+        self.ple = None
+        if self.args.ple_layer_ids:
+            if self.workdir.ple is None:
+                raise ValueError(
+                    f"{self.workdir.path}: the config has PLE layers but the manifest has no PLE table"
+                )
+            self.ple = PleTable(self.workdir.ple)
+        tensors = self.workdir.load_resident(device="cpu")
+        # the embedding stays in host RAM: one row per token is gathered there
+        self.model = Qwen4ExpModel(
+            self.args, tensors, self.bank, self.ple, self.dtype, self.device, self.workdir.fp8_row_scaled
+        )
+        self._tokenizer = None
+        log.info(
+            "loaded %s on %s (%s) in %.1f s",
+            self.workdir.path,
+            self.device,
+            self.dtype,
+            time.perf_counter() - t0,
+        )
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from expertstream.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_dir(self.workdir.path)
+        return self._tokenizer
+
+    def new_state(self) -> State:
+        """An empty conversation with KV and indexer keys preallocated for max_model_len."""
+        return State(self.args, self.config.max_model_len, self.dtype, self.device)
+
+    def forward(self, state: State, ids, all_logits: bool = False) -> torch.Tensor:
+        """Feed a prompt or one token and advance `state`.
+
+        Args:
+            state: the conversation, from `new_state()`.
+            ids: token ids (list or 1-D tensor).
+            all_logits: return logits of every fed position instead of the last one.
+
+        Returns:
+            [V] float32 logits of the last position, or [T, V] with all_logits.
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ValueError("forward needs at least one token id")
+        bad = ids[(ids < 0) | (ids >= self.args.vocab_size)]
+        if bad.numel():
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary of {self.args.vocab_size}")
+        state.check_room(ids.numel())
+        rows = []
+        for i in range(0, ids.numel(), PREFILL_PIECE):
+            h = self.model(ids[i : i + PREFILL_PIECE], state)
+            rows.append(self.model.logits(h if all_logits else h[-1:]))
+        return torch.cat(rows) if all_logits else rows[-1][0]
+
+    def stats(self) -> EngineStats:
+        s = self.store.stats
+        return EngineStats(
+            requests=s.requests,
+            hits=s.hits,
+            misses=s.misses,
+            bytes_read=s.bytes_read,
+            read_seconds=s.read_seconds,
+            stall_seconds=self.bank.stall_seconds,
+            ple_bytes_read=self.ple.bytes_read if self.ple is not None else 0,
+        )
+
+    def close(self) -> None:
+        self.store.close()
+        if self.ple is not None:
+            self.ple.close()

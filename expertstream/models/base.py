@@ -1,0 +1,200 @@
+"""Shared model pieces: `ModelArgs` parsed from config.json, zero-centred RMSNorm, RoPE, FP8-aware Linear."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from expertstream.formats.fp8 import e4m3_to_float
+
+# config.json spellings of the one softmax-attention layer kind (QSA: indexed sparse attention)
+INDEXED_ALIASES = ("indexed_attention", "full_attention", "qwen_sparse_attention")
+LAYER_KINDS = ("linear_attention", "indexed_attention")
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    """The `text_config` of a qwen4_exp config.json; key names are the config's own."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: list[str]
+    eos_token_id: int | list[int]
+    max_position_embeddings: int = 32768
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict | None = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    num_experts_per_tok: int = 10
+    num_experts: int = 512
+    norm_topk_prob: bool = True
+    hc_count: int = 4
+    hc_lowrank: int = 320
+    ple_layer_ids: list[int] = field(default_factory=list)
+    ple_embed_dim: int | None = None
+    ple_conv_kernel_size: int = 4
+    ngram_size: int = 3
+    heads_per_ngram: int = 8
+    indexer_n_heads: int | None = None
+    indexer_kv_heads: int | None = None
+    indexer_head_dim: int | None = None
+    indexer_budget: int | None = None
+    indexer_compress_ratio: int | None = None
+    output_gate_type: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelArgs:
+        """Build from a text_config dict; unknown keys are ignored, legacy RoPE keys folded in."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        missing = [
+            f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in kw
+        ]
+        if missing:
+            raise ValueError(f"text_config lacks required keys {missing}")
+        args = cls(**kw)
+        if args.rope_parameters is None:
+            # older configs keep rope_theta / partial_rotary_factor at the top level
+            args.rope_parameters = {
+                "rope_type": (d.get("rope_scaling") or {}).get("rope_type", "default"),
+                "rope_theta": d.get("rope_theta", 10000.0),
+                "partial_rotary_factor": d.get("partial_rotary_factor", 1.0),
+            }
+        args._normalise()
+        return args
+
+    def _normalise(self) -> None:
+        kinds = []
+        for i, t in enumerate(self.layer_types):
+            kind = "indexed_attention" if t in INDEXED_ALIASES else t
+            if kind not in LAYER_KINDS:
+                raise ValueError(f"layer_types[{i}] = {t!r} is not one of {LAYER_KINDS + INDEXED_ALIASES}")
+            kinds.append(kind)
+        if len(kinds) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(kinds)} entries, num_hidden_layers is {self.num_hidden_layers}"
+            )
+        self.layer_types = kinds
+        self.ple_layer_ids = sorted(set(self.ple_layer_ids or []))
+        if self.ple_embed_dim is None:
+            self.ple_embed_dim = self.hidden_size
+        # the GDN output gate falls back to hidden_act only when the key is absent
+        if self.output_gate_type is None:
+            self.output_gate_type = self.hidden_act
+        for key in ("hidden_act", "output_gate_type"):
+            if getattr(self, key) not in ("sigmoid", "silu"):
+                raise ValueError(f"unsupported {key} {getattr(self, key)!r} (expected silu or sigmoid)")
+        rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported (text positions use default RoPE)")
+        if "indexed_attention" in kinds and self.indexer_budget is None:
+            raise ValueError("indexed_attention layers need indexer_* keys in text_config")
+        for lid in self.ple_layer_ids:
+            if not 1 <= lid <= self.num_hidden_layers or kinds[lid - 1] != "linear_attention":
+                raise ValueError(
+                    f"ple_layer_ids entry {lid} must name a linear_attention layer (one-indexed)"
+                )
+
+    @property
+    def eos_id(self) -> int:
+        return self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
+
+    @property
+    def ple_layers(self) -> list[int]:
+        # ple_layer_ids is one-indexed; zero-based layer i carries the PLE when i + 1 is listed
+        return [lid - 1 for lid in self.ple_layer_ids]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope_parameters.get("partial_rotary_factor", 1.0))
+
+    @property
+    def ple_conv_state_len(self) -> int:
+        # the PLE conv is dilated by ngram_size
+        return (self.ple_conv_kernel_size - 1) * self.ngram_size
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int | None = None) -> torch.Tensor:
+    """Zero-centred RMSNorm in FP32: x / rms(x) * (1 + w); `group` normalises each group-wide slice alone."""
+    xf = x.float()
+    if group is not None:
+        xf = xf.unflatten(-1, (-1, group))
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if group is not None:
+        out = out.flatten(-2)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float, group: int | None = None):
+        super().__init__()
+        self.weight = nn.Buffer(weight)
+        self.eps, self.group = eps, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.group)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    dim = args.rotary_dim
+    return 1.0 / (args.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """cos, sin [T, rotary_dim] in the rotate-half layout (frequencies repeated twice).
+
+    Text tokens carry equal M-RoPE positions on all three axes, so the interleaved section split is a no-op.
+    """
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first rotary_dim features. x [T, heads, D], cos/sin [T, rotary_dim]."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((xr * cos + rotated * sin, xp), dim=-1)
+
+
+def fp8_rows_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (q [N, K] e4m3 * scale [N, 1]).T, dequantised on the fly (the Triton GEMV plugs in here)."""
+    w = e4m3_to_float(q).mul_(scale.float()[:, None]).to(x.dtype)
+    return F.linear(x, w)
+
+
+class Linear(nn.Module):
+    """Bias-free linear holding a dense weight [out, in] or FP8 rows (q [out, in] e4m3, scale [out] FP32)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Buffer(weight)
+        self.scale = nn.Buffer(scale) if scale is not None else None
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return F.linear(x, self.weight)
+        return fp8_rows_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scale).unflatten(0, x.shape[:-1])

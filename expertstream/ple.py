@@ -1,0 +1,141 @@
+"""PLE: the hashed n-gram row ids (exactly as transformers' Qwen4ExpTextNGramEmbedding) and the row readers.
+
+Row ids: for order g in 2..ngram_size, mix = XOR_{j<g} t_j * mult_j in wrapping int64 (t_0 the token, t_j
+the token j back, replaced by EOS when that crosses an EOS or the sequence start); row = mix mod vocab_h +
+offset_h for the heads_per_ngram heads of that order. The rows of all heads, concatenated, are the token's
+PLE embedding.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from pathlib import Path
+
+import torch
+
+from expertstream.formats.fp8 import e4m3_to_float
+
+
+def _shifted(history: torch.Tensor, shift: int, eos: int) -> torch.Tensor:
+    """history [N] -> the token `shift` back at each position, EOS where that crosses an EOS or the start."""
+    if shift == 0:
+        return history
+    n = history.shape[0]
+    pos = torch.arange(n, device=history.device)
+    # index of the last EOS strictly before each position (-1: none)
+    eos_at = torch.where(history == eos, pos, torch.full_like(pos, -1))
+    last_eos_before = torch.cat((eos_at.new_full((1,), -1), torch.cummax(eos_at, 0).values[:-1]))
+    src = pos - shift
+    ok = (src > last_eos_before) & (src >= 0)
+    return torch.where(ok, history[src.clamp_min(0)], torch.full_like(history, eos))
+
+
+def ngram_row_ids(
+    context: torch.Tensor,
+    ids: torch.Tensor,
+    eos: int,
+    multipliers: torch.Tensor,
+    vocab_sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    heads_per_ngram: int,
+) -> torch.Tensor:
+    """PLE table rows of each new token.
+
+    Args:
+        context: [ngram_size - 1] int64, the tokens fed before `ids` (EOS at the start of a conversation).
+        ids: [T] int64 new tokens.
+        eos: the EOS id that resets n-grams.
+        multipliers: [ngram_size] int64 (the checkpoint's `layer_multipliers` buffer).
+        vocab_sizes, offsets: [(ngram_size - 1) * heads_per_ngram] int64 per-head modulus and row offset.
+        heads_per_ngram: heads per n-gram order.
+
+    Returns:
+        [T, (ngram_size - 1) * heads_per_ngram] int64 global row ids.
+    """
+    ngram_size = multipliers.shape[0]
+    history = torch.cat((context.long(), ids.long()))
+    shifted = [_shifted(history, s, eos) * multipliers[s] for s in range(ngram_size)]
+    blocks = []
+    for order in range(2, ngram_size + 1):
+        mix = shifted[0]
+        for j in range(1, order):
+            mix = torch.bitwise_xor(mix, shifted[j])
+        h = slice((order - 2) * heads_per_ngram, (order - 1) * heads_per_ngram)
+        blocks.append(torch.remainder(mix[:, None], vocab_sizes[h][None, :]) + offsets[h][None, :])
+    return torch.cat(blocks, dim=-1)[-ids.shape[0] :]
+
+
+class DenseTable:
+    """An in-memory PLE table [rows, width] (tests, reference)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, heads] int64 -> [T, heads * width] float32."""
+        return self.weight[rows.to(self.weight.device)].float().flatten(-2)
+
+
+class PleTable:
+    """The FP8 PLE table read in place from the snapshot shards: one `width`-byte `pread` per distinct row.
+
+    `ple` is the workdir manifest's ple block (shard paths absolute): dtype, width, scale, rows, shards.
+    """
+
+    def __init__(self, ple: dict):
+        self._fds: list[int] = []
+        if ple.get("dtype") != "float8_e4m3fn":
+            raise ValueError(
+                f"PLE table dtype {ple.get('dtype')!r} is not supported (expected float8_e4m3fn)"
+            )
+        self.width = int(ple["width"])
+        self.scale = float(ple["scale"])
+        self.rows = int(ple["rows"])
+        self._offsets, self._first = [], []
+        first = 0
+        for shard in ple["shards"]:
+            self._offsets.append(int(shard["offset"]))
+            self._first.append(first)
+            first += int(shard["rows"])
+        if first != self.rows:
+            raise ValueError(f"PLE shards hold {first} rows, manifest says {self.rows}")
+        for shard in ple["shards"]:
+            path = Path(shard["path"])
+            try:
+                self._fds.append(os.open(path, os.O_RDONLY))
+            except OSError as e:
+                self.close()
+                raise FileNotFoundError(f"PLE shard {path} cannot be opened: {e}") from e
+        self.bytes_read = 0
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __del__(self):
+        self.close()
+
+    def _read_row(self, r: int) -> bytes:
+        if not 0 <= r < self.rows:
+            raise IndexError(f"PLE row {r} outside the table of {self.rows} rows")
+        i = bisect.bisect_right(self._first, r) - 1
+        off = self._offsets[i] + (r - self._first[i]) * self.width
+        data = os.pread(self._fds[i], self.width, off)
+        if len(data) != self.width:
+            raise OSError(
+                f"short read of PLE row {r} at byte {off} of shard {i}: {len(data)} of {self.width} bytes"
+            )
+        return data
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, heads] int64 -> [T, heads * width] float32 (fp8 * scale); each distinct row read once."""
+        uniq, inverse = torch.unique(rows.cpu(), return_inverse=True)
+        raw = b"".join(self._read_row(r) for r in uniq.tolist())
+        self.bytes_read += len(raw)
+        vals = (
+            e4m3_to_float(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, self.width))
+            * self.scale
+        )
+        return vals[inverse].flatten(-2)

@@ -1,0 +1,117 @@
+"""The per-conversation state: everything a forward call reads and advances, preallocated once.
+
+GDN layers: conv [K-1, conv_dim] (last pre-conv rows) and rec [Hv, Dk, Dv] FP32. QSA layers: k, v
+[max_model_len, kv_heads, head_dim] after norm and RoPE, idx_k [max_model_len, indexer_head_dim] raw indexer
+keys. PLE: ple_ctx, the last ngram_size-1 tokens (EOS at the start), and per PLE layer the last
+(kernel-1)*dilation normalised conv inputs. Plus the position and the consumed token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from expertstream.models.base import ModelArgs
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Host-RAM copy of a State; KV and indexer keys only up to the filled position."""
+
+    tensors: dict[str, torch.Tensor]
+    pos: int
+    tokens: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class State:
+    def __init__(self, args: ModelArgs, max_model_len: int, dtype: torch.dtype, device: torch.device | str):
+        self.max_model_len = max_model_len
+        self.pos = 0
+        self.tokens: list[int] = []
+        self.conv, self.rec, self.k, self.v, self.idx_k, self.ple_conv = {}, {}, {}, {}, {}, {}
+        conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim
+        conv_dim += args.linear_num_value_heads * args.linear_value_head_dim
+        rec_shape = (args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+        kv_shape = (max_model_len, args.num_key_value_heads, args.head_dim)
+        for i, kind in enumerate(args.layer_types):
+            if kind == "linear_attention":
+                self.conv[i] = torch.zeros(
+                    args.linear_conv_kernel_dim - 1, conv_dim, dtype=dtype, device=device
+                )
+                self.rec[i] = torch.zeros(rec_shape, dtype=torch.float32, device=device)
+            else:
+                self.k[i] = torch.zeros(kv_shape, dtype=dtype, device=device)
+                self.v[i] = torch.zeros(kv_shape, dtype=dtype, device=device)
+                self.idx_k[i] = torch.zeros(max_model_len, args.indexer_head_dim, dtype=dtype, device=device)
+        for i in args.ple_layers:
+            self.ple_conv[i] = torch.zeros(
+                args.ple_conv_state_len, args.hc_count * args.hidden_size, dtype=dtype, device=device
+            )
+        # n-gram context lives on the host: row ids are hashed on the CPU where the PLE reads happen
+        self.ple_ctx = torch.full((args.ngram_size - 1,), args.eos_id, dtype=torch.long)
+        self._empty_ple_ctx = self.ple_ctx.clone()
+
+    def _named(self) -> dict[str, tuple[torch.Tensor, bool]]:
+        """name -> (tensor, filled only up to pos along dim 0)."""
+        out = {"ple_ctx": (self.ple_ctx, False)}
+        for kind, d, partial in (
+            ("conv", self.conv, False),
+            ("rec", self.rec, False),
+            ("k", self.k, True),
+            ("v", self.v, True),
+            ("idx_k", self.idx_k, True),
+            ("ple_conv", self.ple_conv, False),
+        ):
+            out.update({f"{kind}.{i}": (t, partial) for i, t in d.items()})
+        return out
+
+    def check_room(self, n: int) -> None:
+        if self.pos + n > self.max_model_len:
+            raise ValueError(
+                f"{self.pos} tokens in context + {n} new exceed max_model_len {self.max_model_len}; "
+                "start a new conversation or raise --max-model-len"
+            )
+
+    def advance(self, ids: torch.Tensor) -> None:
+        """Record ids [T] as consumed (called by the model after every layer has written its state)."""
+        n = ids.shape[0]
+        ids_cpu = ids.cpu()
+        keep = self.ple_ctx.shape[0]
+        if keep:
+            self.ple_ctx = torch.cat((self.ple_ctx, ids_cpu))[-keep:].clone()
+        self.tokens.extend(ids_cpu.tolist())
+        self.pos += n
+
+    def reset(self) -> None:
+        """Back to an empty conversation: every tensor cleared in place, nothing reallocated."""
+        for t, _ in self._named().values():
+            t.zero_()
+        self.ple_ctx = self._empty_ple_ctx.clone()
+        self.pos = 0
+        self.tokens = []
+
+    def snapshot(self) -> Snapshot:
+        tensors = {
+            name: (t[: self.pos] if partial else t).to("cpu", copy=True)
+            for name, (t, partial) in self._named().items()
+        }
+        return Snapshot(tensors, self.pos, list(self.tokens))
+
+    def restore(self, snap: Snapshot) -> None:
+        """Return to the snapshot's point; continuing from here reproduces what followed the snapshot."""
+        if snap.pos > self.max_model_len:
+            raise ValueError(
+                f"snapshot holds {snap.pos} tokens, more than max_model_len {self.max_model_len}"
+            )
+        for name, (t, partial) in self._named().items():
+            if name not in snap.tensors:
+                raise ValueError(f"snapshot lacks {name}: it was taken from a state of another model")
+            src = snap.tensors[name]
+            (t[: snap.pos] if partial else t).copy_(src)
+        self.pos = snap.pos
+        self.tokens = list(snap.tokens)

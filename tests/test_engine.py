@@ -1,0 +1,148 @@
+"""The Engine on the tiny synthetic workdir against our model on the snapshot's own decoded weights."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from expertstream.config import EngineConfig
+from expertstream.engine import Engine
+from expertstream.formats import nvfp4
+from expertstream.formats.fp8 import dequantize_fp8_rows, e4m3_to_float
+from expertstream.layers.experts import DenseExperts
+from expertstream.models.qwen4_exp import Qwen4ExpModel
+from expertstream.ple import DenseTable
+from expertstream.repack import setup_workdir
+from expertstream.state import State
+
+PREFIX = "model.language_model."
+PROMPT = 100
+
+
+def read_snapshot(path) -> dict[str, torch.Tensor]:
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for shard in sorted(set(weight_map.values())):
+        with safe_open(path / shard, framework="pt") as f:
+            out.update({n: f.get_tensor(n) for n in f.keys()})
+    return out
+
+
+def reference_model(snapshot, engine: Engine) -> Qwen4ExpModel:
+    """Our network on weights decoded straight from the snapshot (no workdir, store or PLE reader)."""
+    snap, args = read_snapshot(snapshot), engine.args
+    ple_base = f"{PREFIX}layers.{args.ple_layers[0]}.ple.ple_embedding.ngram_embedding"
+    gate_up, down = [], []
+    for layer in range(args.num_hidden_layers):
+        experts = []
+        for e in range(args.num_experts):
+            p = f"{PREFIX}layers.{layer}.mlp.experts.{e}"
+            g, u, d = (
+                nvfp4.dequantize(
+                    snap[f"{p}.{j}.weight"], snap[f"{p}.{j}.weight_scale"], snap[f"{p}.{j}.weight_scale_2"]
+                )
+                for j in ("gate_proj", "up_proj", "down_proj")
+            )
+            experts.append((torch.cat((g, u)), d))
+        gate_up.append(torch.stack([gu for gu, _ in experts]))
+        down.append(torch.stack([d for _, d in experts]))
+    shards = sorted(
+        (n for n in snap if n.startswith(f"{ple_base}.shard_")), key=lambda n: int(n.split("_")[-1][:-7])
+    )
+    table = torch.cat([e4m3_to_float(snap[n]) for n in shards]) * snap[f"{ple_base}.weight_scale"].float()
+    resident = {
+        n.removeprefix(PREFIX): t for n, t in snap.items() if n.startswith(PREFIX) and ".experts." not in n
+    }
+    resident["lm_head.weight"] = snap["lm_head.weight"]
+    # matrices the workdir keeps as FP8 rows: the reference uses their exact dequantization
+    stored = engine.workdir.load_resident(sorted(engine.workdir.fp8_row_scaled))
+    for n in engine.workdir.fp8_row_scaled:
+        resident[n] = dequantize_fp8_rows(stored[n], stored[f"{n}_scale"])
+    return Qwen4ExpModel(args, resident, DenseExperts(gate_up, down), DenseTable(table))
+
+
+def engine_for(workdir, control="none", **kw) -> Engine:
+    cfg = EngineConfig(
+        model=str(workdir),
+        device="cpu",
+        dtype="float32",
+        max_model_len=256,
+        ram_cache_gb=0.001,
+        io_threads=2,
+        **kw,
+    )
+    return Engine(cfg, control=control)
+
+
+def prompt(engine: Engine) -> torch.Tensor:
+    ids = torch.randint(0, engine.args.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    ids[[20, 60]] = engine.args.eos_id
+    return ids
+
+
+@pytest.fixture(scope="module")
+def fp8_workdir(tiny_snapshot, tmp_path_factory):
+    return setup_workdir(
+        tiny_snapshot, tmp_path_factory.mktemp("work") / "fp8", fp8_dense=True, progress=False
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_workdir):
+    e = engine_for(tiny_workdir)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("which", ["bf16", "fp8"])
+def test_engine_equals_reference_from_snapshot(which, engine, fp8_workdir, tiny_snapshot):
+    eng = engine if which == "bf16" else engine_for(fp8_workdir)
+    assert which == "bf16" or eng.workdir.fp8_row_scaled
+    ids = torch.cat((prompt(eng), prompt(eng)[:5]))
+    st = eng.new_state()
+    # prompt in two calls (store bypass, chunked GDN), then single tokens (cached store path, recurrent GDN)
+    rows = [eng.forward(st, ids[:90], all_logits=True), eng.forward(st, ids[90:PROMPT], all_logits=True)]
+    rows += [eng.forward(st, [t])[None] for t in ids[PROMPT:].tolist()]
+    got = torch.cat(rows)
+    assert got.shape == (PROMPT + 5, eng.args.vocab_size) and got.isfinite().all()
+    ref_model = reference_model(tiny_snapshot, eng)
+    ref = ref_model.logits(ref_model(ids, State(eng.args, 256, torch.float32, "cpu")))
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    stats = eng.stats()
+    assert stats.misses > 0 and stats.bytes_read > 0 and stats.ple_bytes_read > 0
+    if eng is not engine:
+        eng.close()
+
+
+@pytest.mark.parametrize("control", ["swap-nibbles", "no-experts"])
+def test_must_break_controls_change_the_logits(control, engine, tiny_workdir):
+    ids = prompt(engine)
+    good = engine.forward(engine.new_state(), ids, all_logits=True)
+    broken_engine = engine_for(tiny_workdir, control=control)
+    broken = broken_engine.forward(broken_engine.new_state(), ids, all_logits=True)
+    broken_engine.close()
+    assert (broken - good).abs().max() > 0.05 * good.abs().max()
+    if control == "no-experts":
+        assert broken_engine.stats().requests == 0
+
+
+def test_last_logits_and_errors(engine):
+    ids = prompt(engine)
+    st = engine.new_state()
+    last = engine.forward(st, ids[:10])
+    assert last.shape == (engine.args.vocab_size,) and last.dtype == torch.float32
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.forward(st, torch.zeros(250, dtype=torch.long))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.forward(st, [engine.args.vocab_size])
+    with pytest.raises(ValueError, match="at least one"):
+        engine.forward(st, [])
+    assert st.pos == 10  # refused calls leave the state untouched
+
+
+def test_max_model_len_is_clamped_to_the_config(tiny_workdir):
+    big = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", max_model_len=10**7, ram_cache_gb=0.001))
+    assert big.config.max_model_len == big.args.max_position_embeddings
+    assert big.dtype == torch.float32
+    big.close()
