@@ -1,0 +1,155 @@
+"""`expertstream bench kernels`: kernel time against the HBM bandwidth and BF16 tensor-core rate measured in
+the same run.
+
+Real dims: H 2560, I 640, k 10 of 512 experts, one block 2,764,800 B of codes and scales. Timing is
+triton.testing.do_bench (median, L2 cleared before every call), so blocks always come from HBM.
+Roofline time = max(bytes / bandwidth, FLOP / tensor-core rate); efficiency = roofline time / measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+HIDDEN, INTER, TOPK, EXPERTS = 2560, 640, 10, 512
+FP8_SHAPES = ((10240, 2560), (6144, 2560), (2560, 6144))  # in_proj_qkv, in_proj_z, out_proj
+FP8_M = (1, 4, 64)
+PREFILL_T = (32, 512, 2451, 8192)
+
+
+@dataclass(slots=True)
+class Row:
+    kernel: str
+    shape: str
+    us: float  # median microseconds per call
+    gbps: float  # bytes the kernel must move / time, GB/s
+    tflops: float
+    pct_hbm: float  # of the measured copy bandwidth
+    pct_roofline: float
+    goal: str
+
+
+def measure_ceilings(do_bench) -> tuple[float, float]:
+    """(copy bandwidth GB/s counting read + write, dense BF16 matmul TFLOP/s), measured now."""
+    import torch
+
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / do_bench(lambda: dst.copy_(src)) / 1e6
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    tf = 2 * 8192**3 / do_bench(lambda: a @ b) / 1e9
+    return bw, tf
+
+
+def random_bank(num: int, seed: int = 0):
+    """num random blocks (every code, positive scales around 2^-2, subnormals included) and their ws2."""
+    import torch
+
+    from expertstream.formats.expert_block import ExpertLayout
+
+    layout = ExpertLayout.for_dims(HIDDEN, INTER)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    slots = torch.randint(0, 256, (num, layout.block_bytes), dtype=torch.uint8, device="cuda", generator=g)
+    for p in layout.parts:
+        if p.dtype == "float8_e4m3fn":  # 0x00..0x37: 0, subnormals and normals below 1
+            slots[:, p.offset : p.offset + p.nbytes] = torch.randint(
+                0, 0x38, (num, p.nbytes), dtype=torch.uint8, device="cuda", generator=g
+            )
+    ws2 = torch.full((num, 3), 0.02, device="cuda")
+    return layout, slots, ws2
+
+
+def route(t: int, num_experts: int = EXPERTS, k: int = TOPK, seed: int = 0):
+    """Random top-k routing: ids [t, k] int64 (distinct per token), weights [t, k] fp32 summing to 1."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    probs, ids = torch.rand(t, num_experts, device="cuda", generator=g).topk(k, dim=1)
+    return ids, probs / probs.sum(dim=1, keepdim=True)
+
+
+def _row(kernel, shape, ms, nbytes, flop, bw, tf, goal) -> Row:
+    roof = max(nbytes / (bw * 1e6), flop / (tf * 1e9))  # ms
+    return Row(kernel, shape, ms * 1e3, nbytes / ms / 1e6, flop / ms / 1e9, 100 * nbytes / ms / 1e6 / bw,
+               100 * roof / ms, goal)  # fmt: skip
+
+
+def run_benchmarks() -> tuple[list[Row], dict]:
+    import torch
+    import triton.testing
+
+    from expertstream.kernels import fp8_rows_matmul, nvfp4_moe_decode, nvfp4_moe_prefill
+
+    def do_bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+    bw, tf = measure_ceilings(do_bench)
+    rows: list[Row] = []
+    layout, slots, ws2 = random_bank(EXPERTS)
+    payload = layout.payload_bytes
+    flop_per_pair = 2 * 3 * HIDDEN * INTER
+
+    ids, w = route(1)
+    sid = ids[0].to(torch.int32)
+    x = torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
+    ms = do_bench(lambda: nvfp4_moe_decode(x, slots, sid, ws2, w[0], layout))
+    nbytes = TOPK * (payload + 12) + 2 * 2 * HIDDEN  # blocks, ws2, x in and y out
+    rows.append(_row("nvfp4_moe_decode", f"k={TOPK}", ms, nbytes, TOPK * flop_per_pair, bw, tf, ">= 50% HBM"))
+
+    e2s = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
+    for t in PREFILL_T:
+        ids, w = route(t, seed=t)
+        x = torch.randn(t, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        ms = do_bench(lambda: nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout))  # noqa: B023
+        touched = int(torch.unique(ids).numel())
+        nbytes = touched * payload + 2 * 2 * t * HIDDEN
+        goal = ">= 50% roofline" if t >= 512 else "-"
+        rows.append(_row("nvfp4_moe_prefill", f"T={t}", ms, nbytes, t * TOPK * flop_per_pair, bw, tf, goal))
+
+    for n, k in FP8_SHAPES:
+        q = torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        scale = torch.rand(n, device="cuda")
+        for m in FP8_M:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            ms = do_bench(lambda: fp8_rows_matmul(x, q, scale))  # noqa: B023
+            nbytes = n * k + 4 * n + 2 * m * (k + n)
+            goal = ">= 70% HBM" if m == 1 else "-"
+            rows.append(
+                _row("fp8_rows_matmul", f"M={m} N={n} K={k}", ms, nbytes, 2 * m * n * k, bw, tf, goal)
+            )
+    device = {"name": torch.cuda.get_device_name(), "copy_gbps": bw, "bf16_tflops": tf}
+    return rows, device
+
+
+def table(rows: list[Row], device: dict) -> str:
+    head = (
+        f"Measured ceilings: copy {device['copy_gbps']:.0f} GB/s, "
+        f"dense BF16 matmul {device['bf16_tflops']:.0f} TFLOP/s.\n\n"
+        "| kernel | shape | us/call | GB/s | % HBM | TFLOP/s | % roofline | goal |\n"
+        "|---|---|---:|---:|---:|---:|---:|---|\n"
+    )
+    body = "".join(
+        f"| {r.kernel} | {r.shape} | {r.us:.1f} | {r.gbps:.0f} | {r.pct_hbm:.0f} | {r.tflops:.1f} | "
+        f"{r.pct_roofline:.0f} | {r.goal} |\n"
+        for r in rows
+    )
+    return head + body
+
+
+def run(args) -> int:
+    import json
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench kernels needs a CUDA GPU")
+    rows, device = run_benchmarks()
+    if args.json:
+        print(json.dumps({"device": device, "rows": [asdict(r) for r in rows]}, indent=1))
+    else:
+        print(table(rows, device))
+    if args.out:
+        from expertstream.bench import append_markdown
+
+        append_markdown(args.out, "Kernels", device["name"], table(rows, device))
+    return 0

@@ -1,0 +1,129 @@
+"""In-kernel NVFP4 / E4M3 decoding shared by the Triton kernels, the optional Triton import, launch checks.
+
+Triton is optional: without it this module still imports (CPU users run the `*_ref` twins) and
+`require_triton()` raises. Kernel signatures use string annotations (`from __future__ import annotations`),
+which Triton reads as constexpr markers, so nothing Triton-typed is evaluated at import time.
+Bytes are always read as uint8 and decoded with bit ops: the interpreter has no fp8 type, and subnormal
+E4M3 block scales stay exact.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from expertstream.log import get_logger
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install
+    triton = tl = None
+
+log = get_logger(__name__)
+
+HAVE_TRITON = triton is not None
+# E2M1 code c -> fp16 bits ((c & 8) << 12) | ((c & 7) << 9) = value * 2^-14 (exact; 0.5 is subnormal)
+E2M1_SOFT_UNIT = 2.0**14
+# E4M3 byte b -> fp16 bits ((b & 0x80) << 8) | ((b & 0x7F) << 7) is the value times 2^-8 (E4M3 subnormals
+# land on fp16 subnormals, exact)
+E4M3_UNIT = 2.0**8
+# capabilities whose PTX inline-asm E2M1 path failed to compile in this process (software from then on)
+_PTX_FAILED: set[tuple[int, int]] = set()
+
+
+def jit(fn):
+    return triton.jit(fn) if HAVE_TRITON else fn
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def require_triton(*tensors: torch.Tensor) -> None:
+    """Raise unless Triton can launch on these tensors (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("Triton is not installed: install expertstream[triton] or use the *_ref kernels")
+    dev = tensors[0].device
+    for t in tensors:
+        if t.device != dev:
+            raise ValueError(f"all kernel inputs must be on one device, got {t.device} and {dev}")
+    if dev.type != "cuda" and not interpreting():
+        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got device {dev}")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 activations must not be rounded to TF32 inside tl.dot; 16-bit inputs ignore the setting
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def e2m1_uses_ptx(capability: tuple[int, int] | None) -> bool:
+    """Blackwell (sm_100 / sm_120, major >= 10) has `cvt.rn.f16x2.e2m1x2`; older chips decode in software."""
+    return capability is not None and capability[0] >= 10 and tuple(capability) not in _PTX_FAILED
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    return None if device.type != "cuda" or interpreting() else torch.cuda.get_device_capability(device)
+
+
+def launch_e2m1(kernel, grid, device: torch.device, *args, **kwargs) -> None:
+    """Launch an E2M1-decoding kernel with USE_PTX picked by capability; fall back to software once if the
+    PTX path fails to compile (it is only exercised on Blackwell)."""
+    cap = device_capability(device)
+    if e2m1_uses_ptx(cap):
+        try:
+            kernel[grid](*args, **kwargs, USE_PTX=True)
+            return
+        except Exception as e:  # compile failure: record it and use the identical software path
+            log.warning("PTX E2M1 decode failed on sm_%d%d (%s); using the software decode", *cap, e)
+            _PTX_FAILED.add(tuple(cap))
+    kernel[grid](*args, **kwargs, USE_PTX=False)
+
+
+@jit
+def e2m1_pair(b, USE_PTX: tl.constexpr):
+    """Packed uint8 bytes -> (low-nibble, high-nibble) fp32 values; in software divided by E2M1_SOFT_UNIT."""
+    if USE_PTX:
+        # one byte -> f16x2 in a 32-bit register, low nibble in the low half
+        r = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b8 b0, b1, b2, b3;
+            mov.b32 {b0, b1, b2, b3}, $4;
+            cvt.rn.f16x2.e2m1x2 $0, b0;
+            cvt.rn.f16x2.e2m1x2 $1, b1;
+            cvt.rn.f16x2.e2m1x2 $2, b2;
+            cvt.rn.f16x2.e2m1x2 $3, b3;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[b],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=4,
+        )
+        lo = r.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (r >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        c = b.to(tl.int32)
+        lo = (((c & 0x8) << 12) | ((c & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (((c & 0x80) << 8) | ((c & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo.to(tl.float32), hi.to(tl.float32)
+
+
+@jit
+def e4m3_f16(b):
+    """Raw E4M3 bytes (uint8) -> fp16 holding value * 2^-8, exactly (NaN bytes 0x7F/0xFF decode as +-480)."""
+    c = b.to(tl.int32)
+    return (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@jit
+def nvfp4_unit(USE_PTX: tl.constexpr):
+    """fp32 factor turning e2m1_pair(...) * e4m3_f16(...) products into true values (a power of two)."""
+    return 256.0 if USE_PTX else 4194304.0  # E4M3_UNIT, times E2M1_SOFT_UNIT in software

@@ -1,0 +1,389 @@
+"""Routed-expert SwiGLU straight from repacked NVFP4 blocks in GPU slot memory (W4A16, FP32 accumulation).
+
+Shapes: T tokens, H hidden, I expert width, K experts per token, S slots, B = layout.block_bytes.
+Each slot row is one `ExpertLayout` block; ws2 [S, 3] holds its FP32 weight_scale_2 (gate, up, down).
+y[t] = sum_k w[t, k] * down_k(silu(gate_k x[t]) * up_k x[t]).
+- decode (one token): two launches per layer, gate+up over (expert, row block), then down over row blocks
+  looping over the K experts (deterministic, no atomics).
+- prefill (many tokens): (token, k) pairs sorted by slot and padded to BLOCK_M tiles; each tile dequantises
+  weight tiles to the activation dtype in registers and runs tl.dot; per-pair outputs [T*K, H] are summed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from expertstream.formats.expert_block import ExpertLayout
+from expertstream.kernels.codec import (
+    cdiv,
+    dot_precision,
+    e2m1_pair,
+    e4m3_f16,
+    jit,
+    launch_e2m1,
+    nvfp4_unit,
+    require_triton,
+    tl,
+)
+
+
+def _offsets(layout: ExpertLayout) -> dict[str, int]:
+    names = {"gw": "gate_proj.weight", "uw": "up_proj.weight", "dw": "down_proj.weight"}
+    names |= {"gs": "gate_proj.weight_scale", "us": "up_proj.weight_scale", "ds": "down_proj.weight_scale"}
+    return {f"{k}_off": layout.part(v).offset for k, v in names.items()}
+
+
+def _check_common(x, slots, ws2, layout: ExpertLayout) -> None:
+    require_triton(x, slots, ws2)
+    assert x.shape[-1] == layout.hidden_size and x.is_contiguous(), f"x {tuple(x.shape)}"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
+    assert slots.dtype == torch.uint8 and slots.dim() == 2, f"slots {slots.dtype} {tuple(slots.shape)}"
+    assert slots.shape[1] == layout.block_bytes and slots.is_contiguous(), f"slots {tuple(slots.shape)}"
+    assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
+
+
+# ---------------------------------------------------------------- decode
+
+
+def nvfp4_moe_decode_ref(x, slots, slot_ids, ws2, weights, layout: ExpertLayout) -> torch.Tensor:
+    """Plain-torch twin of `nvfp4_moe_decode` (FP32 maths, output in x.dtype)."""
+    xf = x.reshape(-1).float()  # [H]
+    out = torch.zeros_like(xf)
+    for k, s in enumerate(slot_ids.tolist()):
+        gate, up, down = layout.dequantize(slots[s], ws2[s])  # [I, H], [I, H], [H, I] fp32
+        out += weights[k].float() * (down @ (F.silu(gate @ xf) * (up @ xf)))
+    return out.to(x.dtype).reshape(x.shape)
+
+
+def nvfp4_moe_decode(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    slot_ids: torch.Tensor,
+    ws2: torch.Tensor,
+    weights: torch.Tensor,
+    layout: ExpertLayout,
+    *,
+    block_n: tuple[int, int] = (4, 4),
+    block_g: tuple[int, int] = (32, 8),
+    num_warps: int = 2,
+) -> torch.Tensor:
+    """Routed expert sum for one token, read straight from slot memory.
+
+    Args:
+        x: [H] or [1, H] activations (fp32 / fp16 / bf16).
+        slots: [S, block_bytes] uint8 expert blocks.
+        slot_ids: [K] int32 slot of each routed expert (duplicates allowed).
+        ws2: [S, 3] float32 weight_scale_2 (gate, up, down) of each slot.
+        weights: [K] float32 router weights.
+        layout: the block layout.
+        block_n, block_g: rows per program and 16-element groups per step, for (gate+up, down).
+        num_warps: Triton warps per program.
+
+    Returns:
+        Tensor shaped like x, in x.dtype.
+    """
+    _check_common(x, slots, ws2, layout)
+    assert x.numel() == layout.hidden_size, f"decode takes one token, got x {tuple(x.shape)}"
+    assert slot_ids.dtype == torch.int32 and slot_ids.dim() == 1, (
+        f"slot_ids {slot_ids.dtype} {slot_ids.shape}"
+    )
+    k, h_size, i_size = slot_ids.numel(), layout.hidden_size, layout.intermediate_size
+    assert weights.dtype == torch.float32 and weights.shape == (k,), (
+        f"weights {weights.dtype} {weights.shape}"
+    )
+    off = _offsets(layout)
+    h = torch.empty(k, i_size, dtype=torch.float32, device=x.device)  # silu(g) * u, [K, I]
+    out = torch.empty_like(x)
+    common = dict(H=h_size, I=i_size, block_bytes=layout.block_bytes, num_warps=num_warps)
+    launch_e2m1(
+        _decode_gate_up_kernel, (k, cdiv(i_size, block_n[0])), x.device,
+        x, slots, slot_ids, ws2, h, gw_off=off["gw_off"], uw_off=off["uw_off"], gs_off=off["gs_off"],
+        us_off=off["us_off"], BLOCK_N=block_n[0], BLOCK_G=block_g[0], **common,
+    )  # fmt: skip
+    launch_e2m1(
+        _decode_down_kernel, (cdiv(h_size, block_n[1]),), x.device,
+        h, slots, slot_ids, ws2, weights, out, K=k, dw_off=off["dw_off"], ds_off=off["ds_off"],
+        BLOCK_N=block_n[1], BLOCK_G=block_g[1], **common,
+    )  # fmt: skip
+    return out
+
+
+@jit
+def _group_partial(
+    blk, w_off, s_off, n, gg, j, row_bytes, row_groups, nmask, gmask, xe, xo, USE_PTX: tl.constexpr
+):
+    # rows n [BN] x groups gg [BG] of 16 elements: codes [BN, BG, 8] bytes, scales [BN, BG];
+    # xe / xo [BG, 8] are the even / odd input columns. Returns [BN, BG] in units of 1 / nvfp4_unit.
+    m2 = nmask[:, None] & gmask[None, :]
+    b = tl.load(
+        blk + w_off + n[:, None, None] * row_bytes + gg[None, :, None] * 8 + j[None, None, :],
+        mask=m2[:, :, None], other=0,
+    )  # fmt: skip
+    lo, hi = e2m1_pair(b, USE_PTX)
+    part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
+    s = e4m3_f16(tl.load(blk + s_off + n[:, None] * row_groups + gg[None, :], mask=m2, other=0))
+    return part * s.to(tl.float32)
+
+
+@jit
+def _decode_gate_up_kernel(
+    x_ptr, slots_ptr, slot_ids_ptr, ws2_ptr, h_ptr, block_bytes, gw_off, uw_off, gs_off, us_off,
+    H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr,
+):  # fmt: skip
+    # program (k, n block): h[k, n] = silu(gate[n] . x) * (up[n] . x) for BLOCK_N rows of expert k;
+    # H, I, K are constexpr so the loops unroll and every block load is in flight at once
+    k = tl.program_id(0)
+    slot = tl.load(slot_ids_ptr + k).to(tl.int64)
+    blk = slots_ptr + slot * block_bytes
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    j = tl.arange(0, 8)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    for g0 in tl.static_range(0, H // 16, BLOCK_G):
+        gg = g0 + tl.arange(0, BLOCK_G)
+        gmask = gg < H // 16
+        xi = gg[:, None] * 16 + 2 * j[None, :]  # [BG, 8] even input columns
+        xe = tl.load(x_ptr + xi, mask=gmask[:, None], other=0.0).to(tl.float32)
+        xo = tl.load(x_ptr + xi + 1, mask=gmask[:, None], other=0.0).to(tl.float32)
+        acc_g += _group_partial(blk, gw_off, gs_off, n, gg, j, H // 2, H // 16, nmask, gmask, xe, xo, USE_PTX)
+        acc_u += _group_partial(blk, uw_off, us_off, n, gg, j, H // 2, H // 16, nmask, gmask, xe, xo, USE_PTX)
+    unit = nvfp4_unit(USE_PTX)
+    g = tl.sum(acc_g, axis=1) * (tl.load(ws2_ptr + slot * 3) * unit)
+    u = tl.sum(acc_u, axis=1) * (tl.load(ws2_ptr + slot * 3 + 1) * unit)
+    tl.store(h_ptr + k * I + n, g * tl.sigmoid(g) * u, mask=nmask)
+
+
+@jit
+def _decode_down_kernel(
+    h_ptr, slots_ptr, slot_ids_ptr, ws2_ptr, w_ptr, out_ptr, block_bytes, dw_off, ds_off, K: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr,
+):  # fmt: skip
+    # program (n block): out[n] = sum_k w[k] * down_k[n] . h[k], the K experts in order
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < H
+    j = tl.arange(0, 8)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k in tl.static_range(K):
+        slot = tl.load(slot_ids_ptr + k).to(tl.int64)
+        blk = slots_ptr + slot * block_bytes
+        part = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+        for g0 in tl.static_range(0, I // 16, BLOCK_G):
+            gg = g0 + tl.arange(0, BLOCK_G)
+            gmask = gg < I // 16
+            hoff = k * I + gg[:, None] * 16 + 2 * j[None, :]
+            he = tl.load(h_ptr + hoff, mask=gmask[:, None], other=0.0)
+            ho = tl.load(h_ptr + hoff + 1, mask=gmask[:, None], other=0.0)
+            part += _group_partial(
+                blk, dw_off, ds_off, n, gg, j, I // 2, I // 16, nmask, gmask, he, ho, USE_PTX
+            )
+        acc += tl.sum(part, axis=1) * (tl.load(ws2_ptr + slot * 3 + 2) * tl.load(w_ptr + k))
+    acc = acc * nvfp4_unit(USE_PTX)
+    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+# ---------------------------------------------------------------- prefill
+
+
+def nvfp4_moe_prefill_ref(
+    x, slots, expert_ids, expert_to_slot, ws2, weights, layout: ExpertLayout
+) -> torch.Tensor:
+    """Plain-torch twin of `nvfp4_moe_prefill` (FP32 maths, one dequantisation per routed expert)."""
+    xf = x.float()
+    out = torch.zeros_like(xf)  # [T, H]
+    for e in torch.unique(expert_ids).tolist():
+        s = int(expert_to_slot[e])
+        if s < 0:
+            raise ValueError(f"expert {e} is routed but has no slot (expert_to_slot[{e}] = {s})")
+        tok, kk = (expert_ids == e).nonzero(as_tuple=True)  # duplicates give several (t, k) pairs
+        gate, up, down = layout.dequantize(slots[s], ws2[s])
+        xs = xf[tok]  # [n, H]
+        y = (F.silu(xs @ gate.T) * (xs @ up.T)) @ down.T  # [n, H]
+        out.index_add_(0, tok, y * weights[tok, kk, None].float())
+    return out.to(x.dtype)
+
+
+def _prefill_config(num_pairs: int, num_slots: int) -> dict:
+    # rows per tile follow the mean pairs per touched slot (padding rows cost tensor-core work);
+    # picked by the H200 sweep of docs/kernels.md
+    per_slot = num_pairs / max(1, min(num_slots, num_pairs))
+    if per_slot <= 16:
+        return dict(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=4)
+    return dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
+
+
+def sort_pairs(slot_of_pair: torch.Tensor, num_slots: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group (token, k) pairs by slot into BLOCK_M tiles without a host sync.
+
+    Args:
+        slot_of_pair: [P] int64 slot of each flattened pair p = t * K + k.
+        num_slots: S.
+        block_m: rows per tile.
+
+    Returns:
+        (pair_ids [NT * block_m] int32, padding = P; tile_slot [NT] int32, -1 past the last tile) where
+        NT = cdiv(P, block_m) + min(S, P) bounds the tiles needed.
+    """
+    p = slot_of_pair.numel()
+    dev = slot_of_pair.device
+    counts = torch.zeros(num_slots, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, slot_of_pair, torch.ones_like(slot_of_pair))  # [S]
+    order = torch.argsort(slot_of_pair, stable=True)  # [P]
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    seg_begin = torch.cumsum(counts, 0) - counts
+    sorted_slot = slot_of_pair[order]
+    rank = torch.arange(p, device=dev) - seg_begin[sorted_slot]
+    dest = (tile_end - tiles)[sorted_slot] * block_m + rank
+    nt = -(-p // block_m) + min(num_slots, p)
+    pair_ids = torch.full((nt * block_m,), p, dtype=torch.int32, device=dev)
+    pair_ids[dest] = order.to(torch.int32)
+    tile_idx = torch.searchsorted(tile_end, torch.arange(nt, device=dev), right=True)  # [NT]
+    tile_slot = torch.where(tile_idx < num_slots, tile_idx, -1).to(torch.int32)
+    return pair_ids, tile_slot
+
+
+def nvfp4_moe_prefill(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_to_slot: torch.Tensor,
+    ws2: torch.Tensor,
+    weights: torch.Tensor,
+    layout: ExpertLayout,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Routed expert sum for many tokens, grouped by expert, on tensor cores.
+
+    Args:
+        x: [T, H] activations (fp32 / fp16 / bf16).
+        slots: [S, block_bytes] uint8 expert blocks.
+        expert_ids: [T, K] int32/int64 routed experts (zero-token experts and duplicates allowed).
+        expert_to_slot: [E] int32/int64 slot holding each expert; every routed expert must have one.
+        ws2: [S, 3] float32 weight_scale_2 (gate, up, down) of each slot.
+        weights: [T, K] float32 router weights.
+        layout: the block layout.
+        config: block_m, block_n, block_k (bytes), num_warps, num_stages; default from the routing size.
+
+    Returns:
+        [T, H] in x.dtype.
+    """
+    _check_common(x, slots, ws2, layout)
+    assert x.dim() == 2 and expert_ids.dim() == 2 and expert_ids.shape[0] == x.shape[0], "x / expert_ids"
+    assert expert_ids.dtype in (torch.int32, torch.int64), f"expert_ids dtype {expert_ids.dtype}"
+    assert expert_to_slot.dtype in (torch.int32, torch.int64) and expert_to_slot.dim() == 1
+    assert weights.dtype == torch.float32 and weights.shape == expert_ids.shape, f"weights {weights.shape}"
+    require_triton(x, expert_ids, expert_to_slot, weights)
+    t, k = expert_ids.shape
+    h_size, i_size, s = layout.hidden_size, layout.intermediate_size, slots.shape[0]
+    p = t * k
+    cfg = config or _prefill_config(p, s)
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    pair_ids, tile_slot = sort_pairs(expert_to_slot[expert_ids.reshape(-1).long()].long(), s, bm)
+    nt = tile_slot.numel()
+    off = _offsets(layout)
+    h = torch.empty(nt * bm, i_size, dtype=x.dtype, device=x.device)  # silu(g) * u by padded sorted row
+    y = torch.empty(p, h_size, dtype=x.dtype, device=x.device)  # weighted output per pair
+    common = dict(
+        block_bytes=layout.block_bytes, H=h_size, I=i_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    launch_e2m1(
+        _prefill_gate_up_kernel, (nt, cdiv(i_size, bn)), x.device,
+        x, pair_ids, tile_slot, slots, ws2, h, p, k, gw_off=off["gw_off"], uw_off=off["uw_off"],
+        gs_off=off["gs_off"], us_off=off["us_off"], **common,
+    )  # fmt: skip
+    launch_e2m1(
+        _prefill_down_kernel, (nt, cdiv(h_size, bn)), x.device,
+        h, pair_ids, tile_slot, slots, ws2, weights.reshape(-1), y, p, dw_off=off["dw_off"],
+        ds_off=off["ds_off"], **common,
+    )  # fmt: skip
+    return y.view(t, k, h_size).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+@jit
+def _dequant_tile(
+    blk, w_off, s_off, kk, n, row_bytes, row_groups, mask, USE_PTX: tl.constexpr, dtype: tl.constexpr
+):
+    # W^T tile of rows n [BN] over packed bytes kk [BK]: (even-column, odd-column) halves [BK, BN] in dtype
+    b = tl.load(blk + w_off + n[None, :] * row_bytes + kk[:, None], mask=mask, other=0)
+    sb = tl.load(blk + s_off + n[None, :] * row_groups + kk[:, None] // 8, mask=mask, other=0)
+    s = e4m3_f16(sb).to(tl.float32) * nvfp4_unit(USE_PTX)
+    lo, hi = e2m1_pair(b, USE_PTX)
+    return (lo * s).to(dtype), (hi * s).to(dtype)
+
+
+@jit
+def _prefill_gate_up_kernel(
+    x_ptr, pair_ptr, tile_slot_ptr, slots_ptr, ws2_ptr, h_ptr, P, K, block_bytes, H, I,
+    gw_off, uw_off, gs_off, us_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr,
+):  # fmt: skip
+    # program (tile, n block): h[rows, n] = silu(x[tok] gate^T) * (x[tok] up^T), rows of one slot
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slots_ptr + slot * block_bytes
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + rows)
+    valid = pair < P
+    tok = (pair // K).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, H // 2, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)  # packed bytes = column pairs (2kk, 2kk+1)
+        kmask = kk < H // 2
+        xm = valid[:, None] & kmask[None, :]
+        xe = tl.load(x_ptr + tok[:, None] * H + 2 * kk[None, :], mask=xm, other=0.0)  # [BM, BK]
+        xo = tl.load(x_ptr + tok[:, None] * H + 2 * kk[None, :] + 1, mask=xm, other=0.0)
+        wm = kmask[:, None] & nmask[None, :]
+        lo, hi = _dequant_tile(blk, gw_off, gs_off, kk, n, H // 2, H // 16, wm, USE_PTX, xe.dtype)
+        acc_g = tl.dot(xe, lo, acc_g, input_precision=DOT_PRECISION)
+        acc_g = tl.dot(xo, hi, acc_g, input_precision=DOT_PRECISION)
+        lo, hi = _dequant_tile(blk, uw_off, us_off, kk, n, H // 2, H // 16, wm, USE_PTX, xe.dtype)
+        acc_u = tl.dot(xe, lo, acc_u, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(xo, hi, acc_u, input_precision=DOT_PRECISION)
+    g = acc_g * tl.load(ws2_ptr + slot * 3)
+    u = acc_u * tl.load(ws2_ptr + slot * 3 + 1)
+    hv = g * tl.sigmoid(g) * u
+    hm = valid[:, None] & nmask[None, :]
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=hm)
+
+
+@jit
+def _prefill_down_kernel(
+    h_ptr, pair_ptr, tile_slot_ptr, slots_ptr, ws2_ptr, w_ptr, y_ptr, P, block_bytes, H, I, dw_off, ds_off,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PTX: tl.constexpr,
+):  # fmt: skip
+    # program (tile, n block): y[pair, n] = w[pair] * h[rows] down^T for the rows of one slot
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slots_ptr + slot * block_bytes
+    rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair = tl.load(pair_ptr + rows)
+    valid = pair < P
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < H
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I // 2, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < I // 2
+        hm = valid[:, None] & kmask[None, :]
+        he = tl.load(h_ptr + rows[:, None] * I + 2 * kk[None, :], mask=hm, other=0.0)  # [BM, BK]
+        ho = tl.load(h_ptr + rows[:, None] * I + 2 * kk[None, :] + 1, mask=hm, other=0.0)
+        wm = kmask[:, None] & nmask[None, :]
+        lo, hi = _dequant_tile(blk, dw_off, ds_off, kk, n, I // 2, I // 16, wm, USE_PTX, he.dtype)
+        acc = tl.dot(he, lo, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(ho, hi, acc, input_precision=DOT_PRECISION)
+    rw = tl.load(w_ptr + pair, mask=valid, other=0.0)
+    acc = acc * tl.load(ws2_ptr + slot * 3 + 2) * rw[:, None]
+    ym = valid[:, None] & nmask[None, :]
+    tl.store(y_ptr + pair[:, None].to(tl.int64) * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)

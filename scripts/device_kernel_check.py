@@ -1,0 +1,81 @@
+"""Device check: every kernel in BF16 against its FP32 `_ref` twin on real shapes; exits 1 past tolerance.
+
+Run from the repo root on a CUDA machine: `python3 scripts/device_kernel_check.py`.
+Tolerances (docs/kernels.md): relative error ||got - ref|| / ||ref|| <= 1e-2 and max abs error
+<= 2e-2 * max|ref|; BF16 rounding of x, h, per-pair outputs and the result gives about 3e-3.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from expertstream.bench_kernels import EXPERTS, FP8_M, FP8_SHAPES, HIDDEN, TOPK, random_bank, route  # noqa: E402
+from expertstream.kernels import (  # noqa: E402
+    fp8_rows_matmul,
+    fp8_rows_matmul_ref,
+    nvfp4_moe_decode,
+    nvfp4_moe_decode_ref,
+    nvfp4_moe_prefill,
+    nvfp4_moe_prefill_ref,
+)
+
+REL_TOL, MAX_TOL = 1e-2, 2e-2
+NUM_SLOTS = 64
+PREFILL_T = (1, 32, 512, 2451)
+
+
+def compare(name: str, got: torch.Tensor, ref: torch.Tensor) -> bool:
+    err = (got.float() - ref.float()).abs()
+    rel = (err.norm() / ref.float().norm()).item()
+    max_rel = (err.max() / ref.float().abs().max()).item()
+    ok = rel <= REL_TOL and max_rel <= MAX_TOL and bool(torch.isfinite(got).all())
+    print(
+        f"{'ok  ' if ok else 'FAIL'} {name:42s} max abs {err.max().item():.3e}  "
+        f"mean abs {err.mean().item():.3e}  rel {rel:.3e}  max/max|ref| {max_rel:.3e}",
+        flush=True,
+    )
+    return ok
+
+
+def main() -> int:
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    print(torch.cuda.get_device_name(), torch.cuda.get_device_capability(), flush=True)
+    layout, slots, ws2 = random_bank(NUM_SLOTS, seed=1)
+    e2s = torch.randint(0, NUM_SLOTS, (EXPERTS,), dtype=torch.int32, device="cuda")
+    ok = True
+
+    ids, w = route(1, seed=1)
+    x = torch.randn(HIDDEN, device="cuda").bfloat16()
+    sid = e2s[ids[0]].to(torch.int32)
+    got = nvfp4_moe_decode(x, slots, sid, ws2, w[0], layout)
+    ok &= compare(
+        f"nvfp4_moe_decode k={TOPK}", got, nvfp4_moe_decode_ref(x.float(), slots, sid, ws2, w[0], layout)
+    )
+
+    for t in PREFILL_T:
+        ids, w = route(t, seed=t)
+        x = torch.randn(t, HIDDEN, device="cuda").bfloat16()
+        got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout)
+        ref = nvfp4_moe_prefill_ref(x.float(), slots, ids, e2s, ws2, w, layout)
+        ok &= compare(f"nvfp4_moe_prefill T={t}", got, ref)
+
+    for n, k in FP8_SHAPES:
+        q = torch.randint(0, 255, (n, k), dtype=torch.uint8, device="cuda")
+        q[(q & 0x7F) == 0x7F] = 0  # no NaN bytes
+        q = q.view(torch.float8_e4m3fn)
+        scale = torch.rand(n, device="cuda") / 448
+        for m in FP8_M:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            got = fp8_rows_matmul(x, q, scale)
+            ok &= compare(f"fp8_rows_matmul M={m} N={n} K={k}", got, fp8_rows_matmul_ref(x.float(), q, scale))
+    print("PASS" if ok else "FAIL: errors above the documented BF16 tolerances", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Kernels against their plain-torch twins (interpreter on CPU); twins against the codecs in float64."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from expertstream.formats import fp8, nvfp4
+from expertstream.formats.expert_block import ExpertLayout
+from expertstream.kernels import (
+    codec,
+    e2m1_uses_ptx,
+    fp8_rows_matmul,
+    fp8_rows_matmul_ref,
+    nvfp4_moe_decode,
+    nvfp4_moe_decode_ref,
+    nvfp4_moe_prefill,
+    nvfp4_moe_prefill_ref,
+)
+from expertstream.kernels.nvfp4_moe import sort_pairs
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32: accumulation-order noise only; fp16: 2^-11 rounding of x, h and the output
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+
+
+def random_slots(layout: ExpertLayout, s: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, block_bytes] blocks of random codes (all 16) and random E4M3 scales, subnormals included."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, 256, (s, layout.block_bytes), dtype=torch.uint8, generator=g)
+    for p in layout.parts:
+        if p.dtype == "float8_e4m3fn":  # bytes 0x00..0x3F: 0, subnormals 2^-9..7*2^-9, normals up to 1.875
+            slots[:, p.offset : p.offset + p.nbytes] = torch.randint(
+                0, 0x40, (s, p.nbytes), dtype=torch.uint8, generator=g
+            )
+    ws2 = torch.rand(s, 3, generator=g) * 0.05 + 0.01
+    return slots.to(DEV), ws2.to(DEV)
+
+
+def close(got, want, dtype):
+    tol = TOL[dtype]
+    torch.testing.assert_close(
+        got.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item()
+    )
+
+
+@pytest.fixture(scope="module", params=[(64, 32), (96, 48)], ids=["h64i32", "h96i48"])
+def bank(request):
+    h, i = request.param
+    layout = ExpertLayout.for_dims(h, i, align=64)
+    slots, ws2 = random_slots(layout, 6, seed=h)
+    return layout, slots, ws2
+
+
+def test_random_scales_cover_subnormals(bank):
+    layout, slots, _ = bank
+    p = layout.part("down_proj.weight_scale")
+    sb = slots[:, p.offset : p.offset + p.nbytes]
+    assert ((sb > 0) & (sb < 8)).any()  # exponent 0, nonzero: subnormal
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("slot_ids", [[2], [1, 4, 4, 0, 5]], ids=["k1", "k5dup"])
+def test_decode_matches_ref(bank, dtype, slot_ids):
+    layout, slots, ws2 = bank
+    x = torch.randn(layout.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
+    ids = torch.tensor(slot_ids, dtype=torch.int32, device=DEV)
+    w = torch.rand(len(slot_ids), device=DEV)
+    # block sizes chosen so H/16 and I/16 groups are not multiples of BLOCK_G, nor rows of BLOCK_N
+    got = nvfp4_moe_decode(x[None], slots, ids, ws2, w, layout, block_n=(16, 32), block_g=(4, 4))
+    assert got.shape == (1, layout.hidden_size) and got.dtype == dtype
+    close(got, nvfp4_moe_decode_ref(x[None], slots, ids, ws2, w, layout), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,block_m", [(1, 16), (9, 16), (40, 32)])
+def test_prefill_matches_ref(bank, dtype, t, block_m):
+    layout, slots, ws2 = bank
+    g = torch.Generator().manual_seed(t)
+    e, k = 10, 3
+    # experts 0..9 map to 6 slots; experts 7, 8 have no slot and are never routed; 9 shares no tokens
+    e2s = torch.tensor([3, 0, 5, 1, 4, 2, 0, -1, -1, 1], dtype=torch.int32, device=DEV)
+    ids = torch.randint(0, 4, (t, k), generator=g)  # few experts: several tiles per expert, most get none
+    ids[0, 1] = ids[0, 0]  # a duplicate id within one token
+    if t > 8:
+        ids[5:] = 6  # a long run of one expert, spanning tiles
+    x = torch.randn(t, layout.hidden_size, generator=g).to(DEV, dtype)
+    w = torch.rand(t, k, generator=g).to(DEV)
+    ids = ids.to(DEV)
+    cfg = dict(block_m=block_m, block_n=32, block_k=16, num_warps=4, num_stages=2)
+    got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg)
+    assert got.shape == x.shape and got.dtype == dtype
+    close(got, nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout), dtype)
+    assert e < 11  # the mapping above covers every id drawn
+
+
+def test_prefill_one_token_equals_decode(bank):
+    layout, slots, ws2 = bank
+    x = torch.randn(1, layout.hidden_size, device=DEV)
+    ids = torch.tensor([[4, 1, 1]], device=DEV)
+    w = torch.rand(1, 3, device=DEV)
+    e2s = torch.arange(6, dtype=torch.int32, device=DEV)
+    a = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout)
+    b = nvfp4_moe_decode(x, slots, ids[0].int(), ws2, w[0], layout)
+    close(a, b, torch.float32)
+
+
+def test_refs_equal_float64_dequantize_then_matmul(bank):
+    layout, slots, ws2 = bank
+    x = torch.randn(3, layout.hidden_size, dtype=torch.float64, device=DEV)
+    ids = torch.tensor([[0, 2], [2, 2], [5, 1]], device=DEV)
+    w = torch.rand(3, 2, dtype=torch.float64, device=DEV)
+    want = torch.zeros_like(x)
+    for t in range(3):
+        for k in range(2):
+            gate, up, down = (m.double() for m in layout.dequantize(slots[ids[t, k]], ws2[ids[t, k]]))
+            h = torch.nn.functional.silu(gate @ x[t]) * (up @ x[t])
+            want[t] += w[t, k] * (down @ h)
+    e2s = torch.arange(6, device=DEV)
+    pre = nvfp4_moe_prefill_ref(x.float(), slots, ids, e2s, ws2, w.float(), layout)
+    torch.testing.assert_close(pre.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    dec = nvfp4_moe_decode_ref(x[2].float(), slots, ids[2].int(), ws2, w[2].float(), layout)
+    torch.testing.assert_close(dec.double(), want[2], rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_swapped_nibbles_fail(bank):
+    # must-fail control: the same comparison catches a block decoded with its nibbles swapped
+    layout, slots, ws2 = bank
+    x = torch.randn(layout.hidden_size, device=DEV)
+    ids = torch.tensor([0, 3], dtype=torch.int32, device=DEV)
+    w = torch.rand(2, device=DEV)
+    swapped = slots.clone()
+    codes = layout.part("down_proj.weight").offset
+    swapped[:, :codes] = (slots[:, :codes] << 4) | (slots[:, :codes] >> 4)
+    got = nvfp4_moe_decode(x, swapped, ids, ws2, w, layout)
+    with pytest.raises(AssertionError):
+        close(got, nvfp4_moe_decode_ref(x, slots, ids, ws2, w, layout), torch.float32)
+
+
+def test_sort_pairs_groups_every_pair_once():
+    slot_of_pair = torch.tensor([3, 0, 3, 3, 1, 3, 0, 3, 3, 3], device=DEV)
+    pair_ids, tile_slot = sort_pairs(slot_of_pair, num_slots=5, block_m=4)
+    p = slot_of_pair.numel()
+    assert tile_slot.tolist() == [0, 1, 3, 3, -1, -1, -1, -1]  # slots 2, 4 have no pairs
+    tiles = pair_ids.view(-1, 4)
+    real = pair_ids[pair_ids < p]
+    assert sorted(real.tolist()) == list(range(p))
+    for tile, s in zip(tiles.tolist(), tile_slot.tolist()):
+        assert all(slot_of_pair[q] == s for q in tile if q < p)
+        if s < 0:
+            assert all(q == p for q in tile)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 70), (5, 33, 300), (20, 17, 48)])
+def test_fp8_rows_matmul_matches_ref(dtype, m, n, k):
+    g = torch.Generator().manual_seed(m * n)
+    # every E4M3 byte but NaN, subnormals (exponent bits 0) included; one tiny row scale next to big ones
+    q = torch.randint(0, 255, (n, k), dtype=torch.uint8, generator=g)
+    q[(q & 0x7F) == 0x7F] = 0x01
+    assert ((q & 0x78) == 0).any()
+    q = q.view(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=g) * 0.01
+    scale[0] = 1e-6
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    q, scale = q.to(DEV), scale.to(DEV)
+    cfg = dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)
+    got = fp8_rows_matmul(x, q, scale, config=cfg)
+    assert got.shape == (m, n) and got.dtype == dtype
+    close(got, fp8_rows_matmul_ref(x, q, scale), dtype)
+    # the twin is dequantize-then-matmul in float64
+    want = x.double() @ fp8.dequantize_fp8_rows(q, scale, torch.float64).T
+    torch.testing.assert_close(fp8_rows_matmul_ref(x.float(), q, scale).double(), want, rtol=1e-5, atol=1e-4)
+
+
+@triton.jit
+def _decode_all_bytes(b_ptr, lo_ptr, hi_ptr, s_ptr):
+    i = tl.arange(0, 256)
+    b = tl.load(b_ptr + i)
+    lo, hi = codec.e2m1_pair(b, False)
+    tl.store(lo_ptr + i, lo)
+    tl.store(hi_ptr + i, hi)
+    tl.store(s_ptr + i, codec.e4m3_f16(b).to(tl.float32))
+
+
+def test_in_kernel_codecs_exact_on_every_byte():
+    b = torch.arange(256, dtype=torch.uint8, device=DEV)
+    lo, hi, s = (torch.empty(256, device=DEV) for _ in range(3))
+    _decode_all_bytes[(1,)](b, lo, hi, s)
+    table = nvfp4.e2m1_table(DEV)
+    assert torch.equal(lo * codec.E2M1_SOFT_UNIT, table[(b & 15).long()])
+    assert torch.equal(hi * codec.E2M1_SOFT_UNIT, table[(b >> 4).long()])
+    assert torch.equal(torch.signbit(lo), torch.signbit(table[(b & 15).long()]))  # -0.0 for code 8
+    ok = (b & 0x7F) != 0x7F  # E4M3 NaN bytes are never block scales
+    assert torch.equal((s * codec.E4M3_UNIT)[ok], fp8.e4m3_to_float(b)[ok])
+
+
+def test_ptx_e2m1_only_from_sm100():
+    assert not e2m1_uses_ptx(None)
+    assert not e2m1_uses_ptx((8, 9))
+    assert not e2m1_uses_ptx((9, 0))
+    assert e2m1_uses_ptx((10, 0)) and e2m1_uses_ptx((12, 0))
+
+
+def test_ptx_compile_failure_falls_back_to_software(monkeypatch):
+    calls = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def launch(*args, USE_PTX, **kw):
+                calls.append(USE_PTX)
+                if USE_PTX:
+                    raise RuntimeError("ptxas: unsupported instruction")
+
+            return launch
+
+    monkeypatch.setattr(codec, "device_capability", lambda dev: (10, 0))
+    monkeypatch.setattr(codec, "_PTX_FAILED", set())
+    codec.launch_e2m1(FakeKernel(), (1,), torch.device("cpu"))
+    codec.launch_e2m1(FakeKernel(), (1,), torch.device("cpu"))
+    assert calls == [True, False, False]  # PTX tried once, then software for good
+    monkeypatch.setattr(codec, "device_capability", lambda dev: (9, 0))
+    codec.launch_e2m1(FakeKernel(), (1,), torch.device("cpu"))
+    assert calls[-1] is False
+
+
+def test_import_without_triton_and_launchers_raise():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, expertstream.kernels as K\n"
+        "assert not K.HAVE_TRITON\n"
+        "try:\n"
+        "    K.fp8_rows_matmul(torch.zeros(1, 16), torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4))\n"
+        "except RuntimeError as e:\n"
+        "    assert 'Triton is not installed' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
