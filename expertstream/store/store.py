@@ -1,0 +1,241 @@
+"""`ExpertStore`: expert blocks from experts.bin through a reader thread pool into a RAM LRU cache.
+
+request() does not wait for reads: cached blocks are hits, a block already being read is joined, the rest
+are queued to the readers at once (it waits only while a full cache's sole candidates are still landing).
+A handle pins its block until release(). With cache=False (prefill) misses go to
+transient buffers, so a long prompt cannot evict the decode working set. A GPU runtime adds pinned memory
+(pass an `alloc` that registers it) and VRAM slots on top without the model knowing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from expertstream.store.cache import BlockCache, Entry, Key
+from expertstream.store.reader import PAGE, BlockReader, StoreError, alloc_aligned
+from expertstream.workdir import Workdir
+
+
+@dataclass(slots=True)
+class StoreStats:
+    requests: int = 0  # keys asked for
+    hits: int = 0  # served from RAM or joined to a read already in flight
+    misses: int = 0  # block reads issued
+    bytes_read: int = 0
+    read_seconds: float = 0.0  # summed over reader threads
+    queue_depth: int = 0  # reads queued or in flight now
+    max_queue_depth: int = 0
+    evictions: int = 0
+    cached_blocks: int = 0
+    direct: bool = False  # reads bypass the page cache (O_DIRECT)
+
+
+class ExpertHandle:
+    """One requested block: wait() gives its bytes, valid until release()."""
+
+    __slots__ = ("_store", "_entry", "_released")
+
+    def __init__(self, store: ExpertStore, entry: Entry):
+        self._store, self._entry, self._released = store, entry, False
+
+    @property
+    def key(self) -> Key:
+        return self._entry.key
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """Block until read; returns torch.uint8 [block_bytes]. Raises StoreError if the read failed."""
+        if self._released:
+            raise StoreError(f"handle of expert block {self.key} used after release()")
+        if not self._entry.done.wait(timeout):
+            l, e = self.key
+            raise TimeoutError(f"expert block (layer {l}, expert {e}) not read within {timeout} s")
+        if self._entry.error is not None:
+            raise StoreError(str(self._entry.error)) from self._entry.error
+        return self._entry.buf
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._store._release(self._entry)
+
+
+class ExpertStore:
+    """Expert blocks of a working directory, read with O_DIRECT and cached in RAM (docs/workdir.md).
+
+    Args:
+        workdir: a `Workdir` or its path.
+        ram_cache_bytes: RAM budget of the LRU cache; it holds ram_cache_bytes // block_bytes blocks.
+        io_threads: reader threads (about the drive's useful queue depth).
+        alloc: page-aligned host allocator, nbytes -> uint8 tensor (a GPU runtime passes one that pins).
+    """
+
+    def __init__(
+        self,
+        workdir: Workdir | str | os.PathLike,
+        ram_cache_bytes: int,
+        io_threads: int = 16,
+        alloc: Callable[[int], torch.Tensor] = alloc_aligned,
+    ):
+        self.workdir = workdir if isinstance(workdir, Workdir) else Workdir(workdir)
+        self.block_bytes = self.workdir.layout.block_bytes
+        if io_threads <= 0:
+            raise ValueError(f"io_threads must be positive, got {io_threads}")
+        self._alloc = alloc
+        self._cache = BlockCache(max(0, ram_cache_bytes) // self.block_bytes, self.block_bytes, alloc)
+        if self._cache.slots is not None and self._cache.slots.data_ptr() % PAGE:
+            raise ValueError(f"alloc returned memory not aligned to {PAGE} bytes, which O_DIRECT needs")
+        try:
+            self._reader = BlockReader(self.workdir.experts_path)
+        except OSError as e:
+            raise StoreError(f"cannot open expert file {self.workdir.experts_path}: {e}") from e
+        self._transient: dict[Key, Entry] = {}  # bypass reads in flight or pinned
+        self._spare: list[torch.Tensor] = []  # recycled transient buffers
+        self._max_spare = io_threads
+        self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)  # notified whenever a read finishes
+        self._stats = StoreStats()
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="expertstream-io")
+        self._closed = False
+
+    @property
+    def capacity(self) -> int:
+        """Blocks the RAM cache holds."""
+        return self._cache.capacity
+
+    @property
+    def slots(self) -> torch.Tensor | None:
+        """The cache's slot memory, uint8 [capacity, block_bytes] (for pinning or registration)."""
+        return self._cache.slots
+
+    @property
+    def stats(self) -> StoreStats:
+        with self._lock:
+            c = self._cache
+            return dataclasses.replace(
+                self._stats, evictions=c.evictions, cached_blocks=len(c), direct=self._reader.direct
+            )
+
+    def request(self, keys: Iterable[Key], cache: bool = True) -> list[ExpertHandle]:
+        """Handles for (layer, expert) keys, in order; reads start now. Duplicates share one read.
+
+        With cache=False, blocks not already in RAM are read into transient buffers and never cached.
+        Raises StoreError when every cache slot is pinned by unreleased handles.
+        """
+        handles: list[ExpertHandle] = []
+        L, E = self.workdir.num_layers, self.workdir.num_experts
+        with self._lock:
+            try:
+                for key in keys:
+                    l, e = key
+                    if not (0 <= l < L and 0 <= e < E):
+                        raise ValueError(f"expert key {key} outside {L} layers x {E} experts")
+                    self._stats.requests += 1
+                    entry = self._lookup_or_read((l, e), cache)
+                    entry.pins += 1
+                    handles.append(ExpertHandle(self, entry))
+            except BaseException:
+                for h in handles:  # leave nothing pinned by a request that failed half-way
+                    h._released = True
+                    self._unpin(h._entry)
+                raise
+        return handles
+
+    def _lookup_or_read(self, key: Key, cache: bool) -> Entry:
+        while True:
+            if self._closed:
+                raise StoreError("request() on a closed ExpertStore")
+            entry = self._cache.get(key) or self._transient.get(key)
+            if entry is not None:
+                self._stats.hits += 1
+                return entry
+            if cache and self._cache.capacity:
+                entry = self._cache.insert(key)
+                if entry is None and self._cache.reading_unpinned():
+                    # the only candidates are unpinned blocks still being read: evictable once they land
+                    self._landed.wait()
+                    continue
+                if entry is None:
+                    raise StoreError(
+                        f"all {self._cache.capacity} RAM cache slots are pinned by unreleased handles "
+                        f"(requesting expert block {key}); release handles or raise ram_cache_bytes"
+                    )
+            else:
+                entry = Entry(key, self._spare.pop() if self._spare else self._alloc(self.block_bytes), None)
+                self._transient[key] = entry
+            self._stats.misses += 1
+            self._stats.queue_depth += 1
+            self._stats.max_queue_depth = max(self._stats.max_queue_depth, self._stats.queue_depth)
+            self._pool.submit(self._read, entry)
+            return entry
+
+    def _read(self, entry: Entry) -> None:
+        (l, e), path = entry.key, self.workdir.experts_path
+        offset, n, error = self.workdir.block_offset(l, e), 0, None
+        t0 = time.perf_counter()
+        try:
+            n = self._reader.read_into(entry.buf, offset)
+            if n != self.block_bytes:
+                error = StoreError(
+                    f"short read of expert block (layer {l}, expert {e}) from {path}: {n} of "
+                    f"{self.block_bytes} bytes at offset {offset}; was experts.bin truncated after setup?"
+                )
+        except Exception as exc:  # surfaces in wait(); the reader thread must not die silently
+            error = StoreError(f"reading expert block (layer {l}, expert {e}) from {path} failed: {exc}")
+            error.__cause__ = exc
+        dt = time.perf_counter() - t0
+        with self._lock:
+            s = self._stats
+            s.queue_depth -= 1
+            s.bytes_read += n
+            s.read_seconds += dt
+            if error is not None:
+                entry.error = error
+                self._cache.forget(entry)
+                if self._transient.get(entry.key) is entry:
+                    del self._transient[entry.key]
+            entry.done.set()
+            self._recycle(entry)
+            self._landed.notify_all()
+
+    def _release(self, entry: Entry) -> None:
+        with self._lock:
+            self._unpin(entry)
+
+    def _unpin(self, entry: Entry) -> None:
+        assert entry.pins > 0, "release() matches one request()"
+        entry.pins -= 1
+        self._recycle(entry)
+
+    def _recycle(self, entry: Entry) -> None:
+        # memory of a finished, unpinned block that is not in the LRU goes back to its pool
+        if entry.pins or not entry.done.is_set():
+            return
+        if entry.slot is None:
+            if self._transient.get(entry.key) is entry:
+                del self._transient[entry.key]
+            if len(self._spare) < self._max_spare:
+                self._spare.append(entry.buf)
+        elif entry.error is not None:
+            self._cache.free(entry.slot)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)  # outside the lock: finishing reads take it
+        self._reader.close()
+
+    def __enter__(self) -> ExpertStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

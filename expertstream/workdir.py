@@ -1,0 +1,152 @@
+"""The working directory of `expertstream setup`: manifest (schema v1, docs/workdir.md) and `Workdir`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from expertstream.formats.expert_block import ExpertLayout
+
+FORMAT = "expertstream-workdir"
+VERSION = 1
+MANIFEST = "manifest.json"
+EXPERT_SCALES = "expert_scales.safetensors"
+# section -> keys it must hold (a manifest missing any of them is partial or from another writer)
+REQUIRED = {
+    "source": ("snapshot", "config_sha256"),
+    "experts": ("file", "num_layers", "num_experts", "layout", "checksum", "checksums"),
+    "resident": ("file", "fp8_row_scaled", "bytes"),
+    "budget": ("expert_bytes_per_token", "resident_bytes", "ple_bytes_per_token"),
+}
+PLE_KEYS = ("layer", "dtype", "width", "scale", "rows", "shards")
+
+
+class WorkdirError(ValueError):
+    """A working directory is missing, unfinished, or of a format version this engine does not read."""
+
+
+def write_manifest(workdir: Path, manifest: dict) -> Path:
+    """Write manifest.json atomically (tmp + fsync + rename + dir fsync): it is whole or absent."""
+    validate_manifest(manifest, workdir / MANIFEST)
+    path, tmp = workdir / MANIFEST, workdir / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(workdir, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return path
+
+
+def read_manifest(workdir: Path) -> dict:
+    path = workdir / MANIFEST
+    if not path.is_file():
+        raise WorkdirError(
+            f"{workdir} has no {MANIFEST}: not a finished working directory "
+            "(run `expertstream setup` to make one)"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WorkdirError(f"{path} is not valid JSON ({e}): rerun `expertstream setup`") from e
+    validate_manifest(manifest, path)
+    return manifest
+
+
+def validate_manifest(m: dict, path: Path) -> None:
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise WorkdirError(f"{path} is not an expertstream workdir manifest (format {m.get('format')!r})")
+    if m.get("version") != VERSION:
+        raise WorkdirError(
+            f"{path} has format version {m.get('version')!r}; this engine reads version {VERSION}: "
+            "rerun `expertstream setup`"
+        )
+    for section, keys in REQUIRED.items():
+        missing = [k for k in keys if k not in m.get(section, {})]
+        if missing:
+            raise WorkdirError(f"{path}: section {section!r} lacks {missing}: rerun `expertstream setup`")
+    if "model_type" not in m or "ple" not in m:
+        raise WorkdirError(f"{path} lacks 'model_type' or 'ple': rerun `expertstream setup`")
+    if m["ple"] is not None and any(k not in m["ple"] for k in PLE_KEYS):
+        raise WorkdirError(f"{path}: section 'ple' lacks one of {list(PLE_KEYS)}")
+    e = m["experts"]
+    if len(e["checksums"]) != e["num_layers"] * e["num_experts"]:
+        raise WorkdirError(
+            f"{path}: {len(e['checksums'])} block checksums for {e['num_layers']} x {e['num_experts']}"
+        )
+
+
+class Workdir:
+    """A finished working directory: see docs/design.md "Workdir format, version 1"."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path).resolve()
+        self.manifest = read_manifest(self.path)
+        experts = self.manifest["experts"]
+        try:
+            self.layout = ExpertLayout.from_json(experts["layout"])
+        except (KeyError, ValueError) as e:
+            raise WorkdirError(f"{self.path / MANIFEST}: unusable expert layout ({e})") from e
+        self.num_layers = int(experts["num_layers"])
+        self.num_experts = int(experts["num_experts"])
+        self.experts_path = self.path / experts["file"]
+        self.resident_path = self.path / self.manifest["resident"]["file"]
+        for f in (
+            self.experts_path,
+            self.resident_path,
+            self.path / "config.json",
+            self.path / EXPERT_SCALES,
+        ):
+            if not f.is_file():
+                raise WorkdirError(f"{f} is missing from the working directory: rerun `expertstream setup`")
+        want = self.num_layers * self.num_experts * self.layout.block_bytes
+        have = self.experts_path.stat().st_size
+        if have != want:
+            raise WorkdirError(f"{self.experts_path} has {have} bytes, the manifest says {want}: truncated?")
+        self.config: dict = json.loads((self.path / "config.json").read_text())
+        self.text_config: dict = self.config.get("text_config", self.config)
+        self.fp8_row_scaled: set[str] = set(self.manifest["resident"]["fp8_row_scaled"])
+
+    def block_offset(self, layer: int, expert: int) -> int:
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise IndexError(
+                f"expert ({layer}, {expert}) outside {self.num_layers} layers x {self.num_experts}"
+            )
+        return (layer * self.num_experts + expert) * self.layout.block_bytes
+
+    def expert_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight_scale_2 [L, E, 3] f32, input_scale [L, E, 3] f32); last axis gate, up, down."""
+        t = load_file(self.path / EXPERT_SCALES)
+        return t["weight_scale_2"], t["input_scale"]
+
+    def load_resident(self, names: list[str] | None = None, device: str | torch.device = "cpu") -> dict:
+        """Resident tensors by HF text name (prefix removed); an FP8 row-scaled name brings `<name>_scale`."""
+        with safe_open(self.resident_path, framework="pt", device=str(device)) as f:
+            stored = set(f.keys())
+            if names is None:
+                wanted = sorted(stored)
+            else:
+                wanted = [*names, *(f"{n}_scale" for n in names if n in self.fp8_row_scaled)]
+            missing = [n for n in wanted if n not in stored]
+            if missing:
+                raise WorkdirError(f"{self.resident_path} has no tensor {missing[0]}")
+            return {n: f.get_tensor(n) for n in wanted}
+
+    @property
+    def ple(self) -> dict | None:
+        ple = self.manifest["ple"]
+        if ple is None:
+            return None
+        shards = [
+            {**s, "path": str(self.path / s["path"])} for s in ple["shards"]
+        ]  # absolute paths stay absolute
+        return {**ple, "shards": shards}
