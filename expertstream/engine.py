@@ -9,8 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from expertstream.config import EngineConfig
+from expertstream.formats.fp8 import quantize_fp8_rows
+from expertstream.formats.snapshot import read_header
 from expertstream.layers.experts import StreamedExperts
 from expertstream.log import get_logger
+from expertstream.memory_plan import GiB, MemoryPlan, plan_memory
+from expertstream.models import base
 from expertstream.models.base import ModelArgs
 from expertstream.models.qwen4_exp import Qwen4ExpModel
 from expertstream.ple import PleTable
@@ -72,8 +76,24 @@ class Engine:
             config = dataclasses.replace(config, max_model_len=self.args.max_position_embeddings)
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
-        self.store = ExpertStore(self.workdir, int(config.ram_cache_gb * 2**30), io_threads=config.io_threads)
-        self.bank = StreamedExperts(self.workdir, self.store, self.dtype, control)
+        gpu = self.device.type == "cuda" and config.kernels != "torch"
+        self.plan = self._plan_gpu_memory() if self.device.type == "cuda" else None
+        self.prefill_piece = self.plan.prefill_piece if self.plan else PREFILL_PIECE
+        alloc = {}
+        if gpu:
+            from expertstream.runtime.gpu_experts import GpuExperts, pinned_alloc
+
+            alloc = {"alloc": pinned_alloc}
+        self.store = ExpertStore(
+            self.workdir, int(config.ram_cache_gb * 2**30), io_threads=config.io_threads, **alloc
+        )
+        if gpu:
+            k = self.args.num_experts_per_tok
+            n_slots = self.plan.slots // self.workdir.layout.block_bytes + self.plan.vram_cache_blocks
+            self.bank = GpuExperts(self.workdir, self.store, max(n_slots, 2 * k), self.device, control)
+        else:
+            self.bank = StreamedExperts(self.workdir, self.store, self.dtype, control)
+        base.use_triton(gpu)
         self.ple = None
         if self.args.ple_layer_ids:
             if self.workdir.ple is None:
@@ -82,10 +102,13 @@ class Engine:
                 )
             self.ple = PleTable(self.workdir.ple)
         tensors = self.workdir.load_resident(device="cpu")
+        fp8 = set(self.workdir.fp8_row_scaled)
+        for name in self.plan.fp8 if self.plan else ():
+            if name not in fp8:  # the VRAM plan moved this BF16 matrix to FP8 rows
+                tensors[name], tensors[f"{name}_scale"] = quantize_fp8_rows(tensors[name])
+                fp8.add(name)
         # the embedding stays in host RAM: one row per token is gathered there
-        self.model = Qwen4ExpModel(
-            self.args, tensors, self.bank, self.ple, self.dtype, self.device, self.workdir.fp8_row_scaled
-        )
+        self.model = Qwen4ExpModel(self.args, tensors, self.bank, self.ple, self.dtype, self.device, fp8)
         self._tokenizer = None
         log.info(
             "loaded %s on %s (%s) in %.1f s",
@@ -94,6 +117,26 @@ class Engine:
             self.dtype,
             time.perf_counter() - t0,
         )
+
+    def _plan_gpu_memory(self) -> MemoryPlan:
+        """Plan VRAM for the budget and enforce it through the caching allocator's per-process limit."""
+        c = self.config
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int((c.gpu_memory_gb * GiB if c.gpu_memory_gb else total) * c.gpu_memory_utilization)
+        if budget > total:
+            raise ValueError(f"--gpu-memory-gb {c.gpu_memory_gb} exceeds the GPU's {total / GiB:.1f} GiB")
+        inventory = {n: (i.shape, i.dtype) for n, i in read_header(self.workdir.resident_path).items()}
+        plan = plan_memory(
+            self.workdir.text_config,
+            inventory,
+            self.workdir.layout.block_bytes,
+            budget,
+            c.max_model_len,
+            act_bytes=torch.finfo(self.dtype).bits // 8,
+        )
+        torch.cuda.set_per_process_memory_fraction(budget / total, self.device)
+        log.info("%s", plan.describe())
+        return plan
 
     @property
     def tokenizer(self):
@@ -126,8 +169,8 @@ class Engine:
             raise ValueError(f"token id {int(bad[0])} is outside the vocabulary of {self.args.vocab_size}")
         state.check_room(ids.numel())
         rows = []
-        for i in range(0, ids.numel(), PREFILL_PIECE):
-            h = self.model(ids[i : i + PREFILL_PIECE], state)
+        for i in range(0, ids.numel(), self.prefill_piece):
+            h = self.model(ids[i : i + self.prefill_piece], state)
             rows.append(self.model.logits(h if all_logits else h[-1:]))
         return torch.cat(rows) if all_logits else rows[-1][0]
 
@@ -144,6 +187,8 @@ class Engine:
         )
 
     def close(self) -> None:
+        if hasattr(self.bank, "close"):
+            self.bank.close()
         self.store.close()
         if self.ple is not None:
             self.ple.close()

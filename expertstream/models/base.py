@@ -176,8 +176,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((xr * cos + rotated * sin, xp), dim=-1)
 
 
+_triton_fp8 = None  # the Triton FP8 GEMV when the engine runs on CUDA with kernels enabled
+
+
+def use_triton(enabled: bool) -> None:
+    """Route FP8 row-scaled matmuls on CUDA through the Triton kernel (the engine decides once, at load)."""
+    global _triton_fp8
+    _triton_fp8 = None
+    if enabled:
+        from expertstream.kernels import HAVE_TRITON, fp8_gemv
+
+        _triton_fp8 = fp8_gemv.fp8_rows_matmul if HAVE_TRITON else None
+
+
 def fp8_rows_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (q [N, K] e4m3 * scale [N, 1]).T, dequantised on the fly (the Triton GEMV plugs in here)."""
+    """x [M, K] @ (q [N, K] e4m3 * scale [N, 1]).T: the Triton GEMV on CUDA, else dequantised on the fly."""
+    if _triton_fp8 is not None and x.is_cuda:
+        return _triton_fp8(x, q, scale)
     w = e4m3_to_float(q).mul_(scale.float()[:, None]).to(x.dtype)
     return F.linear(x, w)
 
