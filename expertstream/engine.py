@@ -134,7 +134,7 @@ class Engine:
             c.max_model_len,
             act_bytes=torch.finfo(self.dtype).bits // 8,
         )
-        torch.cuda.set_per_process_memory_fraction(budget / total, self.device)
+        torch.cuda.set_per_process_memory_fraction(budget / total, self.device.index or 0)
         log.info("%s", plan.describe())
         return plan
 

@@ -6,7 +6,8 @@ implementations, then exports the NVIDIA layout (NVFP4 experts, FP8 PLE shards) 
     scripts/fetch_corpus.sh corpus/            # Debian's bible-kjv-text -> corpus/kjv.txt
     python scripts/train_demo.py --corpus corpus/kjv.txt --out expertstream/assets/demo-snapshot --minutes 7
 
-The last book (Revelation, 404 verses) is held out for perplexity.
+The last book (Revelation, 404 verses) is held out for perplexity; the 404 verses before it are the validation
+text that picks the weights to keep (early stopping), so neither is ever trained on.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 
 from expertstream.checkpoint_writer import PREFIX
 
-HELD_OUT_VERSES = 404  # Revelation: the last 404 verses of the KJV
+HELD_OUT_VERSES = 404  # Revelation: the last 404 verses of the KJV (the test text)
+VALIDATION_VERSES = 404  # the verses before it (Hebrews..Jude): early stopping, never trained on
 
 
 def checkpoint_tensors(state: dict[str, torch.Tensor]):
@@ -45,9 +47,11 @@ def checkpoint_tensors(state: dict[str, torch.Tensor]):
             yield name, t if t.dtype == torch.long else t.to(torch.bfloat16)
 
 
-def split_corpus(path: Path) -> tuple[str, str]:
+def split_corpus(path: Path) -> tuple[str, str, str]:
+    """(train, validation, held-out test) texts, one verse per line."""
     verses = path.read_text(encoding="utf-8").splitlines()
-    return "\n".join(verses[:-HELD_OUT_VERSES]) + "\n", "\n".join(verses[-HELD_OUT_VERSES:]) + "\n"
+    cut_test, cut_val = len(verses) - HELD_OUT_VERSES, len(verses) - HELD_OUT_VERSES - VALIDATION_VERSES
+    return tuple("\n".join(v) + "\n" for v in (verses[:cut_val], verses[cut_val:cut_test], verses[cut_test:]))
 
 
 def skip_indexer_when_dense(model, seq_len: int, budget: int) -> None:
@@ -64,18 +68,18 @@ def skip_indexer_when_dense(model, seq_len: int, budget: int) -> None:
 
 @torch.no_grad()
 def perplexity(model, ids: torch.Tensor, seq_len: int, device: str) -> float:
-    """Non-overlapping windows; every token but each window's first is scored."""
+    """Non-overlapping windows of seq_len + 1 tokens, scored in one batch (every token but the first)."""
     model.eval()
-    nll, count = 0.0, 0
-    for start in range(0, ids.numel() - 1, seq_len):
-        chunk = ids[start : start + seq_len + 1].to(device)
-        if chunk.numel() < 2:
-            break
-        logits = model(chunk[None, :-1]).logits.float()
-        nll += torch.nn.functional.cross_entropy(logits[0], chunk[1:], reduction="sum").item()
-        count += chunk.numel() - 1
+    n = (ids.numel() - 1) // seq_len
+    windows = ids[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len).to(device)  # [n, seq_len + 1]
+    nll = 0.0
+    for b in range(0, n, 64):
+        w = windows[b : b + 64]
+        logits = model(w[:, :-1]).logits.float()
+        targets = w[:, 1:].flatten()
+        nll += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets, reduction="sum").item()
     model.train()
-    return math.exp(nll / count)
+    return math.exp(nll / (n * seq_len))
 
 
 def main() -> None:
@@ -98,7 +102,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    train_text, held_text = split_corpus(args.corpus)
+    train_text, val_text, held_text = split_corpus(args.corpus)
     lines = train_text.splitlines()
     tok = build_tokenizer(lines, args.vocab)
     tok_files, ids = tokenizer_files(4096, lines, args.vocab)
@@ -111,10 +115,22 @@ def main() -> None:
     print(f"params {n_params / 1e6:.1f}M on {device}", flush=True)
 
     train_ids = torch.tensor(tok.encode(train_text).ids, dtype=torch.long)
+    val_ids = torch.tensor(tok.encode(val_text).ids, dtype=torch.long)
     held_ids = torch.tensor(tok.encode(held_text).ids, dtype=torch.long)
     print(f"tokens: train {train_ids.numel()}, held-out {held_ids.numel()}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     t0, step, budget_s = time.time(), 0, args.minutes * 60
+    best = (float("inf"), 0, None)
+
+    def keep_best(best, step, loss):
+        # the weights with the best validation perplexity so far are the ones exported
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            val_ppl = perplexity(model, val_ids, args.seq_len, device)
+        print(f"step {step} loss {loss:.3f} val ppl {val_ppl:.2f} {time.time() - t0:.0f}s", flush=True)
+        if val_ppl < best[0]:
+            return (val_ppl, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        return best
+
     warmup = 100
     while time.time() - t0 < budget_s:
         frac = (time.time() - t0) / budget_s
@@ -131,15 +147,20 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        if step % 100 == 0:
-            print(f"step {step} loss {loss.item():.3f} lr {lr:.2e} {time.time() - t0:.0f}s", flush=True)
+        if step % 50 == 0:
+            best = keep_best(best, step, loss.item())
     train_s = time.time() - t0
+    best = keep_best(best, step, loss.item())
+    model.load_state_dict(best[2])
+    print(f"best validation perplexity {best[0]:.2f} at step {best[1]}", flush=True)
     held_ppl = perplexity(model.float(), held_ids, args.seq_len, device)
     print(f"held-out perplexity (bf16 training weights, fp32 eval): {held_ppl:.2f}", flush=True)
     card = {
         "corpus": "King James Bible, Debian package bible-kjv-text (public domain), Revelation held out",
         "params": n_params,
         "steps": step,
+        "best_step": best[1],
+        "validation_ppl": round(best[0], 3),
         "train_seconds": round(train_s),
         "seq_len": args.seq_len,
         "batch": args.batch,

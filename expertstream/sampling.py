@@ -1,0 +1,64 @@
+"""Next-token choice: greedy, or temperature + top-k + top-p + min-p sampling with a seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """One generator per request, so a seeded request repeats exactly whatever else runs."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def filter_logits(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor:
+    """Logits [V] / temperature (> 0) in float32, tokens outside top-k / top-p / min-p set to -inf."""
+    # shift so the best logit is 0: any temperature then gives finite-or--inf values and a valid softmax
+    logits = (logits.float() - logits.max().float()) / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        # keep tokens whose probability is at least min_p times the most likely one's
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens before it already cover top_p; the most likely token always stays
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> int:
+    """Pick the next token from logits [V]: argmax when temperature == 0, else a filtered draw."""
+    if temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability of `token` under the model's raw distribution, and the top_n (id, logprob) pairs."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        vals, ids = torch.topk(logp, min(top_n, logp.shape[-1]))
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return float(logp[token]), top

@@ -1,0 +1,198 @@
+"""Tokenizer, chat template and streaming detokenizer, from the files of a snapshot or workdir.
+
+Uses the `tokenizers` library and jinja2 only (no transformers). The chat template is rendered the way
+transformers renders it: sandboxed jinja2, `trim_blocks`/`lstrip_blocks`, `raise_exception`, a `tojson`
+that does not HTML-escape, and the tokenizer's special tokens as variables.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import tokenizers
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from expertstream.log import get_logger
+
+log = get_logger(__name__)
+
+# chat turns end with <|im_end|> while config.json names only <|endoftext|> as eos (checkpoint doc §2.4)
+IM_END = "<|im_end|>"
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson HTML-escapes; HF's does not, and templates are written against HF's
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _as_id_list(value, source: str) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(value)
+    raise ValueError(f"{source}: eos_token_id must be an int or a list of ints, got {value!r}")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _token_content(value) -> str | None:
+    # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class StreamingDetokenizer:
+    """Turns generated token ids into text pieces, never splitting a UTF-8 character.
+
+    Keeps two offsets into the generated ids: text up to `read` has been emitted, and decoding restarts at
+    `prefix` (the previous clean boundary) so byte-level merges and leading-space rules see their context.
+    Each step decodes only the ids since `prefix`, so the cost per token is O(1) amortised.
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer):
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def add(self, token: int) -> str:
+        """Append one token id and return the newly completed text ('' while a character is incomplete)."""
+        self._ids.append(token)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Return what is still held back (an incomplete character becomes U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        done = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=False)
+        text = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=False)
+        # a trailing U+FFFD means the last token ended inside a multi-byte character: wait for the rest
+        if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
+            return ""
+        # drop the window before the last emitted token; keep it as context for the next decode
+        self._prefix = self._read
+        self._read = len(self._ids)
+        return text[len(done) :]
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer with the checkpoint's chat template and stop tokens."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        chat_template: str | None,
+        stop_token_ids: list[int],
+        special_tokens: dict[str, str],
+        source: str = "",
+    ):
+        self._tok = tokenizer
+        self._template = _compile_template(chat_template) if chat_template else None
+        self.stop_token_ids = stop_token_ids
+        self.special_tokens = special_tokens  # template variables: bos_token, eos_token, pad_token, ...
+        self.source = source
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json`, the chat template and the stop tokens of a snapshot or workdir."""
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        tok_config = _read_json(path / "tokenizer_config.json")
+        template_file = path / "chat_template.jinja"
+        if template_file.is_file():
+            template = template_file.read_text()
+        else:
+            template = tok_config.get("chat_template")
+            if isinstance(template, list):  # the named-templates form: [{"name": ..., "template": ...}]
+                template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None:
+            log.warning("%s has no chat template; apply_chat_template will raise", path)
+
+        config = _read_json(path / "config.json")
+        text_config = config.get("text_config", config)
+        stop = _as_id_list(text_config.get("eos_token_id", config.get("eos_token_id")), f"{path}/config.json")
+        im_end = tok.token_to_id(IM_END)
+        if im_end is not None:
+            stop.append(im_end)
+        gen_config = _read_json(path / "generation_config.json")
+        stop += _as_id_list(gen_config.get("eos_token_id"), f"{path}/generation_config.json")
+        stop = list(dict.fromkeys(stop))  # unique, order kept
+
+        special = {}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            content = _token_content(tok_config.get(key))
+            if content is not None:
+                special[key] = content
+        return cls(tok, template, stop, special, source=str(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # chat prompts already carry their special tokens as text, so no BOS/EOS is added by default
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self) -> StreamingDetokenizer:
+        return StreamingDetokenizer(self._tok)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs,
+    ) -> str:
+        """Render a conversation to the prompt text (tokenize it with `encode`).
+
+        Args:
+            messages: OpenAI-style messages (`role`, `content`, optional `reasoning_content`, `tool_calls`).
+            tools: JSON schemas of the tools, as the template expects them.
+            add_generation_prompt: end with the opening of an assistant turn.
+            **template_kwargs: template switches such as `enable_thinking` or `reasoning_effort`.
+
+        Returns:
+            The prompt text.
+        """
+        if self._template is None:
+            raise ValueError(
+                f"{self.source}: no chat_template.jinja and no chat_template in tokenizer_config.json"
+            )
+        variables = {**self.special_tokens, **template_kwargs}
+        return self._template.render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
+        )
