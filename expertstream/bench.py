@@ -13,13 +13,20 @@ import sys
 from pathlib import Path
 
 # mode -> module
-MODES: dict[str, str] = {"kernels": "expertstream.bench_kernels"}
+MODES: dict[str, str] = {"kernels": "expertstream.bench_kernels", "decode": "expertstream.bench_runtime"}
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=list(MODES), help="what to measure")
     p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     p.add_argument("--out", type=Path, help="append the table, with date, device and command, to this file")
+    p.add_argument(
+        "--workdir", default="/tmp/expertstream-bench", help="decode: where the synthetic model lives"
+    )
+    p.add_argument("--layers", type=int, default=4, help="decode: full-shape layers to synthesise")
+    p.add_argument("--tokens", type=int, default=32, help="decode: tokens timed per regime")
+    p.add_argument("--gpu-memory-gb", type=float, default=8.0, help="decode: the VRAM budget to emulate")
+    p.add_argument("--max-model-len", type=int, default=32768, help="decode: context the plan reserves")
 
 
 def append_markdown(path: Path, section: str, device: str, table: str) -> None:

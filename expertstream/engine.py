@@ -61,9 +61,10 @@ class Engine:
     Args:
         config: the engine settings; `config.model` is a working directory made by `expertstream setup`.
         control: "none", or a must-break control of the expert bank ("swap-nibbles", "no-experts").
+        vram_cache_blocks: VRAM expert cache size instead of what the memory plan leaves (benchmarks).
     """
 
-    def __init__(self, config: EngineConfig, control: str = "none"):
+    def __init__(self, config: EngineConfig, control: str = "none", vram_cache_blocks: int | None = None):
         t0 = time.perf_counter()
         self.workdir = Workdir(config.model)
         self.args = ModelArgs.from_dict(self.workdir.text_config)
@@ -89,7 +90,9 @@ class Engine:
         )
         if gpu:
             k = self.args.num_experts_per_tok
-            n_slots = self.plan.slots // self.workdir.layout.block_bytes + self.plan.vram_cache_blocks
+            # vram_cache_blocks overrides the plan's cache (the bench emulates the 48-layer model's share)
+            cache = self.plan.vram_cache_blocks if vram_cache_blocks is None else vram_cache_blocks
+            n_slots = self.plan.slots // self.workdir.layout.block_bytes + cache
             self.bank = GpuExperts(self.workdir, self.store, max(n_slots, 2 * k), self.device, control)
         else:
             self.bank = StreamedExperts(self.workdir, self.store, self.dtype, control)

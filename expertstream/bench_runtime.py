@@ -1,0 +1,193 @@
+"""`expertstream bench decode`: decode speed of the streaming runtime against the machine's limits.
+
+On a full-shape synthetic model (real per-layer dims, `--layers` of them) it measures, in the same run, the
+raw O_DIRECT read rate (expert-sized blocks, the engine's thread count) and the pinned host->device rate,
+then decodes in three regimes and reports bytes/token, the bound max(disk, PCIe, GPU) and
+efficiency = bound / actual:
+  vram:  every expert resident in VRAM (GPU-bound: the compute floor)
+  ram:   experts in the pinned RAM cache, VRAM cache sized as the 48-layer 8 GiB plan leaves it (PCIe-bound)
+  disk:  RAM cache = 25% of the expert bytes, the rest read from disk (disk-bound)
+Per-token times are for the bench's layers and scaled to the real 48.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from expertstream.config import EngineConfig
+from expertstream.log import get_logger
+from expertstream.memory_plan import GiB
+
+log = get_logger(__name__)
+# the emulated model: Qwen3.8-Flash-Next's layer count and vocabulary (the synthetic one keeps a tiny vocab)
+REAL_LAYERS = 48
+REAL_VOCAB = 248320
+
+
+def ensure_model(root: Path, layers: int) -> Path:
+    from expertstream.repack import setup_workdir
+    from expertstream.synth import write_synthetic
+
+    snap, work = root / f"full-{layers}", root / f"full-{layers}-wd"
+    if not (work / "manifest.json").exists():
+        if not (snap / "config.json").exists():
+            write_synthetic(snap, preset="full-shape", layers=layers, progress=True)
+        setup_workdir(snap, work, fp8_dense=True)
+    return work
+
+
+def disk_rate(path: Path, block_bytes: int, threads: int, n: int = 256) -> float:
+    """GB/s of O_DIRECT reads of `n` random expert blocks with `threads` readers."""
+    from expertstream.store.reader import BlockReader, alloc_aligned
+
+    reader = BlockReader(path)
+    blocks = path.stat().st_size // block_bytes
+    offsets = (torch.randperm(blocks)[:n] * block_bytes).tolist()
+    bufs = threading.local()
+
+    def read(off):
+        if not hasattr(bufs, "b"):
+            bufs.b = alloc_aligned(block_bytes)
+        reader.read_into(bufs.b, off)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, offsets))
+    dt = time.perf_counter() - t0
+    reader.close()
+    return len(offsets) * block_bytes / dt / 1e9
+
+
+def pcie_rate(nbytes: int = 1 << 30) -> float:
+    """GB/s of one pinned host->device copy."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return 3 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def decode_regime(work: Path, cfg: EngineConfig, vram_cache_blocks: int | None, tokens: int) -> dict:
+    from expertstream.engine import Engine
+
+    eng = Engine(cfg, vram_cache_blocks=vram_cache_blocks)
+    state = eng.new_state()
+    tok = int(eng.forward(state, list(range(1, 17))).argmax())
+    for _ in range(4):  # warm-up: kernels compiled, caches in their steady state
+        tok = int(eng.forward(state, [tok]).argmax())
+    s0, c0 = eng.stats(), dataclasses.replace(eng.bank.cache.stats)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        tok = int(eng.forward(state, [tok]).argmax())
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / tokens
+    s1, c1 = eng.stats(), eng.bank.cache.stats
+    out = {
+        "ms_per_token": dt * 1e3,
+        "disk_bytes_per_token": (s1.bytes_read - s0.bytes_read) / tokens,
+        "pcie_bytes_per_token": (c1.bytes_copied - c0.bytes_copied) / tokens,
+        "vram_hit_rate": (c1.hits - c0.hits) / max(1, c1.requests - c0.requests),
+        "ram_hit_rate": (s1.hits - s0.hits) / max(1, s1.requests - s0.requests),
+        "stall_ms_per_token": (c1.wait_seconds - c0.wait_seconds) / tokens * 1e3,
+    }
+    eng.close()
+    return out
+
+
+def real_model_cache_share(wd, budget_gb: float, max_model_len: int) -> float:
+    """VRAM cache blocks per layer that the 48-layer model's plan leaves under the same budget."""
+    import re
+
+    from expertstream.formats.snapshot import read_header
+    from expertstream.memory_plan import plan_memory
+
+    tc = dict(wd.text_config)
+    types = ["full_attention" if (i + 1) % tc["full_attention_interval"] == 0 else "linear_attention"
+             for i in range(REAL_LAYERS)]  # fmt: skip
+    header = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
+    donor = {t: tc["layer_types"].index(t) for t in set(tc["layer_types"])}  # a bench layer of each type
+    inventory = {n: v for n, v in header.items() if not n.startswith("layers.")}
+    for layer, t in enumerate(types):
+        src = donor["linear_attention" if t == "linear_attention" else tc["layer_types"][3]]
+        for n, v in header.items():
+            m = re.match(rf"layers\.{src}\.(.*)", n)
+            if m and ".ple." not in n:
+                inventory[f"layers.{layer}.{m.group(1)}"] = v
+    inventory.update({n: v for n, v in header.items() if ".ple." in n})
+    for n in ("embed_tokens.weight", "lm_head.weight"):
+        shape, dtype = inventory[n]
+        inventory[n] = ((REAL_VOCAB, shape[1]), dtype)
+    tc.update(num_hidden_layers=REAL_LAYERS, layer_types=types, vocab_size=REAL_VOCAB)
+    plan = plan_memory(tc, inventory, wd.layout.block_bytes, int(budget_gb * GiB * 0.9), max_model_len)
+    return plan.vram_cache_blocks / REAL_LAYERS
+
+
+def run(args) -> int:
+    from expertstream.bench import append_markdown
+    from expertstream.workdir import Workdir
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench decode needs a CUDA GPU")
+    work = ensure_model(Path(args.workdir), args.layers)
+    wd = Workdir(work)
+    block = wd.layout.block_bytes
+    expert_bytes = wd.num_layers * wd.num_experts * block
+    base = EngineConfig(model=str(work), gpu_memory_gb=args.gpu_memory_gb, max_model_len=args.max_model_len)
+    disk = disk_rate(wd.experts_path, block, base.io_threads)
+    pcie = pcie_rate()
+    share = real_model_cache_share(wd, args.gpu_memory_gb, args.max_model_len)
+    vram_blocks = int(share * wd.num_layers)
+    regimes = {
+        "vram": (
+            dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1),
+            wd.num_layers * wd.num_experts,
+        ),
+        "ram": (dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1), vram_blocks),
+        "disk": (dataclasses.replace(base, ram_cache_gb=0.25 * expert_bytes / GiB), vram_blocks),
+    }
+    results = {}
+    for name, (cfg, blocks) in regimes.items():
+        results[name] = decode_regime(work, cfg, blocks, args.tokens)
+        log.info("%s: %s", name, results[name])
+    gpu_ms = results["vram"]["ms_per_token"]
+    rows = [
+        "| regime | ms/token (bench layers) | ms/token x48 | disk MB/token | PCIe MB/token | VRAM hit "
+        "| RAM hit | stall ms | bound ms | efficiency |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        bound = max(r["disk_bytes_per_token"] / disk / 1e6, r["pcie_bytes_per_token"] / pcie / 1e6, gpu_ms)
+        r["bound_ms"], r["efficiency"] = bound, bound / r["ms_per_token"]
+        rows.append(
+            f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] * REAL_LAYERS / wd.num_layers:.1f} | "
+            f"{r['disk_bytes_per_token'] / 1e6:.1f} | {r['pcie_bytes_per_token'] / 1e6:.1f} | "
+            f"{r['vram_hit_rate']:.0%} | {r['ram_hit_rate']:.0%} | {r['stall_ms_per_token']:.2f} | "
+            f"{bound:.2f} | {r['efficiency']:.2f} |"
+        )
+    head = (
+        f"Full-shape synthetic model, {wd.num_layers} layers x {wd.num_experts} experts "
+        f"({block:,} B blocks, top-{wd.text_config['num_experts_per_tok']}, random routing), "
+        f"--gpu-memory-gb {args.gpu_memory_gb}; measured in this run: O_DIRECT {disk:.2f} GB/s "
+        f"({base.io_threads} threads), pinned H2D {pcie:.1f} GB/s; VRAM cache {vram_blocks} blocks "
+        f"({share:.1f} per layer, the 48-layer plan's share).\n\n"
+    )
+    table = head + "\n".join(rows) + "\n"
+    print(table)
+    if args.out:
+        append_markdown(args.out, "Decode", torch.cuda.get_device_name(), table)
+    if args.json:
+        import json
+
+        print(json.dumps({"disk_gbps": disk, "pcie_gbps": pcie, "vram_blocks": vram_blocks, **results}))
+    return 0
