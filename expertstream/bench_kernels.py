@@ -153,3 +153,72 @@ def run(args) -> int:
 
         append_markdown(args.out, "Kernels", device["name"], table(rows, device))
     return 0
+
+
+# ---------------------------------------------------------------- config sweep (device only)
+
+FP8_GEMV_SWEEP = [
+    dict(block_n=bn, block_k=bk, num_warps=nw, split_k=sk)
+    for bn, bk, nw, sk in [
+        (4, 1024, 4, 1), (4, 512, 2, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (2, 1024, 2, 1), (4, 2048, 4, 1),
+        (16, 512, 4, 1),
+    ]
+]  # fmt: skip
+PREFILL_SWEEP = [
+    dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+    for bm, bn, bk, nw, ns in [
+        (16, 64, 32, 4, 4), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3),
+        (128, 64, 64, 8, 3),
+    ]
+]  # fmt: skip
+
+
+def sweep_configs(path: str) -> dict:
+    """Time each candidate config on the real shapes and write the best per shape as tuned_configs.json
+    data ({device name: {kernel: {key: cfg}}}); prints one line per candidate."""
+    import json
+
+    import torch
+    import triton.testing
+
+    from expertstream.kernels import fp8_rows_matmul, nvfp4_moe_prefill
+    from expertstream.kernels.nvfp4_moe import prefill_bucket
+
+    def bench(fn):
+        try:
+            fn()
+            return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+        except Exception as e:  # a config that does not compile (registers, shared memory) is skipped
+            print("   skipped:", str(e).splitlines()[0][:120], flush=True)
+            return float("inf")
+
+    best: dict = {"fp8_gemv": {}, "nvfp4_prefill": {}}
+    for n, k in FP8_SHAPES:
+        q = torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, device="cuda")
+        scale = torch.rand(n, device="cuda")
+        for m in (1,):  # M = 2..4 reuse the M = 1 choice (key without M)
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            res = []
+            for cfg in FP8_GEMV_SWEEP:
+                us = 1e3 * bench(lambda: fp8_rows_matmul(x, q, scale, config=cfg))  # noqa: B023
+                print(f"fp8 M={m} {n}x{k} {cfg} {us:.1f} us", flush=True)
+                res.append((us, cfg))
+            best["fp8_gemv"][f"{n}x{k}"] = min(res, key=lambda r: r[0])[1]
+
+    layout, slots, ws2 = random_bank(EXPERTS)
+    e2s = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
+    for t in (512, 2451, 8192):
+        ids, w = route(t, seed=t)
+        x = torch.randn(t, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        res = []
+        for cfg in PREFILL_SWEEP:
+            us = 1e3 * bench(lambda: nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg))  # noqa: B023
+            print(f"prefill T={t} {cfg} {us:.1f} us", flush=True)
+            res.append((us, cfg))
+        key = f"{HIDDEN}x{INTER}x{prefill_bucket(t * TOPK, EXPERTS)}"
+        best["nvfp4_prefill"][key] = min(res, key=lambda r: r[0])[1]
+    data = {torch.cuda.get_device_name(): best}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(json.dumps(data))
+    return data

@@ -77,10 +77,30 @@ def pcie_rate(nbytes: int = 1 << 30) -> float:
     return 3 * nbytes / (time.perf_counter() - t0) / 1e9
 
 
+def warm_caches(eng, vram: bool) -> None:
+    """Fill the RAM cache (as many blocks as it holds, in random order) and, with `vram`, the VRAM cache,
+    so the timed tokens see the steady state of their regime, not a cold start."""
+    wd = eng.workdir
+    keys = [(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]
+    order = torch.randperm(len(keys)).tolist()[: eng.store.capacity]
+    for i in range(0, len(order), 64):
+        handles = eng.store.request([keys[j] for j in order[i : i + 64]])
+        for h in handles:
+            h.wait()
+            h.release()
+    if vram:
+        step = eng.bank.cache.n_slots // 2
+        for layer in range(wd.num_layers):
+            for i in range(0, wd.num_experts, step):
+                eng.bank.cache.fetch(layer, list(range(i, min(i + step, wd.num_experts))))
+        torch.cuda.synchronize()
+
+
 def decode_regime(work: Path, cfg: EngineConfig, vram_cache_blocks: int | None, tokens: int) -> dict:
     from expertstream.engine import Engine
 
     eng = Engine(cfg, vram_cache_blocks=vram_cache_blocks)
+    warm_caches(eng, vram=vram_cache_blocks >= eng.workdir.num_layers * eng.workdir.num_experts)
     state = eng.new_state()
     tok = int(eng.forward(state, list(range(1, 17))).argmax())
     for _ in range(4):  # warm-up: kernels compiled, caches in their steady state

@@ -56,6 +56,11 @@ def main() -> int:
     ok &= compare(
         f"nvfp4_moe_decode k={TOPK}", got, nvfp4_moe_decode_ref(x.float(), slots, sid, ws2, w[0], layout)
     )
+    same = all(torch.equal(got, nvfp4_moe_decode(x, slots, sid, ws2, w[0], layout)) for _ in range(5))
+    print(
+        f"{'ok  ' if same else 'FAIL'} nvfp4_moe_decode bitwise equal over 6 calls (no atomics)", flush=True
+    )
+    ok &= same
 
     for t in PREFILL_T:
         ids, w = route(t, seed=t)

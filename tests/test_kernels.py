@@ -241,3 +241,65 @@ def test_import_without_triton_and_launchers_raise():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        (2, 37, 132, dict(block_n=4, block_k=32, num_warps=1, split_k=2)),  # int32 words, split K
+        (3, 21, 70, dict(block_n=8, block_k=16, num_warps=2, split_k=3)),  # bytes (K % 4 != 0), split K
+        (4, 33, 256, dict(block_n=16, block_k=64, num_warps=4, split_k=1)),  # words, one pass
+        (4, 19, 200, None),  # default: the tl.dot path for M > 1
+        (1, 19, 200, None),  # default GEMV config for M = 1
+    ],
+)
+def test_fp8_gemv_small_m_matches_ref(dtype, m, n, k, cfg):
+    # the M <= 4 FMA GEMV (configs with split_k): every E4M3 byte but NaN, masked rows, partial last words
+    g = torch.Generator().manual_seed(n * k)
+    q = torch.randint(0, 255, (n, k), dtype=torch.uint8, generator=g)
+    q[(q & 0x7F) == 0x7F] = 0x02
+    scale = torch.rand(n, generator=g) * 0.01
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    q, scale = q.to(DEV), scale.to(DEV)
+    got = fp8_rows_matmul(x, q, scale, config=cfg)
+    assert got.shape == (m, n) and got.dtype == dtype
+    close(got, fp8_rows_matmul_ref(x, q, scale), dtype)
+
+
+def test_decode_is_deterministic(bank):
+    # no atomics: two calls give the same bits
+    layout, slots, ws2 = bank
+    x = torch.randn(layout.hidden_size, device=DEV)
+    ids = torch.tensor([3, 1, 3, 0], dtype=torch.int32, device=DEV)
+    w = torch.rand(4, device=DEV)
+    a = nvfp4_moe_decode(x, slots, ids, ws2, w, layout, block_n=(8, 4), block_g=(2, 2))
+    b = nvfp4_moe_decode(x, slots, ids, ws2, w, layout, block_n=(8, 4), block_g=(2, 2))
+    assert torch.equal(a, b)
+
+
+@triton.jit
+def _decode_words(w_ptr, e4_ptr):
+    # every byte value in every byte position of a 32-bit word
+    i = tl.arange(0, 256)
+    w = tl.load(w_ptr + i).to(tl.uint32, bitcast=True)
+    a, b = codec.e4m3x4_f16(w)
+    a0, a2 = codec.f16x2_halves(a)
+    b1, b3 = codec.f16x2_halves(b)
+    tl.store(e4_ptr + i, a0)
+    tl.store(e4_ptr + 256 + i, b1)
+    tl.store(e4_ptr + 512 + i, a2)
+    tl.store(e4_ptr + 768 + i, b3)
+
+
+def test_e4m3_word_codec_exact_on_every_byte():
+    b = torch.arange(256, dtype=torch.int64)
+    words = (b | (((b + 85) % 256) << 8) | (((b + 170) % 256) << 16) | (((b + 37) % 256) << 24)).to(
+        torch.uint32
+    )
+    e4 = torch.empty(4, 256, device=DEV)
+    _decode_words[(1,)](words.view(torch.int32).to(DEV), e4)
+    raw = words.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    byte = torch.stack([(raw >> (8 * j)) & 255 for j in range(4)]).to(torch.uint8)  # [4, 256], byte j
+    ok = (byte & 0x7F) != 0x7F
+    assert torch.equal((e4.cpu() * codec.E4M3_UNIT)[ok], fp8.e4m3_to_float(byte)[ok])

@@ -127,3 +127,45 @@ def e4m3_f16(b):
 def nvfp4_unit(USE_PTX: tl.constexpr):
     """fp32 factor turning e2m1_pair(...) * e4m3_f16(...) products into true values (a power of two)."""
     return 256.0 if USE_PTX else 4194304.0  # E4M3_UNIT, times E2M1_SOFT_UNIT in software
+
+
+# ---------------------------------------------------------------- tuned configs recorded as data
+
+_TUNED_PATH = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
+_tuned_cache: dict | None = None
+
+
+def tuned_config(kernel: str, device: torch.device, key: str) -> dict | None:
+    """Config picked by the device sweep (tuned_configs.json: {device name: {kernel: {shape key: cfg}}}),
+    or None off CUDA, for unknown devices and shapes (callers then use their shape heuristics)."""
+    global _tuned_cache
+    if device.type != "cuda" or interpreting():
+        return None
+    if _tuned_cache is None:
+        import json
+
+        try:
+            with open(_TUNED_PATH) as f:
+                _tuned_cache = json.load(f)
+        except (OSError, ValueError) as e:
+            log.warning("cannot read %s (%s); using default kernel configs", _TUNED_PATH, e)
+            _tuned_cache = {}
+    cfg = _tuned_cache.get(torch.cuda.get_device_name(device), {}).get(kernel, {}).get(key)
+    return dict(cfg) if cfg else None
+
+
+@jit
+def e4m3x4_f16(w):
+    """uint32 words of 4 E4M3 bytes -> (bytes 0 and 2, bytes 1 and 3) as fp16x2 bit patterns (value * 2^-8,
+    low byte in the low half); 7 integer ops per 4 bytes instead of 5 per byte."""
+    lo = ((w << 8) & 0x80008000) | ((w << 7) & 0x3F803F80)
+    hi = (w & 0x80008000) | ((w >> 1) & 0x3F803F80)
+    return lo, hi
+
+
+@jit
+def f16x2_halves(r):
+    """uint32 fp16x2 bit patterns -> (low half, high half) as fp32 (exact)."""
+    lo = r.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (r >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi

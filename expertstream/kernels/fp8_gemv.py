@@ -1,8 +1,13 @@
 """FP8 row-scaled matrix-vector / small-M matmul for the resident matrices: y = x (q * scale[:, None])^T.
 
 q [N, K] float8_e4m3fn (read as raw bytes), scale [N] float32, x [M, K]. Bytes decode to fp16 holding
-value * 2^-8 (exact, subnormals included), then to the activation dtype (exact for bf16 too: 4 significant
-bits); 2^8 and the row scale are applied on the FP32 accumulator.
+value * 2^-8 (exact, subnormals included); 2^8 and the row scale are applied on the FP32 accumulator.
+- M = 1 (decode, every token; M <= 4 on request): a memory-bound GEMV without tensor cores. Each program owns
+  BLOCK_N rows and streams them in 16-byte loads (int32 words when K % 4 == 0, decoded 4 bytes at a time);
+  FP32 FMAs into one [BLOCK_N, BLOCK_K/4] accumulator per row of x, reduced once at the end. SPLIT_K > 1
+  writes FP32 partials [SPLIT_K, M, N] summed in a fixed order by torch (deterministic, no atomics).
+- larger M: tiles dequantised to the activation dtype (exact for bf16 too: 4 significant bits)
+  and tl.dot.
 """
 
 from __future__ import annotations
@@ -10,7 +15,22 @@ from __future__ import annotations
 import torch
 
 from expertstream.formats.fp8 import dequantize_fp8_rows
-from expertstream.kernels.codec import E4M3_UNIT, cdiv, dot_precision, e4m3_f16, jit, require_triton, tl
+from expertstream.kernels.codec import (
+    E4M3_UNIT,
+    cdiv,
+    dot_precision,
+    e4m3_f16,
+    e4m3x4_f16,
+    f16x2_halves,
+    jit,
+    require_triton,
+    tl,
+    tuned_config,
+)
+
+GEMV_MAX_M = 4  # the GEMV kernel keeps one FMA accumulator per row of x, up to 4 rows
+# used by default only for M = 1: on the H200 (2026-11-30) M = 4 ran 2x slower than the tl.dot path
+GEMV_DEFAULT_M = 1
 
 
 def fp8_rows_matmul_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -18,7 +38,11 @@ def fp8_rows_matmul_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
     return (x.float() @ dequantize_fp8_rows(q, scale).T).to(x.dtype)
 
 
-def _config(m: int, n: int) -> dict:
+def _config(m: int, n: int, k: int, device: torch.device) -> dict:
+    if m <= GEMV_DEFAULT_M:
+        cfg = tuned_config("fp8_gemv", device, f"{n}x{k}x{m}") or tuned_config("fp8_gemv", device, f"{n}x{k}")
+        # default: 4 rows x 1 KiB per step keep ~N/4 programs streaming 16-byte loads
+        return cfg or dict(block_n=4, block_k=1024, num_warps=4, split_k=1)
     # narrow column blocks keep every SM streaming; M rounds up to the 16-row dot minimum (H200 sweep)
     if n <= 4096:
         return dict(block_m=16 if m <= 16 else 64, block_n=16, block_k=128, num_warps=2, num_stages=4)
@@ -34,7 +58,9 @@ def fp8_rows_matmul(
         x: [M, K] activations (fp32 / fp16 / bf16), contiguous.
         q: [N, K] float8_e4m3fn, or its raw uint8 bytes, contiguous.
         scale: [N] float32 row scales.
-        config: block_m, block_n, block_k, num_warps, num_stages (default from the shape).
+        config: GEMV (M <= GEMV_MAX_M): block_n, block_k (a power of two >= 4), num_warps, split_k; tl.dot:
+            block_m, block_n, block_k, num_warps, num_stages. Default: the GEMV for M = 1 (tuned_configs.json
+            for this device and shape, else a heuristic), tl.dot above.
 
     Returns:
         [M, N] in x.dtype.
@@ -49,7 +75,9 @@ def fp8_rows_matmul(
     n = q.shape[0]
     assert q.shape[1] == k, f"q {tuple(q.shape)} does not match x {tuple(x.shape)}"
     assert scale.dtype == torch.float32 and scale.shape == (n,), f"scale {scale.dtype} {tuple(scale.shape)}"
-    cfg = config or _config(m, n)
+    cfg = config or _config(m, n, k, x.device)
+    if "split_k" in cfg and m <= GEMV_MAX_M:  # a GEMV config (the default one for M = 1, or explicit)
+        return _gemv(x, q, scale, cfg)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (cdiv(n, cfg["block_n"]), cdiv(m, cfg["block_m"]))
     _fp8_rows_kernel[grid](
@@ -82,3 +110,93 @@ def _fp8_rows_kernel(
     s = tl.load(scale_ptr + n, mask=nmask, other=0.0) * UNIT
     out = (acc * s[None, :]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + m[:, None] * N + n[None, :], out, mask=mmask[:, None] & nmask[None, :])
+
+
+def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: dict) -> torch.Tensor:
+    m, k = x.shape
+    n = q.shape[0]
+    bk, split = cfg["block_k"], cfg.get("split_k", 1)
+    words = k % 4 == 0 and q.data_ptr() % 4 == 0  # 4-byte words need aligned rows
+    qv = q.view(torch.uint8)
+    if words:
+        qv = qv.view(torch.int32)
+    k_split = cdiv(cdiv(k, split), bk) * bk  # columns per split, whole BLOCK_K steps (disjoint ranges)
+    split = cdiv(k, k_split)
+    bm = 1 << max(0, (m - 1).bit_length())
+    dst = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    _fp8_gemv_kernel[(cdiv(n, cfg["block_n"]), split)](
+        x, qv, scale, dst, m, n, K=k, K_SPLIT=k_split, UNIT=E4M3_UNIT, BLOCK_M=bm, BLOCK_N=cfg["block_n"],
+        BLOCK_K=bk, WORDS=words, num_warps=cfg["num_warps"], num_stages=1,
+    )  # fmt: skip
+    return dst[0] if split == 1 else dst.sum(0).to(x.dtype)  # fixed-order sum: deterministic
+
+
+@jit
+def _x_words(x_ptr, mrow, M, K: tl.constexpr, w0, c0, c1, c2, c3, BW: tl.constexpr):
+    # sum over the 4 columns of each word of x[mrow, 4i + j] * c_j, [BN, BW]; zero past M. x is loaded
+    # contiguously ([4 BW]) and split in registers, so the compiler keeps the weights' vectorised layout.
+    kk = 4 * w0 + tl.arange(0, 4 * BW)
+    xv = tl.load(x_ptr + mrow * K + kk, mask=kk < tl.where(mrow < M, K, 0), other=0.0).to(tl.float32)
+    ev, od = tl.split(tl.reshape(xv, [BW, 2, 2]))  # [BW, 2]: (x[4i], x[4i+2]), (x[4i+1], x[4i+3])
+    x0, x2 = tl.split(ev)
+    x1, x3 = tl.split(od)
+    return x0[None, :] * c0 + x1[None, :] * c1 + x2[None, :] * c2 + x3[None, :] * c3
+
+
+@jit
+def _fp8_gemv_kernel(
+    x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr, UNIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
+):  # fmt: skip
+    # program (n block, k split): out[split, m, n] = scale[n] UNIT sum_{k in split} x[m, k] q[n, k] / UNIT.
+    # One 2-D [BN, BW] accumulator per token row (BLOCK_M <= 4): a 3-D tile would push every decoded weight
+    # through shared memory. K constexpr: the static loop unrolls so the row loads of all steps overlap.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    rows = n.to(tl.int64)[:, None]
+    BW: tl.constexpr = BLOCK_K // 4 if WORDS else BLOCK_K
+    acc0 = tl.zeros([BLOCK_N, BW], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BW], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BW], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BW], tl.float32)
+    if WORDS:
+        # q as int32 words [N, K/4]: word i holds columns 4i..4i+3 (byte 0 lowest)
+        for k0 in tl.static_range(0, K_SPLIT // 4, BW):
+            # word offsets from pid * constexpr keep the divisibility that 16-byte vector loads need
+            w0 = tl.program_id(1) * (K_SPLIT // 4) + k0
+            wi = w0 + tl.arange(0, BW)
+            wmask = wi < K // 4
+            w = tl.load(q_ptr + rows * (K // 4) + wi[None, :], mask=nmask[:, None] & wmask[None, :], other=0)
+            lo, hi = e4m3x4_f16(w.to(tl.uint32, bitcast=True))
+            c0, c2 = f16x2_halves(lo)
+            c1, c3 = f16x2_halves(hi)
+            acc0 += _x_words(x_ptr, 0, M, K, w0, c0, c1, c2, c3, BW)
+            if BLOCK_M > 1:
+                acc1 += _x_words(x_ptr, 1, M, K, w0, c0, c1, c2, c3, BW)
+            if BLOCK_M > 2:
+                acc2 += _x_words(x_ptr, 2, M, K, w0, c0, c1, c2, c3, BW)
+                acc3 += _x_words(x_ptr, 3, M, K, w0, c0, c1, c2, c3, BW)
+    else:
+        for k0 in tl.static_range(0, K_SPLIT, BW):
+            kk = tl.program_id(1) * K_SPLIT + k0 + tl.arange(0, BW)
+            kmask = kk < K
+            b = tl.load(q_ptr + rows * K + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+            c = e4m3_f16(b).to(tl.float32)
+            acc0 += tl.load(x_ptr + kk[None, :], mask=kmask[None, :], other=0.0).to(tl.float32) * c
+            if BLOCK_M > 1:
+                xm = kk[None, :] < tl.where(M > 1, K, 0)
+                acc1 += tl.load(x_ptr + K + kk[None, :], mask=xm, other=0.0).to(tl.float32) * c
+            if BLOCK_M > 2:
+                xm = kk[None, :] < tl.where(M > 2, K, 0)
+                acc2 += tl.load(x_ptr + 2 * K + kk[None, :], mask=xm, other=0.0).to(tl.float32) * c
+                xm = kk[None, :] < tl.where(M > 3, K, 0)
+                acc3 += tl.load(x_ptr + 3 * K + kk[None, :], mask=xm, other=0.0).to(tl.float32) * c
+    s = tl.load(scale_ptr + n, mask=nmask, other=0.0) * UNIT
+    dst = out_ptr + tl.program_id(1) * M * N + n
+    ty = out_ptr.dtype.element_ty
+    tl.store(dst, (tl.sum(acc0, axis=1) * s).to(ty), mask=nmask)
+    if BLOCK_M > 1:
+        tl.store(dst + N, (tl.sum(acc1, axis=1) * s).to(ty), mask=n < tl.where(M > 1, N, 0))
+    if BLOCK_M > 2:
+        tl.store(dst + 2 * N, (tl.sum(acc2, axis=1) * s).to(ty), mask=n < tl.where(M > 2, N, 0))
+        tl.store(dst + 3 * N, (tl.sum(acc3, axis=1) * s).to(ty), mask=n < tl.where(M > 3, N, 0))

@@ -25,6 +25,7 @@ from expertstream.kernels.codec import (
     nvfp4_unit,
     require_triton,
     tl,
+    tuned_config,
 )
 
 
@@ -204,7 +205,17 @@ def nvfp4_moe_prefill_ref(
     return out.to(x.dtype)
 
 
-def _prefill_config(num_pairs: int, num_slots: int) -> dict:
+def prefill_bucket(num_pairs: int, num_slots: int) -> str:
+    """Tuning key: mean pairs per touched slot, bucketed (decides how full BLOCK_M tiles are)."""
+    per_slot = num_pairs / max(1, min(num_slots, num_pairs))
+    return "ps16" if per_slot <= 16 else "ps64" if per_slot <= 64 else "psbig"
+
+
+def _prefill_config(num_pairs: int, num_slots: int, layout: ExpertLayout, device: torch.device) -> dict:
+    key = f"{layout.hidden_size}x{layout.intermediate_size}x{prefill_bucket(num_pairs, num_slots)}"
+    tuned = tuned_config("nvfp4_prefill", device, key)
+    if tuned:
+        return tuned
     # rows per tile follow the mean pairs per touched slot (padding rows cost tensor-core work);
     # picked by the H200 sweep of docs/kernels.md
     per_slot = num_pairs / max(1, min(num_slots, num_pairs))
@@ -279,7 +290,7 @@ def nvfp4_moe_prefill(
     t, k = expert_ids.shape
     h_size, i_size, s = layout.hidden_size, layout.intermediate_size, slots.shape[0]
     p = t * k
-    cfg = config or _prefill_config(p, s)
+    cfg = config or _prefill_config(p, s, layout, x.device)
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     pair_ids, tile_slot = sort_pairs(expert_to_slot[expert_ids.reshape(-1).long()].long(), s, bm)
     nt = tile_slot.numel()

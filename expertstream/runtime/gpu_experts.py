@@ -8,26 +8,34 @@ pairs run through the grouped tensor-core kernel and are summed into [T, H].
 
 from __future__ import annotations
 
+import mmap
+import weakref
+
 import torch
 
 from expertstream.formats.expert_block import PROJ
 from expertstream.kernels import nvfp4_moe
 from expertstream.log import get_logger
 from expertstream.runtime.vram_cache import VramExpertCache
-from expertstream.store.reader import alloc_aligned
 
 log = get_logger(__name__)
 
 
 def pinned_alloc(nbytes: int) -> torch.Tensor:
-    """Page-aligned host memory registered with CUDA, so O_DIRECT reads land where DMA copies start."""
-    buf = alloc_aligned(nbytes)
+    """Page-aligned host memory registered with CUDA, so O_DIRECT reads land where DMA copies start.
+
+    The registration is dropped before the mapping is freed: a later mapping at the same address must not
+    inherit a stale registration (cudaErrorHostMemoryAlreadyRegistered).
+    """
+    mm = mmap.mmap(-1, max(nbytes, 1))  # anonymous mappings are page-aligned; the tensor keeps `mm` alive
+    buf = torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
     if nbytes and torch.cuda.is_available():
-        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        cudart, ptr = torch.cuda.cudart(), buf.data_ptr()
+        err = cudart.cudaHostRegister(ptr, nbytes, 0)
         if int(err) != 0:
-            log.warning(
-                "cudaHostRegister of %d bytes failed (%s): host->device copies will be staged", nbytes, err
-            )
+            log.warning("cudaHostRegister of %d B failed (%s): copies will be staged", nbytes, err)
+        else:
+            weakref.finalize(mm, cudart.cudaHostUnregister, ptr)
     return buf
 
 
