@@ -69,7 +69,7 @@ class Engine:
         self.workdir = Workdir(config.model)
         self.args = ModelArgs.from_dict(self.workdir.text_config)
         if config.max_model_len > self.args.max_position_embeddings:
-            log.warning(
+            log.info(
                 "max_model_len %d clamped to the model's max_position_embeddings %d",
                 config.max_model_len,
                 self.args.max_position_embeddings,
