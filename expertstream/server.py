@@ -437,6 +437,30 @@ def _template_kwargs(req: ChatCompletionRequest, thinking: bool) -> dict:
     return kwargs
 
 
+def _forced_tool_prefix(choice, tools: list[dict], in_reasoning: bool) -> str:
+    """Text the reply is made to start with so that tool_choice "required" or a named function holds.
+
+    The model then writes only the rest of the Qwen XML call (the function name, or its parameters).
+    """
+    if choice in (None, "auto", "none"):
+        return ""
+    close = "</think>\n\n" if in_reasoning else ""  # a forced call ends the (empty) reasoning first
+    if choice == "required":
+        return close + "<tool_call>\n<function="
+    named = isinstance(choice, dict) and choice.get("type") == "function"
+    function = choice.get("function") if named else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if isinstance(name, str):
+        known = {t["function"]["name"] for t in tools}
+        if name not in known:
+            msg = f"tool_choice names {name!r}, not one of {sorted(known)}"
+            raise APIError(400, msg, param="tool_choice")
+        return close + f"<tool_call>\n<function={name}>\n"
+    raise APIError(
+        400, f"tool_choice must be none, auto, required or a function, got {choice!r}", param="tool_choice"
+    )
+
+
 def _render(tokenizer, render: Callable[[], str]) -> tuple[str, list[int]]:
     """Render and tokenize; a template or text error is the request's fault (400)."""
     try:
@@ -663,13 +687,15 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
         prompt, ids = await run_in_threadpool(
             _render, tokenizer, lambda: tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
         )
+        in_reasoning = prompt_ends_in_reasoning(prompt)
+        forced = _forced_tool_prefix(req.tool_choice, tools, in_reasoning) if parse_tools else ""
+        ids = ids + tokenizer.encode(forced) if forced else ids
         want_logprobs = bool(req.logprobs)
         params = sampling(
             req, len(ids), req.max_completion_tokens or req.max_tokens, want_logprobs, req.top_logprobs or 0
         )
-        out = _ChatOutput(
-            tokenizer, prompt_ends_in_reasoning(prompt), tools, settings.reasoning_field, want_logprobs
-        )
+        out = _ChatOutput(tokenizer, in_reasoning, tools, settings.reasoning_field, want_logprobs)
+        forced_deltas = out.feed(forced) if forced else []  # e.g. the forced call's name
         job = submit(ids, params, "chat")
         chat_id = new_id("chatcmpl")
 
@@ -694,6 +720,8 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
                 if not started:
                     started = True
                     yield chunk(DeltaMessage(role="assistant", content=""))
+                    for delta in forced_deltas:
+                        yield chunk(delta)
                 if ev[0] == "token":
                     last = ev[1]
                     lp = out.token_logprobs(last)

@@ -701,3 +701,31 @@ def test_cli_serves_a_workdir(tiny_workdir, tmp_path):
         proc.terminate()
         proc.wait(10)
         log.close()
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_tool_choice_required_and_named_force_a_call(fake, thinking):
+    model = "fake-thinking" if thinking else "fake"
+    # the reply is forced to open the call: the model only writes the rest of the XML
+    fake.engine.configure(script=CALL.removeprefix("<tool_call>\n<function="))
+    r = fake.client.chat.completions.create(model=model, messages=USER, tools=TOOLS, tool_choice="required")
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+
+    fake.engine.configure(script=CALL.removeprefix("<tool_call>\n<function=get_weather>\n"))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    _, _, finish, calls = stream_parts(
+        fake.client.chat.completions.create(
+            model=model, messages=USER, tools=TOOLS, tool_choice=named, stream=True
+        )
+    )
+    assert finish == "tool_calls" and [c.function.name for c in calls if c.function.name] == ["get_weather"]
+
+    with pytest.raises(openai.BadRequestError, match="not one of"):
+        fake.client.chat.completions.create(
+            model=model,
+            messages=USER,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
