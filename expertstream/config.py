@@ -12,10 +12,12 @@ class EngineConfig:
     model: str = field(default="", metadata={"help": "working directory made by `expertstream setup`"})
     device: str = field(default="auto", metadata={"help": "cuda, cpu or auto (cuda when available)"})
     dtype: str = field(
-        default="auto", metadata={"help": "activation dtype: auto (bf16 on cuda, fp32 on cpu), bfloat16, float32"}
+        default="auto",
+        metadata={"help": "activation dtype: auto (bf16 on cuda, fp32 on cpu), bfloat16, float32"},
     )
     max_model_len: int = field(
-        default=32768, metadata={"help": "context length in tokens (KV and indexer keys are preallocated for it)"}
+        default=32768,
+        metadata={"help": "context length in tokens (KV and indexer keys are preallocated for it)"},
     )
     gpu_memory_gb: float | None = field(
         default=None, metadata={"help": "VRAM budget the engine enforces on itself (default: the whole GPU)"}
@@ -24,9 +26,12 @@ class EngineConfig:
         default=0.9, metadata={"help": "fraction of the GPU (or of --gpu-memory-gb) the engine may use"}
     )
     ram_cache_gb: float = field(
-        default=4.0, metadata={"help": "pinned-RAM expert cache in GiB (llama.cpp's closest word: --moe-cache-mib)"}
+        default=4.0,
+        metadata={"help": "pinned-RAM expert cache in GiB (llama.cpp's closest word: --moe-cache-mib)"},
     )
-    io_threads: int = field(default=16, metadata={"help": "O_DIRECT reader threads (about the drive's queue depth)"})
+    io_threads: int = field(
+        default=16, metadata={"help": "O_DIRECT reader threads (about the drive's queue depth)"}
+    )
     enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
     kernels: str = field(
         default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"}

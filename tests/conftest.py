@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-# Triton kernels run in the interpreter on CPU-only machines; must be set before any kernel module imports triton.
+# Triton kernels run in the interpreter on CPU-only machines (set before any kernel module imports triton).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

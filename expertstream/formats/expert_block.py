@@ -3,7 +3,8 @@
 Layout (H = hidden_size, I = moe_intermediate_size), raw row-major copies of the checkpoint tensors:
   gate_proj.weight  u8   [I, H/2]  | up_proj.weight  u8 [I, H/2] | down_proj.weight u8 [H, I/2]
   gate_proj.weight_scale e4m3 [I, H/16] | up_proj.weight_scale [I, H/16] | down_proj.weight_scale [H, I/16]
-then zero padding to a multiple of ALIGN bytes. Real dims: 3 x 819,200 + 3 x 102,400 = 2,764,800 B = 675 pages.
+then zero padding to a multiple of ALIGN bytes.
+Real dims: 3 x 819,200 + 3 x 102,400 = 2,764,800 B = 675 pages.
 The FP32 `weight_scale_2` scalars live beside the blocks ([L, E, 3] gate, up, down), not inside them.
 One block = one O_DIRECT read = one host->device copy; kernels read codes and scales straight from it.
 """
@@ -75,7 +76,10 @@ class ExpertLayout:
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "block_bytes": self.block_bytes,
-            "parts": [{"name": p.name, "offset": p.offset, "shape": list(p.shape), "dtype": p.dtype} for p in self.parts],
+            "parts": [
+                {"name": p.name, "offset": p.offset, "shape": list(p.shape), "dtype": p.dtype}
+                for p in self.parts
+            ],
         }
 
     @classmethod
@@ -89,7 +93,9 @@ class ExpertLayout:
     def views(self, block: torch.Tensor) -> dict[str, torch.Tensor]:
         """Zero-copy views of one block ([block_bytes] uint8) as its six raw uint8 tensors."""
         if block.dtype != torch.uint8 or block.numel() < self.payload_bytes:
-            raise ValueError(f"expected a uint8 block of {self.block_bytes} bytes, got {block.dtype} {block.numel()}")
+            raise ValueError(
+                f"expected a uint8 block of {self.block_bytes} bytes, got {block.dtype} {block.numel()}"
+            )
         return {p.name: block[p.offset : p.offset + p.nbytes].view(p.shape) for p in self.parts}
 
     def pack(self, tensors: dict[str, torch.Tensor]) -> bytes:

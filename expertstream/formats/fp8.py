@@ -54,7 +54,9 @@ def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return float_to_e4m3(wf / scale[:, None]), scale
 
 
-def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8_rows(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of `quantize_fp8_rows`: q [N, K] e4m3 (or raw uint8), scale [N] float32 -> [N, K] dtype."""
     return (e4m3_to_float(q) * scale.float()[:, None]).to(dtype)
 

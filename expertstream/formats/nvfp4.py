@@ -77,7 +77,9 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     return code | ((x < 0).to(torch.uint8) << 3)
 
 
-def quantize(w: torch.Tensor, weight_scale_2: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(
+    w: torch.Tensor, weight_scale_2: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize as ModelOpt does.
 
     Args:
