@@ -127,28 +127,14 @@ def decode_regime(work: Path, cfg: EngineConfig, vram_cache_blocks: int | None, 
 
 def real_model_cache_share(wd, budget_gb: float, max_model_len: int) -> float:
     """VRAM cache blocks per layer that the 48-layer model's plan leaves under the same budget."""
-    import re
-
-    from expertstream.formats.snapshot import read_header
+    from expertstream.inventory import resident_spec
     from expertstream.memory_plan import plan_memory
 
     tc = dict(wd.text_config)
-    types = ["full_attention" if (i + 1) % tc["full_attention_interval"] == 0 else "linear_attention"
-             for i in range(REAL_LAYERS)]  # fmt: skip
-    header = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
-    donor = {t: tc["layer_types"].index(t) for t in set(tc["layer_types"])}  # a bench layer of each type
-    inventory = {n: v for n, v in header.items() if not n.startswith("layers.")}
-    for layer, t in enumerate(types):
-        src = donor["linear_attention" if t == "linear_attention" else tc["layer_types"][3]]
-        for n, v in header.items():
-            m = re.match(rf"layers\.{src}\.(.*)", n)
-            if m and ".ple." not in n:
-                inventory[f"layers.{layer}.{m.group(1)}"] = v
-    inventory.update({n: v for n, v in header.items() if ".ple." in n})
-    for n in ("embed_tokens.weight", "lm_head.weight"):
-        shape, dtype = inventory[n]
-        inventory[n] = ((REAL_VOCAB, shape[1]), dtype)
+    interval = tc["full_attention_interval"]
+    types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(REAL_LAYERS)]
     tc.update(num_hidden_layers=REAL_LAYERS, layer_types=types, vocab_size=REAL_VOCAB)
+    inventory = {name: (shape, dtype) for name, (dtype, shape) in resident_spec(tc).items()}
     plan = plan_memory(tc, inventory, wd.layout.block_bytes, int(budget_gb * GiB * 0.9), max_model_len)
     return plan.vram_cache_blocks / REAL_LAYERS
 

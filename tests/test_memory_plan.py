@@ -1,5 +1,6 @@
 import pytest
 
+from expertstream.inventory import resident_spec
 from expertstream.memory_plan import GiB, MemoryPlanError, plan_memory
 
 BLOCK = 2_764_800
@@ -32,47 +33,15 @@ def real_text_config():
         indexer_head_dim=128,
         indexer_compress_ratio=4,
         vocab_size=248320,
+        indexer_n_heads=4,
+        ple_embed_dim=2560,
+        heads_per_ngram=8,
     )
 
 
 def real_resident():
-    """The shipped model's resident tensors (checkpoint doc section 4), BF16."""
-    inv = {"embed_tokens.weight": ((248320, 2560), "BF16"), "lm_head.weight": ((248320, 2560), "BF16")}
-    hc = {
-        "hc_norm.weight": (10240,),
-        "input_mix_weight_down.weight": (320, 10240),
-        "input_mix_weight_up.weight": (10240, 320),
-        "block_inject_weight.weight": (4, 10240),
-    }
-    for n, s in hc.items():
-        if n != "block_inject_weight.weight":
-            inv[f"hyper_connection_mixer.{n}"] = (s, "BF16")
-    for L, t in enumerate(real_text_config()["layer_types"]):
-        p = f"layers.{L}."
-        for mod in ("attn_hyper_connection", "mlp_hyper_connection"):
-            for n, s in hc.items():
-                inv[f"{p}{mod}.{n}"] = (s, "BF16")
-        inv[p + "mlp.gate.weight"] = ((512, 2560), "BF16")
-        inv[p + "mlp.shared_expert.gate_proj.weight"] = ((640, 2560), "BF16")
-        inv[p + "mlp.shared_expert.up_proj.weight"] = ((640, 2560), "BF16")
-        inv[p + "mlp.shared_expert.down_proj.weight"] = ((2560, 640), "BF16")
-        inv[p + "mlp.shared_expert_gate.weight"] = ((1, 2560), "BF16")
-        if t == "linear_attention":
-            inv[p + "linear_attn.in_proj_qkv.weight"] = ((10240, 2560), "BF16")
-            inv[p + "linear_attn.in_proj_z.weight"] = ((6144, 2560), "BF16")
-            inv[p + "linear_attn.in_proj_b.weight"] = ((48, 2560), "BF16")
-            inv[p + "linear_attn.in_proj_a.weight"] = ((48, 2560), "BF16")
-            inv[p + "linear_attn.out_proj.weight"] = ((2560, 6144), "BF16")
-            inv[p + "linear_attn.conv1d.weight"] = ((10240, 1, 4), "BF16")
-        else:
-            inv[p + "self_attn.q_proj.weight"] = ((12288, 2560), "BF16")
-            inv[p + "self_attn.k_proj.weight"] = ((512, 2560), "BF16")
-            inv[p + "self_attn.v_proj.weight"] = ((512, 2560), "BF16")
-            inv[p + "self_attn.o_proj.weight"] = ((2560, 6144), "BF16")
-            inv[p + "self_attn.indexer.index_qk_proj.weight"] = ((640, 2560), "BF16")
-    inv["layers.1.ple.key_proj.weight"] = ((10240, 2560), "BF16")
-    inv["layers.1.ple.value_proj.weight"] = ((2560, 2560), "BF16")
-    return inv
+    """The shipped model's resident tensors, as setup expects them (inventory.resident_spec), BF16."""
+    return {name: (shape, dtype) for name, (dtype, shape) in resident_spec(real_text_config()).items()}
 
 
 def test_8gib_plan_holds_the_real_model_with_32k_context():
