@@ -15,18 +15,12 @@ import sys
 from expertstream.config import EngineConfig
 from expertstream.default_model import resolve_model
 from expertstream.generate import SamplingParams, stream_generate
-from expertstream.generate_cli import stats_line
+from expertstream.generate_cli import add_chat_and_sampling_args, stats_line
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_args(p)
-    p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--no-think", action="store_true", help="render with enable_thinking=false")
-    p.add_argument("--max-tokens", type=int, default=1024, help="most tokens per reply (default: 1024)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0, off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="relative probability floor (default: 0, off)")
+    add_chat_and_sampling_args(p, max_tokens=1024)
     p.add_argument("--stats", action="store_true", help="print the stats line after each reply")
 
 

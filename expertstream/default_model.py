@@ -1,8 +1,8 @@
 """The model used when no WORKDIR is given: prepared once into the cache directory, reused afterwards.
 
-A snapshot shipped at `expertstream/assets/demo-snapshot` is set up into `<cache>/demo`; until one ships,
-`synth --preset tiny` is written to `<cache>/tiny-snapshot` and set up into `<cache>/tiny`. The cache is
-$EXPERTSTREAM_CACHE or ~/.cache/expertstream.
+The demo snapshot shipped at `expertstream/assets/demo-snapshot` is set up into `<cache>/demo` and set up
+again when the shipped one changes (a package upgrade). The cache is $EXPERTSTREAM_CACHE or
+~/.cache/expertstream.
 """
 
 from __future__ import annotations
@@ -38,24 +38,19 @@ def default_workdir() -> Path:
 
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    shipped = (DEMO_SNAPSHOT / "config.json").is_file()
-    workdir = cache / ("demo" if shipped else "tiny")
+    if not (DEMO_SNAPSHOT / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the bundled demo model is missing from {DEMO_SNAPSHOT}: reinstall expertstream"
+        )
+    workdir = cache / "demo"
     # one builder at a time; the others wait here and then find the manifest
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (workdir / MANIFEST).is_file() and not (shipped and _stale(workdir)):
+        if (workdir / MANIFEST).is_file() and not _stale(workdir):
             log.info("default model: %s", workdir)
             return workdir
-        if shipped:
-            snapshot = DEMO_SNAPSHOT
-        else:
-            from expertstream.synth import write_synthetic
-
-            snapshot = cache / "tiny-snapshot"
-            log.info("no demo model is bundled yet: writing the tiny synthetic model to %s", snapshot)
-            write_synthetic(snapshot, preset="tiny", seed=0)
-        log.info("setting up the default model %s -> %s (once)", snapshot, workdir)
-        setup_workdir(snapshot, workdir, progress=False)
+        log.info("setting up the default model %s -> %s (once)", DEMO_SNAPSHOT, workdir)
+        setup_workdir(DEMO_SNAPSHOT, workdir, progress=False)
     return workdir
 
 

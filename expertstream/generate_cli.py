@@ -21,15 +21,24 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
     )
-    p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--no-think", action="store_true", help="with --chat: render with enable_thinking=false")
-    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    add_chat_and_sampling_args(p, max_tokens=256)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="one JSON object per token instead of text")
+
+
+def add_chat_and_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The chat-template and sampling flags shared by `generate` and `chat`."""
+    p.add_argument("--system", default=None, help="system message (chat template)")
+    p.add_argument(
+        "--no-think", action="store_true", help="render the chat template with enable_thinking=false"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help=f"most tokens per reply (default: {max_tokens})"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0, off)")
     p.add_argument("--min-p", type=float, default=0.0, help="relative probability floor (default: 0, off)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--json", action="store_true", help="one JSON object per token instead of text")
 
 
 def stats_line(r: GenerationResponse) -> str:

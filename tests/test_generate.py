@@ -358,9 +358,9 @@ def test_default_model_is_built_once(tmp_path, monkeypatch):
 
     monkeypatch.setenv("EXPERTSTREAM_CACHE", str(tmp_path))
     assert resolve_model("/some/workdir") == "/some/workdir"
-    first = resolve_model("")
-    manifest = tmp_path / "tiny" / "manifest.json"
-    assert first == str(tmp_path / "tiny") and manifest.is_file()
+    first = resolve_model("")  # the shipped demo model
+    manifest = tmp_path / "demo" / "manifest.json"
+    assert first == str(tmp_path / "demo") and manifest.is_file()
     stamp = manifest.stat().st_mtime_ns
     assert resolve_model("") == first and manifest.stat().st_mtime_ns == stamp
 
