@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# Below this temperature a draw is the argmax (its limit); dividing float32 logits by a smaller number
+# overflows or, under float32's smallest subnormal, divides by zero and poisons the softmax with NaN.
+GREEDY_BELOW = 1e-5
+
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """One generator per request, so a seeded request repeats exactly whatever else runs."""
@@ -47,8 +51,8 @@ def sample(
     min_p: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> int:
-    """Pick the next token from logits [V]: argmax when temperature == 0, else a filtered draw."""
-    if temperature == 0.0:
+    """Pick the next token from logits [V]: argmax when temperature is (about) 0, else a filtered draw."""
+    if temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

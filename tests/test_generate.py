@@ -111,6 +111,10 @@ def test_extreme_temperatures_stay_valid():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(1)) * 30
     gen = make_generator(0)
     assert sample(logits, 1e-30, generator=gen) == int(logits.argmax())
+    # below float32's smallest subnormal the divisor rounds to 0: still the argmax, never a NaN draw
+    assert (
+        sample(logits, 1e-46, generator=gen) == sample(logits, 5e-324, generator=gen) == int(logits.argmax())
+    )
     # an enormous temperature flattens the distribution: many tokens are drawn, none invalid
     draws = {sample(logits, 1e30, top_p=0.5, min_p=0.01, generator=gen) for _ in range(50)}
     assert len(draws) > 5 and all(0 <= t < 50 for t in draws)
@@ -127,6 +131,8 @@ def test_logprobs_are_log_softmax():
 def test_sampling_params_reject_bad_values():
     for bad in (
         {"temperature": -1},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
         {"top_p": 0},
         {"min_p": 1},
         {"top_k": -1},
