@@ -13,7 +13,11 @@ import sys
 from pathlib import Path
 
 # mode -> module
-MODES: dict[str, str] = {"kernels": "expertstream.bench_kernels", "decode": "expertstream.bench_runtime"}
+MODES: dict[str, str] = {
+    "kernels": "expertstream.bench_kernels",
+    "decode": "expertstream.bench_runtime",
+    "prefill": "expertstream.bench_prefill",
+}
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -23,10 +27,28 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workdir", default="/tmp/expertstream-bench", help="decode: where the synthetic model lives"
     )
-    p.add_argument("--layers", type=int, default=4, help="decode: full-shape layers to synthesise")
+    p.add_argument("--layers", type=int, default=4, help="decode, prefill: full-shape layers to synthesise")
     p.add_argument("--tokens", type=int, default=32, help="decode: tokens timed per regime")
-    p.add_argument("--gpu-memory-gb", type=float, default=8.0, help="decode: the VRAM budget to emulate")
-    p.add_argument("--max-model-len", type=int, default=32768, help="decode: context the plan reserves")
+    p.add_argument(
+        "--gpu-memory-gb", type=float, default=8.0, help="decode, prefill: the VRAM budget to emulate"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=32768, help="decode, prefill: context the plan reserves"
+    )
+    p.add_argument(
+        "--prompts", type=int, nargs="+", help="prefill: prompt lengths in tokens (default: 2451 32768)"
+    )
+    p.add_argument(
+        "--no-speculation", action="store_true", help="decode, prefill: run the engine without speculation"
+    )
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="decode, prefill: also time transformers + accelerate offloading (bf16, disk offload) per layer",
+    )
+    p.add_argument(
+        "--baseline-layers", type=int, default=2, help="layers of the baseline's model (its own snapshot)"
+    )
 
 
 def append_markdown(path: Path, section: str, device: str, table: str) -> None:

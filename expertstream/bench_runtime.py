@@ -7,7 +7,10 @@ efficiency = bound / actual:
   vram:  every expert resident in VRAM (GPU-bound: the compute floor)
   ram:   experts in the pinned RAM cache, VRAM cache sized as the 48-layer 8 GiB plan leaves it (PCIe-bound)
   disk:  RAM cache = 25% of the expert bytes, the rest read from disk (disk-bound)
-Per-token times are for the bench's layers and scaled to the real 48.
+Per-token times are for the bench's layers and scaled to the real 48. Each regime also reports the
+next-layer guesses (hit rate, wasted MB/token), the bank's host syncs per token, every synchronising CUDA
+call per token (torch's sync debug mode, over two extra tokens), and whether its greedy tokens equal the
+first regime's. --baseline adds transformers + accelerate offloading (expertstream/bench_baseline.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -96,6 +100,18 @@ def warm_caches(eng, vram: bool) -> None:
         torch.cuda.synchronize()
 
 
+def count_cuda_syncs(fn) -> int:
+    """Synchronising CUDA calls torch reports while fn() runs (torch.cuda.set_sync_debug_mode)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def decode_regime(work: Path, cfg: EngineConfig, vram_cache_blocks: int | None, tokens: int) -> dict:
     from expertstream.engine import Engine
 
@@ -106,23 +122,60 @@ def decode_regime(work: Path, cfg: EngineConfig, vram_cache_blocks: int | None, 
     for _ in range(4):  # warm-up: kernels compiled, caches in their steady state
         tok = int(eng.forward(state, [tok]).argmax())
     s0, c0 = eng.stats(), dataclasses.replace(eng.bank.cache.stats)
+    generated = []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(tokens):
         tok = int(eng.forward(state, [tok]).argmax())
+        generated.append(tok)
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / tokens
     s1, c1 = eng.stats(), eng.bank.cache.stats
+    last = generated[-1]
+    all_syncs = count_cuda_syncs(lambda: [eng.forward(state, [last]).argmax() for _ in range(2)]) / 2
     out = {
+        "tokens": generated,
         "ms_per_token": dt * 1e3,
         "disk_bytes_per_token": (s1.bytes_read - s0.bytes_read) / tokens,
         "pcie_bytes_per_token": (c1.bytes_copied - c0.bytes_copied) / tokens,
         "vram_hit_rate": (c1.hits - c0.hits) / max(1, c1.requests - c0.requests),
         "ram_hit_rate": (s1.hits - s0.hits) / max(1, s1.requests - s0.requests),
         "stall_ms_per_token": (c1.wait_seconds - c0.wait_seconds) / tokens * 1e3,
+        "spec_hit_rate": (s1.spec_used - s0.spec_used) / max(1, s1.spec_issued - s0.spec_issued),
+        "spec_wasted_bytes_per_token": (s1.spec_wasted_bytes - s0.spec_wasted_bytes) / tokens,
+        "syncs_per_token": (s1.host_syncs - s0.host_syncs) / tokens,
+        "all_syncs_per_token": all_syncs,
     }
     eng.close()
     return out
+
+
+def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, layers: int) -> str:
+    """Markdown rows of the decode regimes; sets each result's bound_ms and efficiency.
+
+    The GPU floor is the `vram` regime's time when it ran; tokens are compared with the first regime's.
+    """
+    gpu_ms = results["vram"]["ms_per_token"] if "vram" in results else 0.0
+    first = next(iter(results.values()))["tokens"]
+    rows = [
+        "| regime | ms/token (bench layers) | ms/token x48 | disk MB/token | PCIe MB/token | VRAM hit "
+        "| RAM hit | stall ms | guess hit | guess waste MB/token | bank syncs/token | CUDA syncs/token "
+        "| same tokens | bound ms | efficiency |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for name, r in results.items():
+        disk_ms = r["disk_bytes_per_token"] / disk_gbps / 1e6
+        bound = max(disk_ms, r["pcie_bytes_per_token"] / pcie_gbps / 1e6, gpu_ms)
+        r["bound_ms"], r["efficiency"] = bound, bound / r["ms_per_token"]
+        rows.append(
+            f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] * REAL_LAYERS / layers:.1f} | "
+            f"{r['disk_bytes_per_token'] / 1e6:.1f} | {r['pcie_bytes_per_token'] / 1e6:.1f} | "
+            f"{r['vram_hit_rate']:.0%} | {r['ram_hit_rate']:.0%} | {r['stall_ms_per_token']:.2f} | "
+            f"{r['spec_hit_rate']:.0%} | {r['spec_wasted_bytes_per_token'] / 1e6:.1f} | "
+            f"{r['syncs_per_token']:.1f} | {r['all_syncs_per_token']:.1f} | "
+            f"{'yes' if r['tokens'] == first else 'NO'} | {bound:.2f} | {r['efficiency']:.2f} |"
+        )
+    return "\n".join(rows) + "\n"
 
 
 def real_model_cache_share(wd, budget_gb: float, max_model_len: int) -> float:
@@ -144,12 +197,17 @@ def run(args) -> int:
     from expertstream.workdir import Workdir
 
     if not torch.cuda.is_available():
-        raise SystemExit("bench decode needs a CUDA GPU")
+        raise SystemExit("bench decode needs a CUDA GPU (it measures the GPU runtime); none is visible")
     work = ensure_model(Path(args.workdir), args.layers)
     wd = Workdir(work)
     block = wd.layout.block_bytes
     expert_bytes = wd.num_layers * wd.num_experts * block
-    base = EngineConfig(model=str(work), gpu_memory_gb=args.gpu_memory_gb, max_model_len=args.max_model_len)
+    base = EngineConfig(
+        model=str(work),
+        gpu_memory_gb=args.gpu_memory_gb,
+        max_model_len=args.max_model_len,
+        no_speculation=args.no_speculation,
+    )
     disk = disk_rate(wd.experts_path, block, base.io_threads)
     pcie = pcie_rate()
     share = real_model_cache_share(wd, args.gpu_memory_gb, args.max_model_len)
@@ -166,29 +224,21 @@ def run(args) -> int:
     for name, (cfg, blocks) in regimes.items():
         results[name] = decode_regime(work, cfg, blocks, args.tokens)
         log.info("%s: %s", name, results[name])
-    gpu_ms = results["vram"]["ms_per_token"]
-    rows = [
-        "| regime | ms/token (bench layers) | ms/token x48 | disk MB/token | PCIe MB/token | VRAM hit "
-        "| RAM hit | stall ms | bound ms | efficiency |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, r in results.items():
-        bound = max(r["disk_bytes_per_token"] / disk / 1e6, r["pcie_bytes_per_token"] / pcie / 1e6, gpu_ms)
-        r["bound_ms"], r["efficiency"] = bound, bound / r["ms_per_token"]
-        rows.append(
-            f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] * REAL_LAYERS / wd.num_layers:.1f} | "
-            f"{r['disk_bytes_per_token'] / 1e6:.1f} | {r['pcie_bytes_per_token'] / 1e6:.1f} | "
-            f"{r['vram_hit_rate']:.0%} | {r['ram_hit_rate']:.0%} | {r['stall_ms_per_token']:.2f} | "
-            f"{bound:.2f} | {r['efficiency']:.2f} |"
-        )
+    table = decode_table(results, disk, pcie, wd.num_layers)
     head = (
         f"Full-shape synthetic model, {wd.num_layers} layers x {wd.num_experts} experts "
         f"({block:,} B blocks, top-{wd.text_config['num_experts_per_tok']}, random routing), "
         f"--gpu-memory-gb {args.gpu_memory_gb}; measured in this run: O_DIRECT {disk:.2f} GB/s "
         f"({base.io_threads} threads), pinned H2D {pcie:.1f} GB/s; VRAM cache {vram_blocks} blocks "
-        f"({share:.1f} per layer, the 48-layer plan's share).\n\n"
+        f"({share:.1f} per layer, the 48-layer plan's share); speculation "
+        f"{'off' if args.no_speculation else 'on'}.\n\n"
     )
-    table = head + "\n".join(rows) + "\n"
+    table = head + table
+    if args.baseline:
+        from expertstream.bench_baseline import baseline_table, run_baseline
+
+        base_ms = {n: r["ms_per_token"] / wd.num_layers for n, r in results.items()}
+        table += "\n" + baseline_table(run_baseline(args, expert_bytes, prompt=1), base_ms, "decode") + "\n"
     print(table)
     if args.out:
         append_markdown(args.out, "Decode", torch.cuda.get_device_name(), table)

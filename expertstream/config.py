@@ -37,6 +37,19 @@ class EngineConfig:
         default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"}
     )
     seed: int | None = field(default=None, metadata={"help": "default sampling seed"})
+    no_speculation: bool = field(
+        default=False,
+        metadata={
+            "help": "do not guess layer L+1's experts from layer L's input (no early copies and disk reads)"
+        },
+    )
+    cpu_affinity: str | None = field(
+        default=None,
+        metadata={
+            "help": "pin the thread that loads the engine (and runs it) to these CPUs, e.g. 0 or 0-3 or 0,2; "
+            "on a hybrid CPU pick a performance core"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_model_len <= 0:
@@ -55,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
+        if self.cpu_affinity is not None:
+            parse_cpu_list(self.cpu_affinity)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
@@ -78,3 +93,18 @@ class EngineConfig:
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def parse_cpu_list(spec: str) -> set[int]:
+    """CPU ids of a list like "0", "0-3" or "0,2,4-5" (the `taskset -c` syntax)."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi or lo)
+            if first < 0 or last < first:
+                raise ValueError
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise ValueError(f"cpu_affinity must look like 0, 0-3 or 0,2,4-5, got {spec!r}") from None
+    return cpus

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from expertstream.config import EngineConfig
+from expertstream.config import EngineConfig, parse_cpu_list
 from expertstream.formats.fp8 import quantize_fp8_rows
 from expertstream.formats.snapshot import read_header
 from expertstream.layers.experts import StreamedExperts
@@ -18,6 +19,7 @@ from expertstream.models import base
 from expertstream.models.base import ModelArgs
 from expertstream.models.qwen4_exp import Qwen4ExpModel
 from expertstream.ple import PleTable
+from expertstream.runtime.speculation import SpecStats
 from expertstream.state import State
 from expertstream.store import ExpertStore
 from expertstream.workdir import Workdir
@@ -39,6 +41,11 @@ class EngineStats:
     read_seconds: float  # summed over reader threads
     stall_seconds: float  # compute thread waiting for expert blocks
     ple_bytes_read: int
+    spec_issued: int  # next-layer experts guessed (decode)
+    spec_used: int  # guesses the next layer really routed to
+    spec_wasted_bytes: int  # early VRAM copies not routed to + prefetched disk blocks nobody used (yet)
+    prefetch_bytes_read: int  # disk bytes read by the low-priority prefetcher (part of bytes_read)
+    host_syncs: int  # device -> host reads the expert bank waited on (decode: one per MoE layer)
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -88,14 +95,24 @@ class Engine:
         self.store = ExpertStore(
             self.workdir, int(config.ram_cache_gb * 2**30), io_threads=config.io_threads, **alloc
         )
+        # pinned after the store exists: its reader threads keep the process's CPUs
+        if config.cpu_affinity is not None:
+            if not hasattr(os, "sched_setaffinity"):
+                raise ValueError("cpu_affinity needs os.sched_setaffinity (Linux)")
+            if self.device.type == "cpu":
+                log.warning("cpu_affinity %s also confines torch's CPU compute threads", config.cpu_affinity)
+            os.sched_setaffinity(0, parse_cpu_list(config.cpu_affinity))
+        speculate = not config.no_speculation
         if gpu:
             k = self.args.num_experts_per_tok
             # vram_cache_blocks overrides the plan's cache (the bench emulates the 48-layer model's share)
             cache = self.plan.vram_cache_blocks if vram_cache_blocks is None else vram_cache_blocks
             n_slots = self.plan.slots // self.workdir.layout.block_bytes + cache
-            self.bank = GpuExperts(self.workdir, self.store, max(n_slots, 2 * k), self.device, control)
+            self.bank = GpuExperts(
+                self.workdir, self.store, max(n_slots, 2 * k), self.device, control, speculate
+            )
         else:
-            self.bank = StreamedExperts(self.workdir, self.store, self.dtype, control)
+            self.bank = StreamedExperts(self.workdir, self.store, self.dtype, control, speculate)
         base.use_triton(gpu)
         self.ple = None
         if self.args.ple_layer_ids:
@@ -110,6 +127,12 @@ class Engine:
             if name not in fp8:  # the VRAM plan moved this BF16 matrix to FP8 rows
                 tensors[name], tensors[f"{name}_scale"] = quantize_fp8_rows(tensors[name])
                 fp8.add(name)
+        # the routers go to the device here so the model's Weights.get (a no-op .to) and the bank share them
+        routers = {}
+        for layer in range(self.args.num_hidden_layers):
+            name = f"layers.{layer}.mlp.gate.weight"
+            tensors[name] = routers[layer] = tensors[name].to(self.device, self.dtype)
+        self.bank.set_router_weights(routers)
         # the embedding stays in host RAM: one row per token is gathered there
         self.model = Qwen4ExpModel(self.args, tensors, self.bank, self.ple, self.dtype, self.device, fp8)
         self._tokenizer = None
@@ -178,7 +201,8 @@ class Engine:
         return torch.cat(rows) if all_logits else rows[-1][0]
 
     def stats(self) -> EngineStats:
-        s = self.store.stats
+        s, spec = self.store.stats, self.bank.spec.stats if self.bank.spec is not None else SpecStats()
+        unused_reads = s.prefetches - s.prefetch_hits
         return EngineStats(
             requests=s.requests,
             hits=s.hits,
@@ -187,6 +211,11 @@ class Engine:
             read_seconds=s.read_seconds,
             stall_seconds=self.bank.stall_seconds,
             ple_bytes_read=self.ple.bytes_read if self.ple is not None else 0,
+            spec_issued=spec.issued,
+            spec_used=spec.used,
+            spec_wasted_bytes=spec.copy_bytes_wasted + unused_reads * self.store.block_bytes,
+            prefetch_bytes_read=s.prefetches * self.store.block_bytes,
+            host_syncs=self.bank.host_syncs,
         )
 
     def close(self) -> None:

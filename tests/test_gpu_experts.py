@@ -38,6 +38,10 @@ def test_decode_and_prefill_match_the_torch_bank(banks, n_slots):
         want = ref(layer, x, ids, w)
         got = bank(layer, x, ids, w)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+    # the prompt's distinct experts run in groups of half the slots; decode syncs once per call
+    passes = -(-torch.unique(ids).numel() // (n_slots // 2))
+    assert bank.prefill_passes == passes
+    assert bank.host_syncs == 3 + 1 + (passes if passes > 1 else 0)
     if n_slots == 64:  # everything fits: the repeated decode of layer 0 was a VRAM hit
         assert bank.cache.stats.hits >= wd.text_config["num_experts_per_tok"]
     bank.close()

@@ -71,3 +71,44 @@ def test_each_block_is_copied_once_while_it_fits():
             cache.fetch(layer, list(range(4)))
     assert len(cache.lru) == 16 and cache.stats.copies == 16
     assert cache.stats.hits == 4 * 2 * 4
+
+
+def guesses(keys, log):
+    return [(k, FakeHandle(k, log)) for k in keys]
+
+
+def test_prefetch_never_evicts_the_current_or_the_next_layers_blocks():
+    cache, log = make(6)
+    cache.fetch(3, [7])  # an older block of layer 3: the layer being guessed
+    cache.fetch(0, [0, 1])  # old blocks of another layer
+    current = cache.fetch(2, [2, 3]).tolist()  # layer 2 runs now (protected)
+    copied = cache.prefetch(guesses([(3, 4), (3, 5), (3, 6), (3, 1)], log))
+    # one free slot, then layer 0's two blocks; (3, 7) and layer 2 are never candidates, so (3, 1) has no slot
+    assert copied == [(3, 4), (3, 5), (3, 6)]
+    assert (0, 0) not in cache.lru and (0, 1) not in cache.lru and (3, 7) in cache.lru
+    assert [cache.lru[(2, e)] for e in (2, 3)] == current
+    assert ("release", (3, 1)) in log  # the guess that found no slot hands its host buffer back
+    for key in copied:
+        assert torch.all(cache.slots[cache.lru[key]] == key[0] * 16 + key[1])
+
+
+def test_prefetched_blocks_are_hits_and_wrong_guesses_are_evicted_first():
+    cache, log = make(6)
+    cache.fetch(3, [7])
+    cache.fetch(0, [0, 1])
+    cache.fetch(2, [2, 3])
+    cache.prefetch(guesses([(3, 4), (3, 5), (3, 6)], log))
+    copies = cache.stats.copies
+    cache.fetch(3, [4, 0])  # (3, 4) was guessed right; (3, 0) needs a slot
+    assert cache.stats.copies == copies + 1 and cache.stats.hits == 1
+    # the slot came from the coldest wrong guess, not from the proven (3, 7)
+    assert (3, 6) not in cache.lru and (3, 7) in cache.lru and (3, 5) in cache.lru
+
+
+def test_prefetch_skips_resident_keys_and_keeps_protection():
+    cache, log = make(4)
+    cache.fetch(1, [0, 1])
+    protected = set(cache.protected)
+    assert cache.prefetch(guesses([(1, 0), (2, 0)], log)) == [(2, 0)]
+    assert cache.protected == protected and cache.last_layer == 1
+    assert ("release", (1, 0)) in log

@@ -3,7 +3,8 @@
 Only the routed sum lives here (the router and shared expert stay in the model). Each expert is SwiGLU:
 down(silu(gate x) * up x), scaled by its routing weight. `DenseExperts` holds dense weights (tests,
 reference); `StreamedExperts` fetches the layer's distinct experts from the `ExpertStore` once per call
-and decodes them.
+and decodes them; in decode it also queues the next layer's guessed experts to the store's low-priority
+disk reader (expertstream/runtime/speculation.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from expertstream.formats.expert_block import PROJ
 from expertstream.log import get_logger
+from expertstream.runtime.speculation import Speculator
 
 log = get_logger(__name__)
 
@@ -75,9 +77,11 @@ class StreamedExperts:
         dtype: dtype of the decoded weights (the activation dtype).
         control: "none"; "swap-nibbles" decodes every packed weight byte with its nibbles exchanged;
             "no-experts" returns a zero routed sum. Both controls must visibly break the model.
+        speculate: in decode, queue disk reads of the next layer's guessed experts (needs the routers from
+            `set_router_weights` and a store with `prefetch`).
     """
 
-    def __init__(self, workdir, store, dtype: torch.dtype, control: str = "none"):
+    def __init__(self, workdir, store, dtype: torch.dtype, control: str = "none", speculate: bool = True):
         if control not in CONTROLS:
             raise ValueError(f"expert control {control!r} is not one of {CONTROLS}")
         self.layout, self.store, self.dtype, self.control = workdir.layout, store, dtype, control
@@ -86,6 +90,13 @@ class StreamedExperts:
         self._bypass = "cache" in inspect.signature(store.request).parameters
         self._weight_parts = [self.layout.part(f"{p}.weight") for p in PROJ]
         self.stall_seconds = 0.0  # time spent waiting for blocks that had not landed yet
+        self.spec = Speculator(self.layout.block_bytes) if speculate and hasattr(store, "prefetch") else None
+        self.host_syncs = 0  # `.tolist()` reads of the routing (device syncs when it runs on a GPU)
+
+    def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:
+        """Routers {layer: W [E, H]} on the compute device in the activation dtype, for speculation."""
+        if self.spec is not None:
+            self.spec.set_router_weights(routers)
 
     def _wait(self, handle) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -106,13 +117,23 @@ class StreamedExperts:
     ) -> torch.Tensor:
         if self.control == "no-experts":
             return torch.zeros_like(x)
-        experts = torch.unique(expert_ids).tolist()
+        guess = None
+        if self.spec is not None and x.shape[0] == 1:
+            guess = self.spec.guess(layer, x, expert_ids.shape[1])
+        uniq = torch.unique(expert_ids)
+        ids = (uniq if guess is None else torch.cat((uniq, guess))).tolist()  # one sync for both
+        self.host_syncs += 1
+        experts, guessed = ids[: uniq.numel()], ids[uniq.numel() :]
         keys = [(layer, e) for e in experts]
+        if self.spec is not None:
+            self.spec.score(layer, experts)
         if self._bypass:
             handles = self.store.request(keys, cache=x.shape[0] == 1)
         else:
             handles = self.store.request(keys)
         by_expert = dict(zip(experts, handles))
+        if guess is not None:  # after the demand request: its reads are queued ahead of the guesses
+            self.spec.issue(layer + 1, guessed, [], self.store.prefetch([(layer + 1, e) for e in guessed]))
         try:
             return routed_sum(
                 x,

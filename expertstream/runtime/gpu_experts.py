@@ -1,7 +1,9 @@
 """The expert bank on CUDA: RAM/disk tiers (ExpertStore) -> VRAM slots (VramExpertCache) -> Triton kernels.
 
 Decode: the layer's <= K distinct experts are fetched (VRAM hit, or RAM/disk -> one H2D copy each on the copy
-stream) and one decode launch pair computes the weighted SwiGLU sum straight from the raw blocks.
+stream) and one decode launch pair computes the weighted SwiGLU sum straight from the raw blocks. Layer L+1's
+router guess rides on the same host sync; after the launch its blocks in RAM are copied into spare slots and
+the rest are queued to the store's low-priority disk reader (docs/runtime.md).
 Prefill: the layer's distinct experts are processed in groups that fit the slots; each group's (token, k)
 pairs run through the grouped tensor-core kernel and are summed into [T, H].
 """
@@ -16,6 +18,7 @@ import torch
 from expertstream.formats.expert_block import PROJ
 from expertstream.kernels import nvfp4_moe
 from expertstream.log import get_logger
+from expertstream.runtime.speculation import Speculator
 from expertstream.runtime.vram_cache import VramExpertCache
 
 log = get_logger(__name__)
@@ -65,24 +68,37 @@ class GpuExperts:
         n_slots: VRAM slots (two layers' worth at least; the rest is the VRAM expert cache).
         device: a CUDA device (or CPU with TRITON_INTERPRET=1, for tests).
         control: "none", "swap-nibbles" or "no-experts" (must-break controls).
+        speculate: guess the next layer's experts during decode once `set_router_weights` gave the routers.
     """
 
-    def __init__(self, workdir, store, n_slots: int, device, control: str = "none"):
+    def __init__(self, workdir, store, n_slots: int, device, control: str = "none", speculate: bool = True):
         self.layout = workdir.layout
         self.store, self.control = store, control
         self.num_experts = workdir.num_experts
-        parts = [self.layout.part(f"{p}.weight") for p in PROJ]
+        self._parts = [self.layout.part(f"{p}.weight") for p in PROJ]
 
         def fetch_host(keys):
             # decode misses are cached in RAM; prompt misses bypass it (set per call below)
-            handles = store.request(keys, cache=self._cache_reads)
-            return [_SwappedNibbles(h, parts) for h in handles] if control == "swap-nibbles" else handles
+            return self._wrap(store.request(keys, cache=self._cache_reads))
 
         self._cache_reads = True
         self.cache = VramExpertCache(
             fetch_host, self.layout.block_bytes, n_slots, workdir.expert_scales()[0], device
         )
         self.expert_to_slot = torch.zeros(self.num_experts, dtype=torch.int32, device=self.cache.device)
+        self.spec = Speculator(self.layout.block_bytes) if speculate else None
+        self.host_syncs = 0  # device -> host reads the bank waits on (decode: one per layer)
+        self.prefill_passes = 0  # expert groups run by prefill (one fetch + one grouped launch each)
+
+    def _wrap(self, handles):
+        if self.control == "swap-nibbles":
+            return [h if h is None else _SwappedNibbles(h, self._parts) for h in handles]
+        return handles
+
+    def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:
+        """Routers {layer: W [E, H]} on the compute device in the activation dtype, for speculation."""
+        if self.spec is not None:
+            self.spec.set_router_weights(routers)
 
     @property
     def stall_seconds(self) -> float:
@@ -94,30 +110,56 @@ class GpuExperts:
         if self.control == "no-experts":
             return torch.zeros_like(x)
         # x [T, H], expert_ids [T, K], weights [T, K] fp32
-        experts = torch.unique(expert_ids).tolist()  # the layer's one host sync
         self._cache_reads = x.shape[0] == 1
         if x.shape[0] == 1:
-            slot_ids = self.cache.fetch(layer, experts)
-            self.expert_to_slot[torch.tensor(experts, device=slot_ids.device)] = slot_ids
-            y = nvfp4_moe.nvfp4_moe_decode(
-                x,
-                self.cache.slots,
-                self.expert_to_slot[expert_ids[0]],
-                self.cache.ws2,
-                weights[0].float(),
-                self.layout,
-            )
-            self.cache.mark_used()
-            return y
+            return self._decode(layer, x, expert_ids, weights)
+        experts = torch.unique(expert_ids).tolist()
+        self.host_syncs += 1
+        if self.spec is not None:
+            self.spec.score(layer, experts)
         return self._prefill(layer, x, expert_ids, weights, experts)
+
+    def _decode(self, layer, x, expert_ids, weights) -> torch.Tensor:
+        k = expert_ids.shape[1]
+        guess = self.spec.guess(layer, x, k) if self.spec is not None else None
+        ids = expert_ids[0] if guess is None else torch.cat((expert_ids[0], guess))
+        ids = ids.tolist()  # the layer's one host sync: its experts and the next layer's guess together
+        self.host_syncs += 1
+        experts = sorted(set(ids[:k]))  # top-k ids are distinct; a set keeps the fetch contract anyway
+        if self.spec is not None:
+            self.spec.score(layer, experts)
+        slot_ids = self.cache.fetch(layer, experts)
+        self.expert_to_slot[torch.tensor(experts, device=slot_ids.device)] = slot_ids
+        y = nvfp4_moe.nvfp4_moe_decode(
+            x,
+            self.cache.slots,
+            self.expert_to_slot[expert_ids[0]],
+            self.cache.ws2,
+            weights[0].float(),
+            self.layout,
+        )
+        self.cache.mark_used()
+        if guess is not None:
+            self._speculate(layer + 1, ids[k:])
+        return y
+
+    def _speculate(self, layer: int, guessed: list[int]) -> None:
+        # runs after this layer's launch and after its demand reads landed (fetch waited for them), so the
+        # early copies overlap its kernel and the disk reads fill the gap before the next layer's demand
+        keys = [(layer, e) for e in guessed if (layer, e) not in self.cache.lru]
+        handles = self._wrap(self.store.peek(keys))
+        copied = self.cache.prefetch([(key, h) for key, h in zip(keys, handles) if h is not None])
+        queued = self.store.prefetch([key for key, h in zip(keys, handles) if h is None])
+        self.spec.issue(layer, guessed, [e for _, e in copied], queued)
 
     def _prefill(self, layer, x, expert_ids, weights, experts) -> torch.Tensor:
         # groups of half the slots: the previous group's slots stay protected while its kernel runs
         group = max(1, self.cache.n_slots // 2)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        self.prefill_passes += -(-len(experts) // group)
         for i in range(0, len(experts), group):
             chunk = torch.tensor(experts[i : i + group], device=x.device)
-            slot_ids = self.cache.fetch(layer, chunk.tolist())
+            slot_ids = self.cache.fetch(layer, experts[i : i + group])
             self.expert_to_slot[chunk] = slot_ids
             if len(experts) <= group:  # every routed expert is resident: one grouped launch
                 y = nvfp4_moe.nvfp4_moe_prefill(
@@ -132,6 +174,7 @@ class GpuExperts:
                 self.cache.mark_used()
                 return y
             tok, kk = torch.isin(expert_ids, chunk).nonzero(as_tuple=True)  # pairs routed into this group
+            self.host_syncs += 1  # nonzero's output size
             y = nvfp4_moe.nvfp4_moe_prefill(
                 x[tok],
                 self.cache.slots,

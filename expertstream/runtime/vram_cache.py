@@ -3,6 +3,7 @@
 slots [n_slots, block_bytes] uint8 on the device hold raw repacked blocks (kernels read codes and scales
 straight from them); `ws2` [n_slots, 3] float32 holds each slot's global scales. A call protects the slots it
 returns until the next call, so layer L+1's fetch never evicts what layer L's kernel is still reading.
+prefetch() copies guessed next-layer blocks into spare slots without making the compute stream wait.
 """
 
 from __future__ import annotations
@@ -59,11 +60,13 @@ class VramExpertCache:
         self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> slot, oldest first
         self.free = list(range(n_slots - 1, -1, -1))
         self.protected: set[int] = set()
+        self.last_layer: int | None = None  # layer of the protected slots
         self.stats = VramStats()
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.in_flight: list[tuple[torch.cuda.Event, object]] = []
         self.slot_events: dict[int, torch.cuda.Event] = {}
+        self.early_copies: dict[int, torch.cuda.Event] = {}  # slot -> its prefetch copy, not yet awaited
 
     @property
     def n_slots(self) -> int:
@@ -101,6 +104,9 @@ class VramExpertCache:
                 self.lru.move_to_end(key)
                 self.stats.hits += 1
                 keep.add(slot)
+                early = self.early_copies.pop(slot, None)
+                if early is not None:  # a prefetched block: the kernel must not read it before it lands
+                    torch.cuda.current_stream(self.device).wait_event(early)
             out.append(slot)
         # the previous call's slots stay protected so two consecutive layers never evict each other
         for i, key in enumerate(keys):
@@ -110,36 +116,74 @@ class VramExpertCache:
                 missing.append((i, key))
         if missing:
             self._copy_in(missing, out)
-        self.protected = set(out)
+        self.protected, self.last_layer = set(out), layer
         return torch.tensor(out, dtype=torch.int32, device=self.device)
 
     def _copy_in(self, missing: list[tuple[int, tuple[int, int]]], out: list[int]) -> None:
         self._reap()
         handles = self.fetch_host([key for _, key in missing])
-        stream = self.copy_stream
         for (i, key), h in zip(missing, handles):
-            t0 = time.perf_counter()
-            block = h.wait()  # blocks on the RAM/disk tiers; each block goes up the moment it arrives
-            self.stats.wait_seconds += time.perf_counter() - t0
-            slot = out[i]
-            if stream is None:
-                self.slots[slot].copy_(block)
+            self._copy_block(out[i], key, h)
+            self.lru[key] = out[i]
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def _copy_block(self, slot: int, key: tuple[int, int], h) -> torch.cuda.Event | None:
+        """Queue one host block's copy into `slot`; returns the copy's event (None on a CPU device)."""
+        t0 = time.perf_counter()
+        block = h.wait()  # blocks on the RAM/disk tiers; each block goes up the moment it arrives
+        self.stats.wait_seconds += time.perf_counter() - t0
+        stream, ev = self.copy_stream, None
+        self.early_copies.pop(slot, None)  # the slot's old content is gone; copies are stream-ordered
+        if stream is None:
+            self.slots[slot].copy_(block)
+            h.release()
+        else:
+            last_use = self.slot_events.pop(slot, None)
+            if last_use is not None:  # never overwrite a slot a queued kernel still reads
+                stream.wait_event(last_use)
+            with torch.cuda.stream(stream):
+                self.slots[slot].copy_(block, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            self.in_flight.append((ev, h))  # the host buffer is released once its copy has run
+        self.ws2[slot] = self.scales[key[0], key[1]]
+        self.stats.copies += 1
+        self.stats.bytes_copied += self.block_bytes
+        return ev
+
+    def prefetch(self, blocks: list[tuple[tuple[int, int], object]]) -> list[tuple[int, int]]:
+        """Copy guessed blocks already in host RAM ((key, handle) pairs) into spare slots ahead of demand.
+
+        Never evicts the last fetch's slots, nor any block of the last fetch's layer or of a guessed key's
+        layer (the current and next layers' demand); copies enter at the cold end of the LRU, so a wrong
+        guess is the next block evicted. The compute stream does not wait for them: a later fetch that hits
+        one does. Returns the keys copied; the other handles are released.
+        """
+        self._reap()
+        skip = {key[0] for key, _ in blocks} | {self.last_layer}
+        copied = []
+        for key, h in blocks:
+            slot = None if key in self.lru else self._spare_slot(skip)
+            if slot is None:
                 h.release()
-            else:
-                last_use = self.slot_events.pop(slot, None)
-                if last_use is not None:  # never overwrite a slot a queued kernel still reads
-                    stream.wait_event(last_use)
-                with torch.cuda.stream(stream):
-                    self.slots[slot].copy_(block, non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                self.in_flight.append((ev, h))  # the host buffer is released once its copy has run
-            self.ws2[slot] = self.scales[key[0], key[1]]
+                continue
+            ev = self._copy_block(slot, key, h)
+            if ev is not None:
+                self.early_copies[slot] = ev
             self.lru[key] = slot
-            self.stats.copies += 1
-            self.stats.bytes_copied += self.block_bytes
-        if stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.lru.move_to_end(key, last=False)
+            copied.append(key)
+        return copied
+
+    def _spare_slot(self, skip_layers: set[int | None]) -> int | None:
+        if self.free:
+            return self.free.pop()
+        for key, slot in self.lru.items():  # oldest first
+            if slot not in self.protected and key[0] not in skip_layers:
+                del self.lru[key]
+                return slot
+        return None
 
     def mark_used(self) -> None:
         """Call after launching the kernel that reads the last fetch's slots: copies into them wait for it."""

@@ -5,6 +5,8 @@ are queued to the readers at once (it waits only while a full cache's sole candi
 A handle pins its block until release(). With cache=False (prefill) misses go to
 transient buffers, so a long prompt cannot evict the decode working set. A GPU runtime adds pinned memory
 (pass an `alloc` that registers it) and VRAM slots on top without the model knowing.
+Speculation uses two more calls: peek() (blocks already in RAM, no read) and prefetch() (low-priority reads
+on one thread that starts a read only while no demand read is queued or in flight).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +39,9 @@ class StoreStats:
     evictions: int = 0
     cached_blocks: int = 0
     direct: bool = False  # reads bypass the page cache (O_DIRECT)
+    prefetches: int = 0  # blocks read by the low-priority prefetch reader (also in bytes_read)
+    prefetch_hits: int = 0  # prefetched blocks later served to a request or a peek
+    prefetch_dropped: int = 0  # queued prefetches never read (superseded, already cached, no free slot)
 
 
 class ExpertHandle:
@@ -102,7 +108,15 @@ class ExpertStore:
         self._lock = threading.Lock()
         self._landed = threading.Condition(self._lock)  # notified whenever a read finishes
         self._stats = StoreStats()
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="expertstream-io")
+        # readers keep the CPUs the process had when the store was made, even when a decode thread pinned
+        # to one core (EngineConfig.cpu_affinity) is the thread that spawns them
+        self._cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self._pool = ThreadPoolExecutor(
+            io_threads, thread_name_prefix="expertstream-io", initializer=self._restore_affinity
+        )
+        self._prefetch_queue: deque[Key] = deque()
+        self._prefetched: set[Key] = set()  # read by the prefetcher, not yet served to anyone
+        self._prefetcher: threading.Thread | None = None
         self._closed = False
 
     @property
@@ -155,7 +169,9 @@ class ExpertStore:
             entry = self._cache.get(key) or self._transient.get(key)
             if entry is not None:
                 self._stats.hits += 1
+                self._count_prefetch_hit(key)
                 return entry
+            self._prefetched.discard(key)  # evicted before anyone used it: this read is a demand read
             if cache and self._cache.capacity:
                 entry = self._cache.insert(key)
                 if entry is None and self._cache.reading_unpinned():
@@ -175,6 +191,74 @@ class ExpertStore:
             self._stats.max_queue_depth = max(self._stats.max_queue_depth, self._stats.queue_depth)
             self._pool.submit(self._read, entry)
             return entry
+
+    def _count_prefetch_hit(self, key: Key) -> None:
+        if key in self._prefetched:
+            self._prefetched.discard(key)
+            self._stats.prefetch_hits += 1
+
+    def peek(self, keys: Iterable[Key]) -> list[ExpertHandle | None]:
+        """Handles for blocks already read into RAM, None for the rest; starts no read, counts no request."""
+        out: list[ExpertHandle | None] = []
+        with self._lock:
+            for key in keys:
+                entry = self._cache.get(key)
+                if entry is None or not entry.done.is_set() or entry.error is not None:
+                    out.append(None)
+                    continue
+                self._count_prefetch_hit(key)
+                entry.pins += 1
+                out.append(ExpertHandle(self, entry))
+        return out
+
+    def prefetch(self, keys: Iterable[Key]) -> int:
+        """Queue low-priority reads of blocks not in RAM into the cache; returns how many were queued.
+
+        The queue holds only the latest call's keys (older guesses are dropped): one thread reads them in
+        order, each only once no demand read is queued or in flight, so demand reads always overtake.
+        """
+        with self._lock:
+            if self._closed or not self._cache.capacity:
+                return 0
+            self._stats.prefetch_dropped += len(self._prefetch_queue)
+            self._prefetch_queue.clear()
+            for key in keys:
+                if self._cache.get(key) is None and key not in self._transient:
+                    self._prefetch_queue.append(key)
+            if self._prefetcher is None and self._prefetch_queue:
+                self._prefetcher = threading.Thread(
+                    target=self._prefetch_loop, name="expertstream-prefetch", daemon=True
+                )
+                self._prefetcher.start()
+            self._landed.notify_all()
+            return len(self._prefetch_queue)
+
+    def _restore_affinity(self) -> None:
+        if self._cpus is not None:
+            os.sched_setaffinity(0, self._cpus)
+
+    def _prefetch_loop(self) -> None:
+        self._restore_affinity()
+        while True:
+            with self._lock:
+                while not self._closed and (not self._prefetch_queue or self._stats.queue_depth):
+                    self._landed.wait()
+                if self._closed:
+                    return
+                key = self._prefetch_queue.popleft()
+                entry = None
+                if self._cache.get(key) is None and key not in self._transient:
+                    entry = self._cache.insert(key)  # None when every slot is pinned or still reading
+                if entry is None:
+                    self._stats.prefetch_dropped += 1
+                    continue
+                entry.pins += 1  # held while reading so no request can evict it half-read
+                self._stats.prefetches += 1
+                self._stats.queue_depth += 1
+                self._prefetched.add(key)
+            self._read(entry)
+            with self._lock:
+                self._unpin(entry)
 
     def _read(self, entry: Entry) -> None:
         (l, e), path = entry.key, self.workdir.experts_path
@@ -231,6 +315,9 @@ class ExpertStore:
             if self._closed:
                 return
             self._closed = True
+            self._landed.notify_all()
+        if self._prefetcher is not None:
+            self._prefetcher.join()
         self._pool.shutdown(wait=True)  # outside the lock: finishing reads take it
         self._reader.close()
 

@@ -1,0 +1,182 @@
+"""`expertstream bench prefill`: prompt processing of the streaming runtime against its I/O bound.
+
+On the full-shape synthetic model of `bench decode`, under --gpu-memory-gb, it prefills prompts of
+--prompts tokens (default 2,451 and 32,768) in two regimes, `ram` (every expert in the pinned RAM cache) and
+`disk` (RAM cache = 25 % of the expert bytes; prompt misses bypass it), and reports time, expert bytes from
+disk and over PCIe, expert passes per layer (one fetch + one grouped launch each), peak VRAM against the
+budget, and the I/O bound max(disk bytes / disk rate, PCIe bytes / PCIe rate). The GPU compute floor is not
+in the bound yet, so efficiency = bound / actual overstates the distance to the hardware when compute
+dominates (short prompts with every expert in RAM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from expertstream.bench_runtime import (
+    REAL_LAYERS,
+    disk_rate,
+    ensure_model,
+    pcie_rate,
+    real_model_cache_share,
+    warm_caches,
+)
+from expertstream.config import EngineConfig
+from expertstream.log import get_logger
+from expertstream.memory_plan import GiB
+
+log = get_logger(__name__)
+PROMPTS = (2451, 32768)
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    prompt: int  # tokens
+    piece: int  # tokens per forward call (the memory plan's prefill piece)
+    pieces: int
+    group: int  # experts per pass: half the VRAM slots
+    max_passes_per_layer: int  # every piece routes to min(E, tokens x K) distinct experts
+    max_expert_bytes_per_layer: int  # each distinct expert fetched once per piece
+
+
+def plan_prefill(prompt: int, piece: int, n_slots: int, num_experts: int, k: int, block_bytes: int):
+    """What a prefill of `prompt` tokens does at most, per layer, with GpuExperts' grouping."""
+    group = max(1, n_slots // 2)
+    sizes = [min(piece, prompt - i) for i in range(0, prompt, piece)]
+    distinct = [min(num_experts, t * k) for t in sizes]
+    return PrefillPlan(
+        prompt=prompt,
+        piece=piece,
+        pieces=len(sizes),
+        group=group,
+        max_passes_per_layer=sum(-(-d // group) for d in distinct),
+        max_expert_bytes_per_layer=sum(distinct) * block_bytes,
+    )
+
+
+def prefill_regime(cfg: EngineConfig, vram_cache_blocks: int, prompt: int) -> dict:
+    from expertstream.engine import Engine
+
+    eng = Engine(cfg, vram_cache_blocks=vram_cache_blocks)
+    try:
+        warm_caches(eng, vram=False)
+        gen = torch.Generator().manual_seed(prompt)
+        ids = torch.randint(0, eng.args.vocab_size, (prompt,), generator=gen)
+        eng.forward(eng.new_state(), ids[:64])  # compiles the prefill kernels
+        wd = eng.workdir
+        plan = plan_prefill(
+            prompt,
+            eng.prefill_piece,
+            eng.bank.cache.n_slots,
+            wd.num_experts,
+            eng.args.num_experts_per_tok,
+            wd.layout.block_bytes,
+        )
+        state = eng.new_state()
+        s0, c0, p0 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.bank.prefill_passes
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            eng.forward(state, ids)
+            torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError as e:
+            log.error("prefill of %d tokens ran out of the VRAM budget: %s", prompt, e)
+            return {"prompt": prompt, "oom": True, "plan": dataclasses.asdict(plan)}
+        dt = time.perf_counter() - t0
+        s1, c1 = eng.stats(), eng.bank.cache.stats
+        layers = eng.workdir.num_layers
+        return {
+            "prompt": prompt,
+            "oom": False,
+            "seconds": dt,
+            "disk_bytes": s1.bytes_read - s0.bytes_read,
+            "pcie_bytes": c1.bytes_copied - c0.bytes_copied,
+            "passes_per_layer": (eng.bank.prefill_passes - p0) / layers,
+            "stall_seconds": c1.wait_seconds - c0.wait_seconds,
+            "peak_gib": torch.cuda.max_memory_allocated() / GiB,
+            "plan": dataclasses.asdict(plan),
+        }
+    finally:
+        eng.close()
+
+
+def prefill_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, layers: int, budget_gib):
+    """Markdown rows, one per (regime, prompt); sets each result's bound_s and efficiency."""
+    rows = [
+        "| regime | prompt tokens | piece | s (bench layers) | s x48 | tok/s x48 | disk GB | PCIe GB "
+        "| passes/layer (max) | stall s | peak GiB (budget) | bound s | efficiency |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        regime, plan = name.split("/")[0], r["plan"]
+        if r["oom"]:
+            rows.append(f"| {regime} | {r['prompt']} | {plan['piece']} | out of VRAM budget |" + " |" * 9)
+            continue
+        bound = max(r["disk_bytes"] / disk_gbps / 1e9, r["pcie_bytes"] / pcie_gbps / 1e9)
+        r["bound_s"], r["efficiency"] = bound, bound / r["seconds"]
+        scale = REAL_LAYERS / layers
+        rows.append(
+            f"| {regime} | {r['prompt']} | {plan['piece']} | {r['seconds']:.2f} | {r['seconds'] * scale:.1f} "
+            f"| {r['prompt'] / (r['seconds'] * scale):.0f} | {r['disk_bytes'] / 1e9:.2f} "
+            f"| {r['pcie_bytes'] / 1e9:.2f} | {r['passes_per_layer']:.0f} ({plan['max_passes_per_layer']}) "
+            f"| {r['stall_seconds']:.2f} | {r['peak_gib']:.2f} ({budget_gib:.2f}) | {bound:.2f} "
+            f"| {r['efficiency']:.2f} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def run(args) -> int:
+    from expertstream.bench import append_markdown
+    from expertstream.workdir import Workdir
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench prefill needs a CUDA GPU (it measures the GPU runtime); none is visible")
+    prompts = args.prompts or list(PROMPTS)
+    work = ensure_model(Path(args.workdir), args.layers)
+    wd = Workdir(work)
+    block = wd.layout.block_bytes
+    expert_bytes = wd.num_layers * wd.num_experts * block
+    base = EngineConfig(
+        model=str(work),
+        gpu_memory_gb=args.gpu_memory_gb,
+        max_model_len=max(args.max_model_len, *prompts),
+        no_speculation=args.no_speculation,
+    )
+    disk, pcie = disk_rate(wd.experts_path, block, base.io_threads), pcie_rate()
+    vram_blocks = int(real_model_cache_share(wd, args.gpu_memory_gb, base.max_model_len) * wd.num_layers)
+    regimes = {
+        "ram": dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1),
+        "disk": dataclasses.replace(base, ram_cache_gb=0.25 * expert_bytes / GiB),
+    }
+    results = {}
+    for name, cfg in regimes.items():
+        for prompt in prompts:
+            results[f"{name}/{prompt}"] = prefill_regime(cfg, vram_blocks, prompt)
+            log.info("%s/%d: %s", name, prompt, results[f"{name}/{prompt}"])
+    budget = args.gpu_memory_gb * base.gpu_memory_utilization
+    head = (
+        f"Full-shape synthetic model, {wd.num_layers} layers x {wd.num_experts} experts ({block:,} B "
+        f"blocks), --gpu-memory-gb {args.gpu_memory_gb}, max_model_len {base.max_model_len}; measured in "
+        f"this run: O_DIRECT {disk:.2f} GB/s, pinned H2D {pcie:.1f} GB/s; VRAM cache {vram_blocks} blocks. "
+        "Bound = max(disk, PCIe) only (no compute term yet).\n\n"
+    )
+    table = head + prefill_table(results, disk, pcie, wd.num_layers, budget)
+    if args.baseline:
+        from expertstream.bench_baseline import baseline_table, run_baseline
+
+        ours = {n: r["seconds"] * 1e3 / wd.num_layers for n, r in results.items() if not r["oom"]}
+        table += "\n" + baseline_table(run_baseline(args, expert_bytes, prompt=min(prompts)), ours, "prefill")
+    print(table)
+    if args.out:
+        append_markdown(args.out, "Prefill", torch.cuda.get_device_name(), table)
+    if args.json:
+        import json
+
+        print(json.dumps({"disk_gbps": disk, "pcie_gbps": pcie, "vram_blocks": vram_blocks, **results}))
+    return 0

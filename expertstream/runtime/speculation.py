@@ -1,0 +1,64 @@
+"""Next-layer expert guesses: layer L+1's router applied to layer L's MoE input, and their bookkeeping.
+
+The residual stream changes little from one layer to the next, so W_router[L+1] x_L picks most of the
+experts layer L+1 will really route to. The banks use the guess to start copies and disk reads early; it
+never changes a result, only where blocks are when the next layer asks for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SpecStats:
+    issued: int = 0  # next-layer experts guessed
+    used: int = 0  # guesses the next layer really routed to
+    copies: int = 0  # guessed blocks copied RAM -> VRAM ahead of demand
+    copy_bytes_wasted: int = 0  # early copies of experts the next layer did not route to
+    prefetches: int = 0  # guessed blocks queued for a low-priority disk read
+
+    @property
+    def hit_rate(self) -> float:
+        return self.used / self.issued if self.issued else 0.0
+
+
+class Speculator:
+    """Holds the routers and the guess in flight; a bank calls guess() before its host sync, then issue()
+    with what it started, and score() when the next layer's real experts are known."""
+
+    def __init__(self, block_bytes: int):
+        self.block_bytes = block_bytes
+        self.routers: dict[int, torch.Tensor] = {}
+        self.stats = SpecStats()
+        self._pending: tuple[int, set[int], set[int]] | None = None  # (layer, guessed, copied early)
+
+    def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:
+        # W [E, H] per layer, on the compute device in the activation dtype (shared with the model)
+        self.routers = dict(routers)
+
+    def guess(self, layer: int, x: torch.Tensor, k: int) -> torch.Tensor | None:
+        """int64 [k] device tensor: layer+1's top-k experts for x [1, H], or None without its router."""
+        w = self.routers.get(layer + 1)
+        if w is None:
+            return None
+        # top-k of the logits is top-k of the softmax (monotone): no softmax, no renormalisation needed
+        return torch.topk(torch.nn.functional.linear(x[0], w), k).indices
+
+    def issue(self, layer: int, guessed: list[int], copied: list[int], prefetched: int) -> None:
+        self.stats.issued += len(guessed)
+        self.stats.copies += len(copied)
+        self.stats.prefetches += prefetched
+        self._pending = (layer, set(guessed), set(copied))
+
+    def score(self, layer: int, experts: list[int]) -> None:
+        """Count the guess made for `layer` against the experts it really routed to."""
+        if self._pending is None:
+            return
+        glayer, guessed, copied = self._pending
+        self._pending = None
+        used = set(experts) if glayer == layer else set()
+        self.stats.used += len(guessed & used)
+        self.stats.copy_bytes_wasted += len(copied - used) * self.block_bytes

@@ -1,0 +1,112 @@
+"""The CPU-testable parts of `expertstream bench decode|prefill`: plans, tables, arguments, clear refusals."""
+
+import argparse
+
+import pytest
+import torch
+
+from expertstream import bench
+from expertstream.bench_baseline import baseline_table, max_memory
+from expertstream.bench_prefill import plan_prefill, prefill_table
+from expertstream.bench_runtime import decode_table
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    bench.configure_parser(p)
+    return p.parse_args(argv)
+
+
+def test_arguments_of_the_new_modes():
+    a = parse(["prefill", "--prompts", "2451", "32768", "--baseline", "--no-speculation"])
+    assert (a.what, a.prompts, a.baseline, a.no_speculation, a.baseline_layers) == (
+        "prefill",
+        [2451, 32768],
+        True,
+        True,
+        2,
+    )
+    assert parse(["decode"]).prompts is None and not parse(["decode"]).baseline
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+@pytest.mark.parametrize("what", ["decode", "prefill"])
+def test_without_cuda_the_gpu_benches_refuse_clearly(what, tmp_path):
+    with pytest.raises(SystemExit, match=f"bench {what} needs a CUDA GPU"):
+        bench.main(parse([what, "--workdir", str(tmp_path)]))
+    assert not any(tmp_path.iterdir())  # refused before synthesising anything
+
+
+def test_prefill_plan_counts_pieces_passes_and_bytes():
+    # 32768 tokens in 4096-token pieces, 76 slots (38 per pass), 512 experts, top-10
+    p = plan_prefill(32768, 4096, 76, 512, 10, 100)
+    assert (p.pieces, p.group, p.max_passes_per_layer) == (8, 38, 8 * 14)
+    assert p.max_expert_bytes_per_layer == 8 * 512 * 100
+    # a short last piece routes to fewer distinct experts: 2451 = 2048 + 403; 10 tokens -> 100 experts
+    q = plan_prefill(2451, 2048, 76, 512, 10, 1)
+    assert q.pieces == 2 and q.max_passes_per_layer == 28
+    assert plan_prefill(10, 4096, 76, 512, 10, 1).max_passes_per_layer == 3
+
+
+def decode_result(ms, tokens, **kw):
+    r = dict(
+        ms_per_token=ms,
+        tokens=tokens,
+        disk_bytes_per_token=0.0,
+        pcie_bytes_per_token=0.0,
+        vram_hit_rate=1.0,
+        ram_hit_rate=0.0,
+        stall_ms_per_token=0.0,
+        spec_hit_rate=0.75,
+        spec_wasted_bytes_per_token=2e6,
+        syncs_per_token=4.0,
+        all_syncs_per_token=9.5,
+    )
+    return r | kw
+
+
+def test_decode_table_bound_efficiency_and_token_check():
+    results = {
+        "vram": decode_result(10.0, [1, 2]),
+        "disk": decode_result(40.0, [1, 3], disk_bytes_per_token=60e6, pcie_bytes_per_token=110e6),
+    }
+    table = decode_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4)
+    assert results["disk"]["bound_ms"] == pytest.approx(30.0) and results["disk"]["efficiency"] == 0.75
+    rows = table.strip().splitlines()
+    assert len(rows) == 4 and "guess hit" in rows[0] and "bank syncs/token" in rows[0]
+    assert "| 75% | 2.0 | 4.0 | 9.5 | yes |" in rows[2] and "| NO |" in rows[3]
+
+
+def test_prefill_table_and_oom_row():
+    plan = {"piece": 4096, "max_passes_per_layer": 112}
+    ok = dict(
+        prompt=32768,
+        oom=False,
+        seconds=4.0,
+        disk_bytes=8e9,
+        pcie_bytes=44e9,
+        passes_per_layer=100.0,
+        stall_seconds=1.0,
+        peak_gib=6.5,
+        plan=plan,
+    )
+    results = {"disk/32768": ok, "ram/32768": {"prompt": 32768, "oom": True, "plan": plan}}
+    table = prefill_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4, budget_gib=7.2)
+    assert ok["bound_s"] == pytest.approx(4.0) and ok["efficiency"] == pytest.approx(1.0)
+    assert "| 100 (112) |" in table and "6.50 (7.20)" in table and "out of VRAM budget" in table
+
+
+def test_baseline_memory_map_and_table():
+    assert max_memory(8.0, 3 * 2**30) == {0: "8.0GiB", "cpu": "3.000GiB"}
+    assert max_memory(None, 2**30) == {"cpu": "1.000GiB"}
+    base = {"layers": 2, "prompt": 1, "seconds": 0.2, "placement": {"0": 1, "disk": 1}}
+    table = baseline_table(base, {"ram": 2.0}, "decode")
+    assert "100.0 ms per layer" in table and "| ram | 2.00 | 100.0 | 50.0x |" in table
+
+
+def test_baseline_runs_offloaded_on_cpu_and_disk(tiny_snapshot):
+    pytest.importorskip("accelerate")
+    from expertstream.bench_baseline import time_offloaded
+
+    out = time_offloaded(tiny_snapshot, max_memory(None, 2**20), prompt=4, reps=1)  # layer 0 in RAM
+    assert out["layers"] == 4 and out["seconds"] > 0 and "disk" in out["placement"]

@@ -1,0 +1,212 @@
+"""Next-layer speculation: guesses counted exactly, results unchanged, disk prefetch never ahead of demand."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from expertstream.config import EngineConfig
+from expertstream.engine import Engine
+from expertstream.runtime.gpu_experts import GpuExperts
+from expertstream.store import ExpertStore
+from expertstream.workdir import Workdir
+
+pytest.importorskip("triton")  # the GPU bank runs through the interpreter on CPU (conftest)
+
+
+def one_token(wd, seed, routers=None, follow=False):
+    """Per layer (x [1, H], ids [1, K], w [1, K]); with `follow`, layer l+1 routes exactly to its guess."""
+    g = torch.Generator().manual_seed(seed)
+    k, h = wd.text_config["num_experts_per_tok"], wd.layout.hidden_size
+    steps = []
+    for layer in range(wd.num_layers):
+        x = torch.randn(1, h, generator=g)
+        if follow and layer:
+            ids = torch.topk(F.linear(steps[-1][0][0], routers[layer]), k).indices[None]
+        else:
+            ids = torch.randperm(wd.num_experts, generator=g)[:k][None]
+        w = torch.rand(1, k, generator=g)
+        steps.append((x, ids, w / w.sum()))
+    return steps
+
+
+def routers_for(wd, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {l: torch.randn(wd.num_experts, wd.layout.hidden_size, generator=g) for l in range(wd.num_layers)}
+
+
+@pytest.fixture
+def store(tiny_workdir):
+    wd = Workdir(tiny_workdir)
+    with ExpertStore(wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2) as s:
+        yield wd, s
+
+
+def test_a_perfect_router_is_used_every_time(store):
+    wd, s = store
+    routers = routers_for(wd)
+    bank = GpuExperts(wd, s, 64, "cpu")
+    bank.set_router_weights(routers)
+    k = wd.text_config["num_experts_per_tok"]
+    for seed in range(2):
+        for layer, (x, ids, w) in enumerate(one_token(wd, seed, routers, follow=True)):
+            bank(layer, x, ids, w)
+    st = bank.spec.stats
+    assert st.issued == 2 * (wd.num_layers - 1) * k  # no guess past the last layer
+    assert st.used == st.issued and st.copy_bytes_wasted == 0
+    assert bank.host_syncs == 2 * wd.num_layers  # the guess rides on the layer's one sync
+    bank.close()
+
+
+def test_random_routing_counts_misses_and_wasted_bytes(store):
+    wd, s = store
+    routers, bb = routers_for(wd), wd.layout.block_bytes
+    for key in [(l, e) for l in range(wd.num_layers) for e in range(wd.num_experts)]:
+        (h,) = s.request([key])  # every block in RAM: each guess not in VRAM is copied early
+        h.wait()
+        h.release()
+    bank = GpuExperts(wd, s, 64, "cpu")  # 64 slots hold all 64 blocks: nothing is evicted
+    bank.set_router_weights(routers)
+    vram, used, copied, wasted = set(), 0, 0, 0
+    steps = one_token(wd, seed=5)
+    for layer, (x, ids, w) in enumerate(steps):
+        bank(layer, x, ids, w)
+        vram |= {(layer, e) for e in ids[0].tolist()}
+        if layer + 1 < wd.num_layers:
+            guess = set(torch.topk(F.linear(x[0], routers[layer + 1]), len(ids[0])).indices.tolist())
+            real = set(steps[layer + 1][1][0].tolist())
+            early = {e for e in guess if (layer + 1, e) not in vram}
+            used, copied, wasted = used + len(guess & real), copied + len(early), wasted + len(early - real)
+            vram |= {(layer + 1, e) for e in early}
+    st = bank.spec.stats
+    assert (st.used, st.copies, st.copy_bytes_wasted) == (used, copied, wasted * bb)
+    assert st.used < st.issued  # random routing: some guesses miss
+    bank.close()
+
+
+@pytest.mark.parametrize("n_slots", [9])
+def test_speculation_never_changes_the_output(store, n_slots):
+    wd, s = store
+    on, off = GpuExperts(wd, s, n_slots, "cpu"), GpuExperts(wd, s, n_slots, "cpu", speculate=False)
+    on.set_router_weights(routers_for(wd))
+    off.set_router_weights(routers_for(wd))
+    for seed in range(2):
+        for layer, (x, ids, w) in enumerate(one_token(wd, seed, routers_for(wd), follow=seed == 1)):
+            assert torch.equal(on(layer, x, ids, w), off(layer, x, ids, w))
+    assert on.spec.stats.issued > 0 and off.spec is None
+    on.close()
+    off.close()
+
+
+def test_guesses_not_in_ram_go_to_the_prefetch_reader(tiny_workdir):
+    wd = Workdir(tiny_workdir)
+    with ExpertStore(wd, 32 * wd.layout.block_bytes, io_threads=2) as s:
+        routers = routers_for(wd)
+        bank = GpuExperts(wd, s, 64, "cpu")
+        bank.set_router_weights(routers)
+        steps = one_token(wd, 0, routers, follow=True)
+        x, ids, w = steps[0]
+        bank(0, x, ids, w)
+        assert bank.spec.stats.prefetches == len(ids[0]) and bank.spec.stats.copies == 0
+        deadline = time.monotonic() + 10
+        while s.stats.prefetches + s.stats.prefetch_dropped < len(ids[0]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        bank(1, *steps[1])  # routes exactly to the guess: served by the prefetched blocks
+        st = s.stats
+        assert st.prefetches == st.prefetch_hits == len(ids[0]) and st.prefetch_dropped == 0
+        bank.close()
+
+
+def slow_reads(store, monkeypatch, seconds):
+    real, log = store._reader.read_into, []
+
+    def read_into(buf, offset):
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        n = real(buf, offset)
+        log.append((offset, threading.current_thread().name, t0, time.monotonic()))
+        return n
+
+    monkeypatch.setattr(store._reader, "read_into", read_into)
+    return log
+
+
+def test_demand_reads_overtake_queued_prefetches(tiny_workdir, monkeypatch):
+    wd = Workdir(tiny_workdir)
+    with ExpertStore(wd, 32 * wd.layout.block_bytes, io_threads=2) as s:
+        log = slow_reads(s, monkeypatch, 0.1)
+        assert s.prefetch([(1, e) for e in range(6)]) == 6
+        time.sleep(0.02)  # the prefetcher has started its first read
+        t0 = time.monotonic()
+        (h,) = s.request([(2, 0)])
+        h.wait()
+        waited = time.monotonic() - t0
+        assert waited < 0.35  # one read plus at most the one prefetch already under way
+        assert len(s._prefetch_queue) >= 3  # the prefetch queue is far from drained
+        h.release()
+        # a newer guess replaces the queue; the dropped keys are counted
+        queued = len(s._prefetch_queue)
+        assert s.prefetch([(3, 0)]) == 1
+        assert s.stats.prefetch_dropped >= queued
+        deadline = time.monotonic() + 10
+        while (s._prefetch_queue or s.stats.queue_depth) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        s.close()  # joins the prefetcher: every read it started is in the log
+        demand_end = next(end for off, _, _, end in log if off == wd.block_offset(2, 0))
+        later = [start for off, name, start, _ in log if name == "expertstream-prefetch" and start > t0]
+        assert later and min(later) >= demand_end  # no prefetch read started while demand was reading
+        assert s.stats.prefetches + s.stats.prefetch_dropped == 7
+
+
+def test_peek_starts_no_read(tiny_workdir):
+    wd = Workdir(tiny_workdir)
+    with ExpertStore(wd, 8 * wd.layout.block_bytes, io_threads=2) as s:
+        (h,) = s.request([(0, 1)])
+        h.wait()
+        h.release()
+        got = s.peek([(0, 1), (0, 2)])
+        assert got[1] is None and bytes(got[0].wait().numpy()) == bytes(h._entry.buf.numpy())
+        got[0].release()
+        assert (s.stats.requests, s.stats.misses) == (1, 1)
+
+
+def test_engine_speculation_changes_no_logit_and_is_counted(tiny_workdir):
+    outs, stats = [], []
+    for off in (False, True):
+        eng = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", no_speculation=off))
+        st = eng.new_state()
+        rows = [eng.forward(st, [1, 5, 9, 3])]
+        for _ in range(3):
+            rows.append(eng.forward(st, [int(rows[-1].argmax())]))
+        outs.append(torch.stack(rows))
+        stats.append(eng.stats())
+        eng.close()
+    assert torch.equal(outs[0], outs[1])
+    layers, k = Workdir(tiny_workdir).num_layers, Workdir(tiny_workdir).text_config["num_experts_per_tok"]
+    assert stats[0].spec_issued == 3 * (layers - 1) * k and 0 <= stats[0].spec_used <= stats[0].spec_issued
+    assert stats[1].spec_issued == 0 and stats[1].prefetch_bytes_read == 0
+    assert stats[0].host_syncs == stats[1].host_syncs == 4 * layers
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_cpu_affinity_pins_the_loading_thread_not_the_readers(tiny_workdir):
+    cpus = os.sched_getaffinity(0)
+    first = min(cpus)
+    seen = {}
+
+    def load():
+        eng = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", cpu_affinity=str(first)))
+        seen["engine"] = os.sched_getaffinity(0)
+        eng.forward(eng.new_state(), [1, 2])  # spawns the store's reader threads from the pinned thread
+        seen["readers"] = [os.sched_getaffinity(t.native_id) for t in eng.store._pool._threads]
+        eng.close()
+
+    t = threading.Thread(target=load)
+    t.start()
+    t.join()
+    assert seen["engine"] == {first} and seen["readers"] and all(r == cpus for r in seen["readers"])
+    with pytest.raises(ValueError, match="cpu_affinity"):
+        EngineConfig(cpu_affinity="3-1")
