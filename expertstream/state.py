@@ -2,8 +2,10 @@
 
 GDN layers: conv [K-1, conv_dim] (last pre-conv rows) and rec [Hv, Dk, Dv] FP32. QSA layers: k, v
 [max_model_len, kv_heads, head_dim] after norm and RoPE, idx_k [max_model_len, indexer_head_dim] raw indexer
-keys. PLE: ple_ctx, the last ngram_size-1 tokens (EOS at the start), and per PLE layer the last
-(kernel-1)*dilation normalised conv inputs. Plus the position and the consumed token ids.
+keys, blk_k [max_model_len // compress_ratio, indexer_head_dim] the pooled, normalised and roped key of each
+complete block (written once, when the block completes). PLE: ple_ctx, the last ngram_size-1 tokens (EOS at
+the start), and per PLE layer the last (kernel-1)*dilation normalised conv inputs. Plus the position and the
+consumed token ids.
 """
 
 from __future__ import annotations
@@ -33,11 +35,20 @@ class State:
         self.max_model_len = max_model_len
         self.pos = 0
         self.tokens: list[int] = []
-        self.conv, self.rec, self.k, self.v, self.idx_k, self.ple_conv = {}, {}, {}, {}, {}, {}
+        self.conv, self.rec, self.k, self.v, self.idx_k, self.blk_k, self.ple_conv = (
+            {},
+            {},
+            {},
+            {},
+            {},
+            {},
+            {},
+        )
         conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim
         conv_dim += args.linear_num_value_heads * args.linear_value_head_dim
         rec_shape = (args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
         kv_shape = (max_model_len, args.num_key_value_heads, args.head_dim)
+        self.compress_ratio = args.indexer_compress_ratio or 1
         for i, kind in enumerate(args.layer_types):
             if kind == "linear_attention":
                 self.conv[i] = torch.zeros(
@@ -48,6 +59,9 @@ class State:
                 self.k[i] = torch.zeros(kv_shape, dtype=dtype, device=device)
                 self.v[i] = torch.zeros(kv_shape, dtype=dtype, device=device)
                 self.idx_k[i] = torch.zeros(max_model_len, args.indexer_head_dim, dtype=dtype, device=device)
+                self.blk_k[i] = torch.zeros(
+                    max_model_len // self.compress_ratio, args.indexer_head_dim, dtype=dtype, device=device
+                )
         for i in args.ple_layers:
             self.ple_conv[i] = torch.zeros(
                 args.ple_conv_state_len, args.hc_count * args.hidden_size, dtype=dtype, device=device
@@ -56,18 +70,19 @@ class State:
         self.ple_ctx = torch.full((args.ngram_size - 1,), args.eos_id, dtype=torch.long)
         self._empty_ple_ctx = self.ple_ctx.clone()
 
-    def _named(self) -> dict[str, tuple[torch.Tensor, bool]]:
-        """name -> (tensor, filled only up to pos along dim 0)."""
-        out = {"ple_ctx": (self.ple_ctx, False)}
-        for kind, d, partial in (
-            ("conv", self.conv, False),
-            ("rec", self.rec, False),
-            ("k", self.k, True),
-            ("v", self.v, True),
-            ("idx_k", self.idx_k, True),
-            ("ple_conv", self.ple_conv, False),
+    def _named(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """name -> (tensor, d): d = 0 when always whole, else filled up to pos // d rows along dim 0."""
+        out = {"ple_ctx": (self.ple_ctx, 0)}
+        for kind, d, per in (
+            ("conv", self.conv, 0),
+            ("rec", self.rec, 0),
+            ("k", self.k, 1),
+            ("v", self.v, 1),
+            ("idx_k", self.idx_k, 1),
+            ("blk_k", self.blk_k, self.compress_ratio),
+            ("ple_conv", self.ple_conv, 0),
         ):
-            out.update({f"{kind}.{i}": (t, partial) for i, t in d.items()})
+            out.update({f"{kind}.{i}": (t, per) for i, t in d.items()})
         return out
 
     def check_room(self, n: int) -> None:
@@ -78,9 +93,9 @@ class State:
             )
 
     def advance(self, ids: torch.Tensor) -> None:
-        """Record ids [T] as consumed (called by the model after every layer has written its state)."""
+        """Record host ids [T] as consumed (called by the model after every layer has written its state)."""
         n = ids.shape[0]
-        ids_cpu = ids.cpu()
+        ids_cpu = ids.cpu()  # a no-op: the model passes the host ids, so no device read-back
         keep = self.ple_ctx.shape[0]
         if keep:
             self.ple_ctx = torch.cat((self.ple_ctx, ids_cpu))[-keep:].clone()
@@ -97,8 +112,8 @@ class State:
 
     def snapshot(self) -> Snapshot:
         tensors = {
-            name: (t[: self.pos] if partial else t).to("cpu", copy=True)
-            for name, (t, partial) in self._named().items()
+            name: (t[: self.pos // per] if per else t).to("cpu", copy=True)
+            for name, (t, per) in self._named().items()
         }
         return Snapshot(tensors, self.pos, list(self.tokens))
 
@@ -108,10 +123,9 @@ class State:
             raise ValueError(
                 f"snapshot holds {snap.pos} tokens, more than max_model_len {self.max_model_len}"
             )
-        for name, (t, partial) in self._named().items():
+        for name, (t, per) in self._named().items():
             if name not in snap.tensors:
                 raise ValueError(f"snapshot lacks {name}: it was taken from a state of another model")
-            src = snap.tensors[name]
-            (t[: snap.pos] if partial else t).copy_(src)
+            (t[: snap.pos // per] if per else t).copy_(snap.tensors[name])
         self.pos = snap.pos
         self.tokens = list(snap.tokens)

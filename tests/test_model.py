@@ -151,6 +151,23 @@ def test_split_prompt_matches_full(pair):
     assert (both - full).abs().max() <= 1e-4 * full.abs().max()
 
 
+def test_prompt_ending_mid_block_then_decode_matches_full(pair):
+    # the indexer block open at the end of the prompt is completed by decode steps (cached block keys)
+    _, ours, args, ids, _, full = pair
+    st = State(args, 256, torch.float32, "cpu")
+    assert 37 % args.indexer_compress_ratio
+    rows = [ours.logits(ours(ids[:37], st))]
+    rows += [ours.logits(ours(ids[i : i + 1], st)) for i in range(37, 50)]
+    snap = st.snapshot()  # mid-block again
+    rows += [ours.logits(ours(ids[i : i + 1], st)) for i in range(50, PROMPT)]
+    got = torch.cat(rows)
+    assert (got - full).abs().max() <= 1e-4 * full.abs().max()
+    assert torch.equal(got.argmax(-1), full.argmax(-1))
+    st.restore(snap)
+    again = torch.cat([ours.logits(ours(ids[i : i + 1], st)) for i in range(50, PROMPT)])
+    assert torch.equal(again, got[50:])
+
+
 def test_snapshot_restore_continues_identically(pair):
     _, ours, args, ids, _, _ = pair
     st = State(args, 256, torch.float32, "cpu")

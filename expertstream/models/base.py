@@ -128,25 +128,21 @@ class ModelArgs:
         return (self.ple_conv_kernel_size - 1) * self.ngram_size
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int | None = None) -> torch.Tensor:
-    """Zero-centred RMSNorm in FP32: x / rms(x) * (1 + w); `group` normalises each group-wide slice alone."""
-    xf = x.float()
-    if group is not None:
-        xf = xf.unflatten(-1, (-1, group))
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if group is not None:
-        out = out.flatten(-2)
-    return (out * (1.0 + weight.float())).type_as(x)
-
-
 class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm in FP32: x / rms(x) * (1 + w); `group` normalises each group-wide slice alone."""
+
     def __init__(self, weight: torch.Tensor, eps: float, group: int | None = None):
         super().__init__()
-        self.weight = nn.Buffer(weight)
+        self.scale = nn.Buffer(1.0 + weight.float())  # (1 + w) in FP32 once, not per call
         self.eps, self.group = eps, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.group)
+        # normalised and scaled in FP32: F.rms_norm on a bf16 input would round before the scale
+        xf = x.float()
+        if self.group is None:
+            return F.rms_norm(xf, (xf.shape[-1],), self.scale, self.eps).type_as(x)
+        out = F.rms_norm(xf.unflatten(-1, (-1, self.group)), (self.group,), None, self.eps)
+        return (out * self.scale.view(-1, self.group)).flatten(-2).type_as(x)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -157,23 +153,25 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:
-    """cos, sin [T, rotary_dim] in the rotate-half layout (frequencies repeated twice).
+    """cos and signed sin [T, rotary_dim] for `apply_rope`: (cos, cos) and (-sin, sin) halves.
 
     Text tokens carry equal M-RoPE positions on all three axes, so the interleaved section split is a no-op.
     """
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    sin[:, : freqs.shape[1]].neg_()
+    return emb.cos().to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first rotary_dim features. x [T, heads, D], cos/sin [T, rotary_dim]."""
+    """In-place rotate-half RoPE on the first rotary_dim features: x [T, heads, D], cos/sin [T, rot_dim]."""
     r = cos.shape[-1]
-    xr, xp = x[..., :r], x[..., r:]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return torch.cat((xr * cos + rotated * sin, xp), dim=-1)
+    xr = x[..., :r]
+    # rotate_half(x) * sin == roll(x, r/2) * (-sin, sin), bit for bit, without two concatenations
+    rotated = xr.roll(r // 2, -1) * sin[:, None, :]
+    xr.mul_(cos[:, None, :]).add_(rotated)
+    return x
 
 
 _triton_fp8 = None  # the Triton FP8 GEMV when the engine runs on CUDA with kernels enabled
@@ -213,3 +211,21 @@ class Linear(nn.Module):
         if self.scale is None:
             return F.linear(x, self.weight)
         return fp8_rows_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scale).unflatten(0, x.shape[:-1])
+
+
+class FusedLinear(nn.Module):
+    """Bias-free linears sharing one input, rows concatenated: one matmul per run of equally stored parts.
+
+    `runs` [(Linear, [out_i, ...])]; forward returns every part's output [..., out_i] in the given order.
+    """
+
+    def __init__(self, runs: list[tuple[Linear, list[int]]]):
+        super().__init__()
+        self.linears = nn.ModuleList(lin for lin, _ in runs)
+        self.sizes = [sizes for _, sizes in runs]
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for lin, sizes in zip(self.linears, self.sizes):
+            out += lin(x).split(sizes, dim=-1)
+        return out
