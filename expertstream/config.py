@@ -32,7 +32,6 @@ class EngineConfig:
     io_threads: int = field(
         default=16, metadata={"help": "O_DIRECT reader threads (about the drive's queue depth)"}
     )
-    enforce_eager: bool = field(default=False, metadata={"help": "never capture CUDA graphs"})
     kernels: str = field(
         default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"}
     )
