@@ -7,6 +7,7 @@ reasoning split, tool calls, slow prefill, failures, disconnects and the queue b
 
 import argparse
 import json
+import os
 import re
 import socket
 import subprocess
@@ -673,14 +674,18 @@ def test_sampling_defaults_flags_then_generation_config(tiny_workdir):
     assert (d.temperature, d.top_k, d.top_p, d.min_p, d.seed) == (1.0, 5, 0.95, 0.0, 7)
 
 
-def test_cli_serves_a_workdir(tiny_workdir, tmp_path):
+@pytest.mark.parametrize("bundled", [False, True])
+def test_cli_serves_a_workdir(tiny_workdir, tmp_path, bundled):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "expertstream", "serve", str(tiny_workdir), "--port", str(port)]
+    # without WORKDIR it serves the bundled demo model, set up into a fresh cache on first use
+    workdir = [] if bundled else [str(tiny_workdir)]
+    cmd = [sys.executable, "-m", "expertstream", "serve", *workdir, "--port", str(port)]
     cmd += ["--device", "cpu", "--max-model-len", "256", "--api-key", KEY, "--served-model-name", "demo"]
+    env = {**os.environ, "EXPERTSTREAM_CACHE": str(tmp_path / "cache")}
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -697,6 +702,7 @@ def test_cli_serves_a_workdir(tiny_workdir, tmp_path):
         assert [m.id for m in client.models.list()] == ["demo", "demo-thinking"]
         r = client.chat.completions.create(model="demo", messages=USER, max_tokens=2, temperature=0)
         assert r.usage.completion_tokens <= 2 and r.choices[0].finish_reason in ("stop", "length")
+        assert (tmp_path / "cache" / "demo" / "manifest.json").is_file() == bundled
     finally:
         proc.terminate()
         proc.wait(10)
