@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -57,6 +58,15 @@ def append_markdown(path: Path, section: str, device: str, table: str) -> None:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     with open(path, "a") as f:
         f.write(f"\n### {section}: {stamp}, {device}\n\nCommand: `{cmd}`\n\n{table}")
+
+
+def emit(args: argparse.Namespace, section: str, device: str, table: str, payload: dict) -> None:
+    """Print a bench's table, append it to --out, and print --json's payload."""
+    print(table)
+    if args.out:
+        append_markdown(args.out, section, device, table)
+    if args.json:
+        print(json.dumps(payload))
 
 
 def main(args: argparse.Namespace) -> int:

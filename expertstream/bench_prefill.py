@@ -132,7 +132,7 @@ def prefill_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, 
 
 
 def run(args) -> int:
-    from expertstream.bench import append_markdown
+    from expertstream.bench import emit
     from expertstream.workdir import Workdir
 
     if not torch.cuda.is_available():
@@ -172,11 +172,6 @@ def run(args) -> int:
 
         ours = {n: r["seconds"] * 1e3 / wd.num_layers for n, r in results.items() if not r["oom"]}
         table += "\n" + baseline_table(run_baseline(args, expert_bytes, prompt=min(prompts)), ours, "prefill")
-    print(table)
-    if args.out:
-        append_markdown(args.out, "Prefill", torch.cuda.get_device_name(), table)
-    if args.json:
-        import json
-
-        print(json.dumps({"disk_gbps": disk, "pcie_gbps": pcie, "vram_blocks": vram_blocks, **results}))
+    payload = {"disk_gbps": disk, "pcie_gbps": pcie, "vram_blocks": vram_blocks, **results}
+    emit(args, "Prefill", torch.cuda.get_device_name(), table, payload)
     return 0

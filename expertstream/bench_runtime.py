@@ -193,7 +193,7 @@ def real_model_cache_share(wd, budget_gb: float, max_model_len: int) -> float:
 
 
 def run(args) -> int:
-    from expertstream.bench import append_markdown
+    from expertstream.bench import emit
     from expertstream.workdir import Workdir
 
     if not torch.cuda.is_available():
@@ -239,11 +239,6 @@ def run(args) -> int:
 
         base_ms = {n: r["ms_per_token"] / wd.num_layers for n, r in results.items()}
         table += "\n" + baseline_table(run_baseline(args, expert_bytes, prompt=1), base_ms, "decode") + "\n"
-    print(table)
-    if args.out:
-        append_markdown(args.out, "Decode", torch.cuda.get_device_name(), table)
-    if args.json:
-        import json
-
-        print(json.dumps({"disk_gbps": disk, "pcie_gbps": pcie, "vram_blocks": vram_blocks, **results}))
+    payload = {"disk_gbps": disk, "pcie_gbps": pcie, "vram_blocks": vram_blocks, **results}
+    emit(args, "Decode", torch.cuda.get_device_name(), table, payload)
     return 0

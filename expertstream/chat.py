@@ -14,8 +14,8 @@ import sys
 
 from expertstream.config import EngineConfig
 from expertstream.default_model import resolve_model
-from expertstream.generate import SamplingParams, stream_generate
-from expertstream.generate_cli import add_chat_and_sampling_args, stats_line
+from expertstream.generate import stream_generate
+from expertstream.generate_cli import add_chat_and_sampling_args, sampling_from_args, stats_line
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -37,14 +37,7 @@ def turn_end(tokenizer) -> str:
 def chat_loop(engine, args: argparse.Namespace, lines, out=sys.stdout) -> None:
     """Read user turns from `lines` (an iterator of strings) and stream the replies to `out`."""
     tok = engine.tokenizer
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-    )
+    params = sampling_from_args(args)
     template_kwargs = {"enable_thinking": False} if args.no_think else {}
     end_ids = tok.encode(turn_end(tok))
     state, history = engine.new_state(), []  # history: token ids of the conversation so far

@@ -41,6 +41,19 @@ def add_chat_and_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> N
     p.add_argument("--min-p", type=float, default=0.0, help="relative probability floor (default: 0, off)")
 
 
+def sampling_from_args(args: argparse.Namespace, stop: list[str] | None = None) -> SamplingParams:
+    """SamplingParams from the flags of `add_chat_and_sampling_args` (and the engine's --seed)."""
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=list(stop or []),
+    )
+
+
 def stats_line(r: GenerationResponse) -> str:
     return (
         f"prompt: {r.prompt_tokens} tokens ({r.cached_tokens} cached), {r.prompt_tps:.1f} tok/s | "
@@ -64,15 +77,7 @@ def main(args: argparse.Namespace) -> int:
 
     args.model = resolve_model(args.model)
     engine = Engine(EngineConfig.from_args(args))
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-    )
+    params = sampling_from_args(args, stop=args.stop)
     last = None
     try:
         for r in stream_generate(engine, build_prompt(engine.tokenizer, args), params):
