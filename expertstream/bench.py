@@ -18,18 +18,27 @@ MODES: dict[str, str] = {
     "kernels": "expertstream.bench_kernels",
     "decode": "expertstream.bench_runtime",
     "prefill": "expertstream.bench_prefill",
+    "routing": "expertstream.bench_routing",
 }
+# --tokens when not given: decode times a few tokens per regime; routing needs a long trace for cache locality
+TOKENS = {"decode": 32, "routing": 1024}
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=list(MODES), help="what to measure")
+    p.add_argument("model", nargs="?", default="", help="routing: WORKDIR (default: the bundled demo model)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     p.add_argument("--out", type=Path, help="append the table, with date, device and command, to this file")
     p.add_argument(
         "--workdir", default="/tmp/expertstream-bench", help="decode: where the synthetic model lives"
     )
     p.add_argument("--layers", type=int, default=4, help="decode, prefill: full-shape layers to synthesise")
-    p.add_argument("--tokens", type=int, default=32, help="decode: tokens timed per regime")
+    p.add_argument(
+        "--tokens", type=int, help="decode: tokens timed per regime (32); routing: tokens traced (1024)"
+    )
+    p.add_argument(
+        "--text", type=Path, help="routing: text to teacher-force (default: the snapshot's heldout.txt)"
+    )
     p.add_argument(
         "--gpu-memory-gb", type=float, default=8.0, help="decode, prefill: the VRAM budget to emulate"
     )
@@ -70,4 +79,6 @@ def emit(args: argparse.Namespace, section: str, device: str, table: str, payloa
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.tokens is None:
+        args.tokens = TOKENS.get(args.what)
     return importlib.import_module(MODES[args.what]).run(args)

@@ -1,4 +1,4 @@
-"""The expert store: bytes equal to the snapshot under concurrent readers, LRU by bytes, stats, O_DIRECT
+"""The expert store: bytes equal to the snapshot under concurrent readers, eviction by bytes, stats, O_DIRECT
 where the filesystem allows it, bypass reads, and errors that name the block."""
 
 import errno
@@ -10,6 +10,7 @@ import shutil
 import threading
 
 import pytest
+import torch
 
 from expertstream.formats.snapshot import Snapshot
 from expertstream.inventory import PREFIX
@@ -97,13 +98,13 @@ def test_concurrent_readers_get_snapshot_bytes(tiny_workdir, expected):
     assert s.read_seconds > 0
 
 
-def test_lru_eviction_by_bytes_and_stats(tiny_workdir, expected):
+def test_eviction_by_bytes_and_stats(tiny_workdir, expected):
     wd = Workdir(tiny_workdir)
     a, b, c, d = (0, 0), (0, 1), (1, 0), (2, 5)
     with ExpertStore(wd, 3 * wd.layout.block_bytes + wd.layout.block_bytes // 2, io_threads=2) as store:
         assert store.capacity == 3
         assert _get(store, [a, b, c]) == [expected[k] for k in (a, b, c)]
-        assert _get(store, [a]) == [expected[a]]  # hit; a becomes most recent, b least
+        assert _get(store, [a]) == [expected[a]]  # hit: a used twice, b and c once, b longest ago
         assert _get(store, [d]) == [expected[d]]  # evicts b
         s = store.stats
         assert (s.requests, s.hits, s.misses, s.evictions, s.cached_blocks) == (5, 1, 4, 1, 3)
@@ -252,3 +253,22 @@ def test_closed_store_refuses_requests(tiny_workdir):
     store.close()
     with pytest.raises(StoreError, match="closed"):
         store.request([(0, 0)])
+
+
+def test_peeks_count_no_use_and_prefetched_blocks_enter_cold():
+    from expertstream.store.cache import BlockCache
+
+    def fill(cache, *keys, counted=True):
+        for k in keys:
+            cache.insert(k, counted=counted).done.set()
+
+    cache = BlockCache(2, 8, lambda n: torch.zeros(n, dtype=torch.uint8))
+    fill(cache, (0, 0), (0, 1))
+    cache.lookup((0, 0))  # a speculative peek: (0, 0) stays the least recently used of equal counts
+    fill(cache, (0, 2))
+    assert cache.lookup((0, 0)) is None and cache.lookup((0, 1)) is not None
+    cache = BlockCache(2, 8, lambda n: torch.zeros(n, dtype=torch.uint8))
+    fill(cache, (0, 0))  # used once, the oldest
+    fill(cache, (1, 0), counted=False)  # prefetched: enters cold, below the older used block
+    fill(cache, (1, 1))
+    assert cache.lookup((1, 0)) is None and cache.lookup((0, 0)) is not None

@@ -43,12 +43,12 @@ def test_blocks_and_scales_land_in_their_slots_and_hits_are_free():
     assert all(("release", k) in log for k in ((1, 3), (1, 5)))  # host buffers are handed back
 
 
-def test_lru_evicts_oldest_but_never_the_previous_layer():
+def test_evicts_the_coldest_but_never_the_previous_layer():
     cache, _ = make(4)
     a = cache.fetch(0, [0, 1])  # layer 0
     b = cache.fetch(1, [0, 1])  # layer 1: must not evict layer 0's slots (still protected)
     assert set(a.tolist()).isdisjoint(b.tolist())
-    c = cache.fetch(2, [0, 1])  # evicts layer 0 (oldest, no longer protected), never layer 1
+    c = cache.fetch(2, [0, 1])  # evicts layer 0 (used once like layer 1, but earlier; unprotected now)
     assert set(c.tolist()) == set(a.tolist())
     assert (1, 0) in cache.lru and (0, 0) not in cache.lru
 

@@ -1,4 +1,4 @@
-"""The VRAM tier: expert blocks in GPU slots, an LRU over them, and host->device copies on their own stream.
+"""The VRAM tier: expert blocks in GPU slots, an LFU order over them, host->device copies on their own stream.
 
 slots [n_slots, block_bytes] uint8 on the device hold raw repacked blocks (kernels read codes and scales
 straight from them); `ws2` [n_slots, 3] float32 holds each slot's global scales. A call protects the slots it
@@ -9,11 +9,12 @@ prefetch() copies guessed next-layer blocks into spare slots without making the 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from expertstream.store.policy import Key, LfuPolicy
 
 
 @dataclass(slots=True)
@@ -30,7 +31,7 @@ class VramStats:
 
 
 class VramExpertCache:
-    """LRU of expert blocks in device memory.
+    """Expert blocks in device memory, evicted least frequently used first (`LfuPolicy`, docs/runtime.md).
 
     Args:
         fetch_host: (keys) -> list of handles with `.wait() -> uint8 [block_bytes]` and `.release()`:
@@ -57,7 +58,8 @@ class VramExpertCache:
         self.slots = torch.empty(n_slots, block_bytes, dtype=torch.uint8, device=self.device)
         self.ws2 = torch.zeros(n_slots, 3, dtype=torch.float32, device=self.device)
         self.scales = scales.to(self.device, torch.float32)
-        self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> slot, oldest first
+        self.lru: dict[Key, int] = {}  # resident key -> slot (the bank reads it); eviction order: self.policy
+        self.policy = LfuPolicy()
         self.free = list(range(n_slots - 1, -1, -1))
         self.protected: set[int] = set()
         self.last_layer: int | None = None  # layer of the protected slots
@@ -75,10 +77,10 @@ class VramExpertCache:
     def _take_slot(self, keep: set[int]) -> int:
         if self.free:
             return self.free.pop()
-        for key, slot in self.lru.items():  # oldest first
-            if slot not in keep:
-                del self.lru[key]
-                return slot
+        for key in self.policy.victims():
+            if self.lru[key] not in keep:
+                self.policy.remove(key)
+                return self.lru.pop(key)
         raise RuntimeError(
             f"all {self.n_slots} VRAM expert slots are in use by the current request; "
             "the memory plan must give at least two layers' worth of slots"
@@ -101,7 +103,7 @@ class VramExpertCache:
             self.stats.requests += 1
             slot = self.lru.get(key)
             if slot is not None:
-                self.lru.move_to_end(key)
+                self.policy.access(key)
                 self.stats.hits += 1
                 keep.add(slot)
                 early = self.early_copies.pop(slot, None)
@@ -125,6 +127,7 @@ class VramExpertCache:
         for (i, key), h in zip(missing, handles):
             self._copy_block(out[i], key, h)
             self.lru[key] = out[i]
+            self.policy.access(key)
         if self.copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
@@ -156,7 +159,7 @@ class VramExpertCache:
         """Copy guessed blocks already in host RAM ((key, handle) pairs) into spare slots ahead of demand.
 
         Never evicts the last fetch's slots, nor any block of the last fetch's layer or of a guessed key's
-        layer (the current and next layers' demand); copies enter at the cold end of the LRU, so a wrong
+        layer (the current and next layers' demand); copies enter uncounted at the cold end, so a wrong
         guess is the next block evicted. The compute stream does not wait for them: a later fetch that hits
         one does. Returns the keys copied; the other handles are released.
         """
@@ -172,17 +175,17 @@ class VramExpertCache:
             if ev is not None:
                 self.early_copies[slot] = ev
             self.lru[key] = slot
-            self.lru.move_to_end(key, last=False)
+            self.policy.add_cold(key)
             copied.append(key)
         return copied
 
     def _spare_slot(self, skip_layers: set[int | None]) -> int | None:
         if self.free:
             return self.free.pop()
-        for key, slot in self.lru.items():  # oldest first
-            if slot not in self.protected and key[0] not in skip_layers:
-                del self.lru[key]
-                return slot
+        for key in self.policy.victims():
+            if self.lru[key] not in self.protected and key[0] not in skip_layers:
+                self.policy.remove(key)
+                return self.lru.pop(key)
         return None
 
     def mark_used(self) -> None:

@@ -1,4 +1,4 @@
-"""The expert store: O_DIRECT reader pool and RAM LRU cache of repacked expert blocks (docs/workdir.md)."""
+"""The expert store: O_DIRECT reader pool and a RAM cache of expert blocks (docs/workdir.md)."""
 
 from expertstream.store.reader import StoreError, alloc_aligned
 from expertstream.store.store import ExpertHandle, ExpertStore, StoreStats

@@ -1,15 +1,17 @@
-"""RAM LRU of expert blocks over a fixed pool of page-aligned slots (bookkeeping only; the store locks it)."""
+"""RAM cache of expert blocks over a fixed pool of page-aligned slots (bookkeeping only; the store locks it).
+
+Eviction order: `LfuPolicy` (expertstream/store/policy.py; measured against LRU in docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-Key = tuple[int, int]  # (layer, expert)
+from expertstream.store.policy import Key, LfuPolicy
 
 
 @dataclass(eq=False, slots=True)
@@ -25,51 +27,68 @@ class Entry:
 
 
 class BlockCache:
-    """capacity = budget // block_bytes slots; evicts the least recently used unpinned, finished block."""
+    """capacity = budget // block_bytes slots; evicts the least frequently used unpinned, finished block."""
 
     def __init__(self, capacity: int, block_bytes: int, alloc: Callable[[int], torch.Tensor]):
         self.capacity = capacity
         # slots [capacity, block_bytes] uint8, one allocation so a GPU runtime can register it once
         self.slots = alloc(capacity * block_bytes).view(capacity, block_bytes) if capacity else None
         self._free = list(range(capacity - 1, -1, -1))
-        self._lru: OrderedDict[Key, Entry] = OrderedDict()
+        self._entries: dict[Key, Entry] = {}
+        self._policy = LfuPolicy()
         self.evictions = 0
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._entries)
 
     def get(self, key: Key) -> Entry | None:
-        entry = self._lru.get(key)
+        """The entry of `key`, counted as a use (demand requests)."""
+        entry = self._entries.get(key)
         if entry is not None:
-            self._lru.move_to_end(key)
+            self._policy.access(key)
         return entry
 
-    def insert(self, key: Key) -> Entry | None:
-        """A new most-recent entry in a free or evicted slot; None if every slot is pinned or reading."""
-        assert key not in self._lru, "insert only what get() missed"
+    def lookup(self, key: Key) -> Entry | None:
+        """The entry of `key` without counting a use (speculative peeks and prefetch checks)."""
+        return self._entries.get(key)
+
+    def insert(self, key: Key, counted: bool = True) -> Entry | None:
+        """A new entry in a free or evicted slot; None if every slot is pinned or reading.
+
+        A prefetched block (counted=False) enters cold: it ranks below every used block until a demand
+        request uses it, so a wrong guess is the next block evicted.
+        """
+        assert key not in self._entries, "insert only what get() missed"
         slot = self._free.pop() if self._free else self._evict()
         if slot is None:
             return None
         entry = Entry(key, self.slots[slot], slot)
-        self._lru[key] = entry
+        self._entries[key] = entry
+        if counted:
+            self._policy.access(key)
+        else:
+            self._policy.add_cold(key)
         return entry
 
     def _evict(self) -> int | None:
-        for key, entry in self._lru.items():
+        for key in self._policy.victims():
+            entry = self._entries[key]
             if entry.pins == 0 and entry.done.is_set():
-                del self._lru[key]
+                self._policy.remove(key)
+                del self._entries[key]
                 self.evictions += 1
                 return entry.slot
         return None
 
     def reading_unpinned(self) -> bool:
         """Whether a slot will become evictable once a read finishes (nobody holds it)."""
-        return any(e.pins == 0 and not e.done.is_set() for e in self._lru.values())
+        return any(e.pins == 0 and not e.done.is_set() for e in self._entries.values())
 
     def forget(self, entry: Entry) -> None:
         """Drop a block whose read failed, so the next request reads it again; its slot returns via `free`."""
-        if self._lru.get(entry.key) is entry:
-            del self._lru[entry.key]
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+            self._policy.remove(entry.key)
 
     def free(self, slot: int) -> None:
         self._free.append(slot)

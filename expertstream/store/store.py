@@ -1,4 +1,4 @@
-"""`ExpertStore`: expert blocks from experts.bin through a reader thread pool into a RAM LRU cache.
+"""`ExpertStore`: expert blocks from experts.bin through a reader pool into a RAM cache (LFU with aging).
 
 request() does not wait for reads: cached blocks are hits, a block already being read is joined, the rest
 are queued to the readers at once (it waits only while a full cache's sole candidates are still landing).
@@ -78,7 +78,7 @@ class ExpertStore:
 
     Args:
         workdir: a `Workdir` or its path.
-        ram_cache_bytes: RAM budget of the LRU cache; it holds ram_cache_bytes // block_bytes blocks.
+        ram_cache_bytes: RAM budget of the cache; it holds ram_cache_bytes // block_bytes blocks.
         io_threads: reader threads (about the drive's useful queue depth).
         alloc: page-aligned host allocator, nbytes -> uint8 tensor (a GPU runtime passes one that pins).
     """
@@ -202,7 +202,7 @@ class ExpertStore:
         out: list[ExpertHandle | None] = []
         with self._lock:
             for key in keys:
-                entry = self._cache.get(key)
+                entry = self._cache.lookup(key)
                 if entry is None or not entry.done.is_set() or entry.error is not None:
                     out.append(None)
                     continue
@@ -223,7 +223,7 @@ class ExpertStore:
             self._stats.prefetch_dropped += len(self._prefetch_queue)
             self._prefetch_queue.clear()
             for key in keys:
-                if self._cache.get(key) is None and key not in self._transient:
+                if self._cache.lookup(key) is None and key not in self._transient:
                     self._prefetch_queue.append(key)
             if self._prefetcher is None and self._prefetch_queue:
                 self._prefetcher = threading.Thread(
@@ -247,8 +247,8 @@ class ExpertStore:
                     return
                 key = self._prefetch_queue.popleft()
                 entry = None
-                if self._cache.get(key) is None and key not in self._transient:
-                    entry = self._cache.insert(key)  # None when every slot is pinned or still reading
+                if self._cache.lookup(key) is None and key not in self._transient:
+                    entry = self._cache.insert(key, counted=False)  # None: every slot pinned or reading
                 if entry is None:
                     self._stats.prefetch_dropped += 1
                     continue
@@ -299,7 +299,7 @@ class ExpertStore:
         self._recycle(entry)
 
     def _recycle(self, entry: Entry) -> None:
-        # memory of a finished, unpinned block that is not in the LRU goes back to its pool
+        # memory of a finished, unpinned block that is not in the cache goes back to its pool
         if entry.pins or not entry.done.is_set():
             return
         if entry.slot is None:
