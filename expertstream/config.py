@@ -20,10 +20,12 @@ class EngineConfig:
         metadata={"help": "context length in tokens (KV and indexer keys are preallocated for it)"},
     )
     gpu_memory_gb: float | None = field(
-        default=None, metadata={"help": "VRAM budget the engine enforces on itself (default: the whole GPU)"}
+        default=None,
+        metadata={"help": "VRAM budget the engine enforces on itself (default: what is free at start)"},
     )
     gpu_memory_utilization: float = field(
-        default=0.9, metadata={"help": "fraction of the GPU (or of --gpu-memory-gb) the engine may use"}
+        default=0.9,
+        metadata={"help": "fraction of the free GPU memory (or of --gpu-memory-gb) the engine may use"},
     )
     ram_cache_gb: float = field(
         default=4.0,

@@ -147,10 +147,17 @@ class Engine:
     def _plan_gpu_memory(self) -> MemoryPlan:
         """Plan VRAM for the budget and enforce it through the caching allocator's per-process limit."""
         c = self.config
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int((c.gpu_memory_gb * GiB if c.gpu_memory_gb else total) * c.gpu_memory_utilization)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # without --gpu-memory-gb the budget is a share of what is free now (other processes may hold some)
+        budget = int((c.gpu_memory_gb * GiB if c.gpu_memory_gb else free) * c.gpu_memory_utilization)
         if budget > total:
             raise ValueError(f"--gpu-memory-gb {c.gpu_memory_gb} exceeds the GPU's {total / GiB:.1f} GiB")
+        if budget > free:
+            raise ValueError(
+                f"--gpu-memory-gb {c.gpu_memory_gb} x {c.gpu_memory_utilization} = {budget / GiB:.1f} GiB, "
+                f"but only {free / GiB:.1f} GiB of the GPU's {total / GiB:.1f} GiB are free "
+                "(other processes hold the rest)"
+            )
         inventory = {n: (i.shape, i.dtype) for n, i in read_header(self.workdir.resident_path).items()}
         plan = plan_memory(
             self.workdir.text_config,

@@ -92,6 +92,17 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--vocab", type=int, default=2048, help="BPE merges vocabulary before special tokens")
     p.add_argument("--seed", type=int, default=0)
+    # shape overrides of the `demo` preset: a narrow shared expert leaves the work to the routed experts
+    p.add_argument("--shared-width", type=int, help="shared_expert_intermediate_size (preset: 128)")
+    p.add_argument("--expert-width", type=int, help="moe_intermediate_size (preset: 64)")
+    p.add_argument("--experts-per-tok", type=int, help="num_experts_per_tok (preset: 4)")
+    p.add_argument(
+        "--expert-lr-scale",
+        type=float,
+        default=1.0,
+        help="learning-rate factor of the routed experts, which each see only top-k/E of the tokens",
+    )
+    p.add_argument("--weight-decay", type=float, default=0.1)
     args = p.parse_args()
 
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
@@ -109,6 +120,13 @@ def main() -> None:
     vocab_size = -(-tok.get_vocab_size() // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     config = build_config("demo", None, None, vocab_size, ids)
     cfg = config["text_config"]
+    for key, value in (
+        ("shared_expert_intermediate_size", args.shared_width),
+        ("moe_intermediate_size", args.expert_width),
+        ("num_experts_per_tok", args.experts_per_tok),
+    ):
+        if value is not None:
+            cfg[key] = value
     model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**cfg)).to(device)
     skip_indexer_when_dense(model, args.seq_len, cfg["indexer_budget"])
     n_params = sum(t.numel() for t in model.parameters())
@@ -118,7 +136,10 @@ def main() -> None:
     val_ids = torch.tensor(tok.encode(val_text).ids, dtype=torch.long)
     held_ids = torch.tensor(tok.encode(held_text).ids, dtype=torch.long)
     print(f"tokens: train {train_ids.numel()}, held-out {held_ids.numel()}", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    routed = [t for n, t in model.named_parameters() if ".mlp.experts." in n]
+    rest = [t for n, t in model.named_parameters() if ".mlp.experts." not in n]
+    groups = [dict(params=rest, scale=1.0), dict(params=routed, scale=args.expert_lr_scale)]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     t0, step, budget_s = time.time(), 0, args.minutes * 60
     best = (float("inf"), 0, None)
 
@@ -136,7 +157,7 @@ def main() -> None:
         frac = (time.time() - t0) / budget_s
         lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g["scale"]
         starts = torch.randint(0, train_ids.numel() - args.seq_len - 1, (args.batch,))
         batch = torch.stack([train_ids[s : s + args.seq_len + 1] for s in starts]).to(device)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
@@ -166,7 +187,7 @@ def main() -> None:
         "batch": args.batch,
         "held_out_ppl_dense": round(held_ppl, 3),
         "command": "python scripts/train_demo.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
     }
     generation = {
         "bos_token_id": ids["<|endoftext|>"],

@@ -11,6 +11,12 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
+def kernel_device():
+    """Where the GPU runtime's tests run: CUDA when present, else the CPU through the Triton interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="session")
 def tiny_snapshot(tmp_path_factory):
     from expertstream.synth import write_synthetic
 

@@ -30,13 +30,13 @@ def routing(wd, t, seed):
 
 
 @pytest.mark.parametrize("n_slots", [8, 64])
-def test_decode_and_prefill_match_the_torch_bank(banks, n_slots):
+def test_decode_and_prefill_match_the_torch_bank(banks, n_slots, kernel_device):
     wd, store, ref = banks
-    bank = GpuExperts(wd, store, n_slots, "cpu")
+    bank = GpuExperts(wd, store, n_slots, kernel_device)
     for layer, t in ((0, 1), (2, 1), (0, 1), (3, 20)):
         x, ids, w = routing(wd, t, seed=layer * 10 + t)
         want = ref(layer, x, ids, w)
-        got = bank(layer, x, ids, w)
+        got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
     # the prompt's distinct experts run in groups of half the slots; decode syncs once per call
     passes = -(-torch.unique(ids).numel() // (n_slots // 2))
@@ -47,10 +47,11 @@ def test_decode_and_prefill_match_the_torch_bank(banks, n_slots):
     bank.close()
 
 
-def test_controls_break_the_output(banks):
+def test_controls_break_the_output(banks, kernel_device):
     wd, store, ref = banks
     x, ids, w = routing(wd, 1, seed=7)
     want = ref(1, x, ids, w)
-    swapped = GpuExperts(wd, store, 8, "cpu", control="swap-nibbles")(1, x, ids, w)
+    args = [v.to(kernel_device) for v in (x, ids, w)]
+    swapped = GpuExperts(wd, store, 8, kernel_device, control="swap-nibbles")(1, *args).cpu()
     assert (swapped - want).abs().max() > 0.1 * want.abs().max()
-    assert torch.count_nonzero(GpuExperts(wd, store, 8, "cpu", control="no-experts")(1, x, ids, w)) == 0
+    assert torch.count_nonzero(GpuExperts(wd, store, 8, kernel_device, control="no-experts")(1, *args)) == 0

@@ -17,7 +17,7 @@ from expertstream.workdir import Workdir
 pytest.importorskip("triton")  # the GPU bank runs through the interpreter on CPU (conftest)
 
 
-def one_token(wd, seed, routers=None, follow=False):
+def one_token(wd, seed, routers=None, follow=False, dev="cpu"):
     """Per layer (x [1, H], ids [1, K], w [1, K]); with `follow`, layer l+1 routes exactly to its guess."""
     g = torch.Generator().manual_seed(seed)
     k, h = wd.text_config["num_experts_per_tok"], wd.layout.hidden_size
@@ -25,17 +25,18 @@ def one_token(wd, seed, routers=None, follow=False):
     for layer in range(wd.num_layers):
         x = torch.randn(1, h, generator=g)
         if follow and layer:
-            ids = torch.topk(F.linear(steps[-1][0][0], routers[layer]), k).indices[None]
+            ids = torch.topk(F.linear(steps[-1][0][0].cpu(), routers[layer].cpu()), k).indices[None]
         else:
             ids = torch.randperm(wd.num_experts, generator=g)[:k][None]
         w = torch.rand(1, k, generator=g)
-        steps.append((x, ids, w / w.sum()))
+        steps.append((x.to(dev), ids.to(dev), (w / w.sum()).to(dev)))
     return steps
 
 
-def routers_for(wd, seed=0):
+def routers_for(wd, seed=0, dev="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return {l: torch.randn(wd.num_experts, wd.layout.hidden_size, generator=g) for l in range(wd.num_layers)}
+    h = wd.layout.hidden_size
+    return {l: torch.randn(wd.num_experts, h, generator=g).to(dev) for l in range(wd.num_layers)}
 
 
 @pytest.fixture
@@ -45,14 +46,14 @@ def store(tiny_workdir):
         yield wd, s
 
 
-def test_a_perfect_router_is_used_every_time(store):
+def test_a_perfect_router_is_used_every_time(store, kernel_device):
     wd, s = store
-    routers = routers_for(wd)
-    bank = GpuExperts(wd, s, 64, "cpu")
+    routers = routers_for(wd, dev=kernel_device)
+    bank = GpuExperts(wd, s, 64, kernel_device)
     bank.set_router_weights(routers)
     k = wd.text_config["num_experts_per_tok"]
     for seed in range(2):
-        for layer, (x, ids, w) in enumerate(one_token(wd, seed, routers, follow=True)):
+        for layer, (x, ids, w) in enumerate(one_token(wd, seed, routers, follow=True, dev=kernel_device)):
             bank(layer, x, ids, w)
     st = bank.spec.stats
     assert st.issued == 2 * (wd.num_layers - 1) * k  # no guess past the last layer
@@ -61,17 +62,17 @@ def test_a_perfect_router_is_used_every_time(store):
     bank.close()
 
 
-def test_random_routing_counts_misses_and_wasted_bytes(store):
+def test_random_routing_counts_misses_and_wasted_bytes(store, kernel_device):
     wd, s = store
-    routers, bb = routers_for(wd), wd.layout.block_bytes
+    routers, bb = routers_for(wd, dev=kernel_device), wd.layout.block_bytes
     for key in [(l, e) for l in range(wd.num_layers) for e in range(wd.num_experts)]:
         (h,) = s.request([key])  # every block in RAM: each guess not in VRAM is copied early
         h.wait()
         h.release()
-    bank = GpuExperts(wd, s, 64, "cpu")  # 64 slots hold all 64 blocks: nothing is evicted
+    bank = GpuExperts(wd, s, 64, kernel_device)  # 64 slots hold all 64 blocks: nothing is evicted
     bank.set_router_weights(routers)
     vram, used, copied, wasted = set(), 0, 0, 0
-    steps = one_token(wd, seed=5)
+    steps = one_token(wd, seed=5, dev=kernel_device)
     for layer, (x, ids, w) in enumerate(steps):
         bank(layer, x, ids, w)
         vram |= {(layer, e) for e in ids[0].tolist()}
@@ -88,26 +89,31 @@ def test_random_routing_counts_misses_and_wasted_bytes(store):
 
 
 @pytest.mark.parametrize("n_slots", [9])
-def test_speculation_never_changes_the_output(store, n_slots):
+def test_speculation_never_changes_the_output(store, n_slots, kernel_device):
     wd, s = store
-    on, off = GpuExperts(wd, s, n_slots, "cpu"), GpuExperts(wd, s, n_slots, "cpu", speculate=False)
-    on.set_router_weights(routers_for(wd))
-    off.set_router_weights(routers_for(wd))
+    on, off = (
+        GpuExperts(wd, s, n_slots, kernel_device),
+        GpuExperts(wd, s, n_slots, kernel_device, speculate=False),
+    )
+    on.set_router_weights(routers_for(wd, dev=kernel_device))
+    off.set_router_weights(routers_for(wd, dev=kernel_device))
     for seed in range(2):
-        for layer, (x, ids, w) in enumerate(one_token(wd, seed, routers_for(wd), follow=seed == 1)):
+        for layer, (x, ids, w) in enumerate(
+            one_token(wd, seed, routers_for(wd, dev=kernel_device), follow=seed == 1, dev=kernel_device)
+        ):
             assert torch.equal(on(layer, x, ids, w), off(layer, x, ids, w))
     assert on.spec.stats.issued > 0 and off.spec is None
     on.close()
     off.close()
 
 
-def test_guesses_not_in_ram_go_to_the_prefetch_reader(tiny_workdir):
+def test_guesses_not_in_ram_go_to_the_prefetch_reader(tiny_workdir, kernel_device):
     wd = Workdir(tiny_workdir)
     with ExpertStore(wd, 32 * wd.layout.block_bytes, io_threads=2) as s:
-        routers = routers_for(wd)
-        bank = GpuExperts(wd, s, 64, "cpu")
+        routers = routers_for(wd, dev=kernel_device)
+        bank = GpuExperts(wd, s, 64, kernel_device)
         bank.set_router_weights(routers)
-        steps = one_token(wd, 0, routers, follow=True)
+        steps = one_token(wd, 0, routers, follow=True, dev=kernel_device)
         x, ids, w = steps[0]
         bank(0, x, ids, w)
         assert bank.spec.stats.prefetches == len(ids[0]) and bank.spec.stats.copies == 0
@@ -173,10 +179,10 @@ def test_peek_starts_no_read(tiny_workdir):
         assert (s.stats.requests, s.stats.misses) == (1, 1)
 
 
-def test_engine_speculation_changes_no_logit_and_is_counted(tiny_workdir):
+def test_engine_speculation_changes_no_logit_and_is_counted(tiny_workdir, kernel_device):
     outs, stats = [], []
     for off in (False, True):
-        eng = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", no_speculation=off))
+        eng = Engine(EngineConfig(model=str(tiny_workdir), device=kernel_device, no_speculation=off))
         st = eng.new_state()
         rows = [eng.forward(st, [1, 5, 9, 3])]
         for _ in range(3):
