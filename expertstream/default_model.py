@@ -8,28 +8,37 @@ again when the shipped one changes (a package upgrade). The cache is $EXPERTSTRE
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 from pathlib import Path
 
 from expertstream.log import get_logger
-from expertstream.workdir import MANIFEST, read_manifest
+from expertstream.workdir import MANIFEST
 
 log = get_logger(__name__)
 
 DEMO_SNAPSHOT = Path(__file__).parent / "assets" / "demo-snapshot"
+FINGERPRINT = "demo.sha256"  # beside the manifest: which shipped snapshot the workdir was built from
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("EXPERTSTREAM_CACHE") or Path.home() / ".cache" / "expertstream")
 
 
+def demo_fingerprint() -> str:
+    """sha256 over every file of the shipped demo snapshot (26 MB: milliseconds). A retrained demo keeps the
+    same config and shard sizes, so only the bytes tell a package upgrade apart."""
+    h = hashlib.sha256()
+    for f in sorted(DEMO_SNAPSHOT.iterdir()):
+        if f.is_file():
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 def _stale(workdir: Path) -> bool:
     """True when the shipped demo changed (a package upgrade) since its workdir was set up."""
-    from expertstream.formats.snapshot import Snapshot
-
-    source = read_manifest(workdir)["source"]
-    snap = Snapshot(DEMO_SNAPSHOT)
-    return source["snapshot"] != str(snap.path) or source["config_sha256"] != snap.config_sha256
+    mark = workdir / FINGERPRINT
+    return not mark.is_file() or mark.read_text().strip() != demo_fingerprint()
 
 
 def default_workdir() -> Path:
@@ -51,6 +60,7 @@ def default_workdir() -> Path:
             return workdir
         log.info("setting up the default model %s -> %s (once)", DEMO_SNAPSHOT, workdir)
         setup_workdir(DEMO_SNAPSHOT, workdir, progress=False)
+        (workdir / FINGERPRINT).write_text(demo_fingerprint() + "\n")
     return workdir
 
 

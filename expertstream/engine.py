@@ -147,7 +147,11 @@ class Engine:
     def _plan_gpu_memory(self) -> MemoryPlan:
         """Plan VRAM for the budget and enforce it through the caching allocator's per-process limit."""
         c = self.config
+        torch.cuda.empty_cache()  # blocks cached by this process but unused count as free
         free, total = torch.cuda.mem_get_info(self.device)
+        held = torch.cuda.memory_reserved(
+            self.device
+        )  # live tensors of this process (another engine, a test)
         # without --gpu-memory-gb the budget is a share of what is free now (other processes may hold some)
         budget = int((c.gpu_memory_gb * GiB if c.gpu_memory_gb else free) * c.gpu_memory_utilization)
         if budget > total:
@@ -167,7 +171,8 @@ class Engine:
             c.max_model_len,
             act_bytes=torch.finfo(self.dtype).bits // 8,
         )
-        torch.cuda.set_per_process_memory_fraction(budget / total, self.device.index or 0)
+        # the allocator's limit is per process, so it covers what this process already holds plus the budget
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + held) / total), self.device.index or 0)
         log.info("%s", plan.describe())
         return plan
 
@@ -226,8 +231,12 @@ class Engine:
         )
 
     def close(self) -> None:
+        """Stop the readers and give the VRAM back (weights, slots), so another engine can plan on it."""
         if hasattr(self.bank, "close"):
             self.bank.close()
         self.store.close()
         if self.ple is not None:
             self.ple.close()
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

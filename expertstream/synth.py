@@ -46,7 +46,7 @@ _TEXT = {
         hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         num_experts=64, num_experts_per_tok=4, moe_intermediate_size=64,
-        shared_expert_intermediate_size=128, hc_lowrank=32, ple_embed_dim=256,
+        shared_expert_intermediate_size=16, hc_lowrank=32, ple_embed_dim=256,
         ngram_vocab_size_base=4001, split_ngram_parts=4,
         indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=32,
         indexer_budget=128, indexer_compress_ratio=4,

@@ -40,4 +40,5 @@ def test_engine_matches_transformers_on_held_out_text(correct):
 @pytest.mark.parametrize("control", ["swap-nibbles", "no-experts"])
 def test_controls_are_worse(demo, correct, control):
     broken = score(demo, control=control)
-    assert broken["engine"]["ppl"] > 1.1 * correct["engine"]["ppl"]
+    # issue 7: a broken engine must be far worse, not merely worse (measured: 17x and 7.6x)
+    assert broken["engine"]["ppl"] > 5 * correct["engine"]["ppl"]

@@ -388,3 +388,10 @@ def test_shipped_demo_is_set_up_and_refreshed_when_it_changes(tmp_path, monkeypa
     config = json.loads((demo / "config.json").read_text())
     (demo / "config.json").write_text(json.dumps({**config, "demo_revision": 2}))
     assert dm.resolve_model("") == workdir and manifest.stat().st_mtime_ns != stamp
+    # a retrained demo: same config, same shard sizes, other weights
+    stamp = manifest.stat().st_mtime_ns
+    shard = sorted(demo.glob("model-0*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert dm.resolve_model("") == workdir and manifest.stat().st_mtime_ns != stamp

@@ -207,7 +207,9 @@ class VramExpertCache:
         self.in_flight = pending
 
     def close(self) -> None:
+        """Finish in-flight copies, hand host buffers back and free the slots (the budget's largest part)."""
         for ev, h in self.in_flight:
             ev.synchronize()
             h.release()
         self.in_flight = []
+        self.slots = self.slots.new_empty(0, self.block_bytes)  # a use after close fails on indexing
