@@ -2,11 +2,13 @@
 
 On a full-shape synthetic model (real per-layer dims, `--layers` of them) it measures, in the same run, the
 raw O_DIRECT read rate (expert-sized blocks, the engine's thread count) and the pinned host->device rate,
-then decodes in three regimes and reports bytes/token, the bound max(disk, PCIe, GPU) and
+then decodes in five regimes and reports bytes/token, the bound max(disk, PCIe, GPU) and
 efficiency = bound / actual:
-  vram:  every expert resident in VRAM (GPU-bound: the compute floor)
-  ram:   experts in the pinned RAM cache, VRAM cache sized as the 48-layer 8 GiB plan leaves it (PCIe-bound)
-  disk:  RAM cache = 25% of the expert bytes, the rest read from disk (disk-bound)
+  vram:        every expert resident in VRAM (GPU-bound: the compute floor)
+  vram eager:  the same without CUDA graphs (what the graphs save)
+  ram:         experts in pinned RAM, VRAM cache sized as the 48-layer 8 GiB plan leaves it (PCIe-bound)
+  disk:        RAM cache = 25% of the expert bytes, the rest read from disk (disk-bound)
+  disk, 24 GiB VRAM: the disk regime's RAM cache with the VRAM cache a 24 GiB card's plan leaves
 Per-token times are for the bench's layers and scaled to the real 48. Each regime also reports the
 next-layer guesses (hit rate, wasted MB/token), the bank's host syncs per token, every synchronising CUDA
 call per token (torch's sync debug mode, over two extra tokens), and whether its greedy tokens equal the
@@ -32,6 +34,7 @@ log = get_logger(__name__)
 # the emulated model: Qwen3.8-Flash-Next's layer count and vocabulary (the synthetic one keeps a tiny vocab)
 REAL_LAYERS = 48
 REAL_VOCAB = 248320
+BIG_BUDGET_GB = 24  # issue 5's regime 3: a 24 GiB card with the disk regime's RAM cache
 
 
 def ensure_model(root: Path, layers: int) -> Path:
@@ -212,13 +215,18 @@ def run(args) -> int:
     pcie = pcie_rate()
     share = real_model_cache_share(wd, args.gpu_memory_gb, args.max_model_len)
     vram_blocks = int(share * wd.num_layers)
+    share24 = real_model_cache_share(wd, BIG_BUDGET_GB, args.max_model_len)
+    all_in_ram = dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1)
+    quarter_in_ram = dataclasses.replace(base, ram_cache_gb=0.25 * expert_bytes / GiB)
     regimes = {
-        "vram": (
-            dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1),
-            wd.num_layers * wd.num_experts,
+        "vram": (all_in_ram, wd.num_layers * wd.num_experts),
+        "vram eager": (dataclasses.replace(all_in_ram, enforce_eager=True), wd.num_layers * wd.num_experts),
+        "ram": (all_in_ram, vram_blocks),
+        "disk": (quarter_in_ram, vram_blocks),
+        f"disk, {BIG_BUDGET_GB:g} GiB VRAM": (
+            dataclasses.replace(quarter_in_ram, gpu_memory_gb=BIG_BUDGET_GB),
+            int(share24 * wd.num_layers),
         ),
-        "ram": (dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1), vram_blocks),
-        "disk": (dataclasses.replace(base, ram_cache_gb=0.25 * expert_bytes / GiB), vram_blocks),
     }
     results = {}
     for name, (cfg, blocks) in regimes.items():
@@ -230,7 +238,9 @@ def run(args) -> int:
         f"({block:,} B blocks, top-{wd.text_config['num_experts_per_tok']}, random routing), "
         f"--gpu-memory-gb {args.gpu_memory_gb}; measured in this run: O_DIRECT {disk:.2f} GB/s "
         f"({base.io_threads} threads), pinned H2D {pcie:.1f} GB/s; VRAM cache {vram_blocks} blocks "
-        f"({share:.1f} per layer, the 48-layer plan's share); speculation "
+        f"({share:.1f} per layer, the 48-layer plan's share; {share24:.1f} per layer at "
+        f"{BIG_BUDGET_GB} GiB); "
+        f"CUDA graphs on except in `vram eager`; speculation "
         f"{'off' if args.no_speculation else 'on'}.\n\n"
     )
     table = head + table

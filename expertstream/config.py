@@ -44,6 +44,12 @@ class EngineConfig:
             "help": "do not guess layer L+1's experts from layer L's input (no early copies and disk reads)"
         },
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "decode without CUDA graphs: launch every kernel from Python each token (vLLM's name)"
+        },
+    )
     cpu_affinity: str | None = field(
         default=None,
         metadata={

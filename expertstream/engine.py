@@ -135,6 +135,11 @@ class Engine:
         self.bank.set_router_weights(routers)
         # the embedding stays in host RAM: one row per token is gathered there
         self.model = Qwen4ExpModel(self.args, tensors, self.bank, self.ple, self.dtype, self.device, fp8)
+        self.decode = None  # one-token steps through CUDA graphs (runtime/decode_graphs.py)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from expertstream.runtime.decode_graphs import DecodeGraphs
+
+            self.decode = DecodeGraphs(self.model)
         self._tokenizer = None
         log.info(
             "loaded %s on %s (%s) in %.1f s",
@@ -206,6 +211,9 @@ class Engine:
         if bad.numel():
             raise ValueError(f"token id {int(bad[0])} is outside the vocabulary of {self.args.vocab_size}")
         state.check_room(ids.numel())
+        if ids.numel() == 1 and self.decode is not None:
+            logits = self.model.logits(self.decode.step(ids, state))
+            return logits if all_logits else logits[0]
         rows = []
         for i in range(0, ids.numel(), self.prefill_piece):
             h = self.model(ids[i : i + self.prefill_piece], state)
@@ -237,6 +245,6 @@ class Engine:
         self.store.close()
         if self.ple is not None:
             self.ple.close()
-        self.model = None
+        self.model = self.decode = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

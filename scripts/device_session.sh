@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# One device run: GPU check of the tiny model (Triton kernels, VRAM slots), the demo model's training, and the
-# decode bench. Needs .whl/ (the transformers wheel CI uses) and .corpus/kjv.txt carried; writes under $OUT.
+# One device run for the GPU runtime (issue 5), most important first, each step under its own time limit so a
+# slow one cannot starve the rest: GPU tests (graphs vs eager, the CUDA bank, speculation), `check` on the tiny
+# model with the engine on CUDA, the decode bench (five regimes) on a 4-layer full-shape model, `check` on that
+# model, the prefill bench. Needs .whl/ (the transformers wheel CI uses) carried; writes under $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+es() { python3 -m expertstream "$@"; }
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
-python3 -m expertstream synth /tmp/tiny --preset tiny >/dev/null 2>&1 && python3 -m expertstream setup /tmp/tiny /tmp/tiny-wd >/dev/null 2>&1
-for dt in bfloat16 float32; do
-  python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype $dt --device cuda --long 2>&1 | grep -v INFO | tail -9 | tee -a $OUT/check_tiny_cuda.txt
-done
-if [ "${TRAIN_MINUTES:-0}" != 0 ]; then
-  python3 scripts/train_demo.py --corpus .corpus/kjv.txt --out /tmp/demo --minutes "$TRAIN_MINUTES" 2>&1 | tee $OUT/train.log | grep -v "^step" | tail -12
-  tar -C /tmp -cf - demo | split -b 15m - $OUT/demo.tar.part-
-fi
-python3 -m expertstream bench decode --layers "${BENCH_LAYERS:-4}" --tokens 24 --out $OUT/benchmarks.md --json 2>&1 | grep -v "%|" | tail -12
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_gpu_experts.py \
+  tests/test_speculation.py tests/test_vram_cache.py 2>&1 | tail -15 | tee $OUT/gpu_tests.txt
+es synth /tmp/tiny --preset tiny >/dev/null 2>&1 && es setup /tmp/tiny /tmp/tiny-wd >/dev/null 2>&1
+timeout 60 python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda --long 2>&1 \
+  | grep -v INFO | tail -9 | tee $OUT/check_tiny_cuda.txt
+timeout ${DECODE_S:-240} python3 -m expertstream bench decode --layers 4 --tokens ${TOKENS:-12} --out $OUT/benchmarks.md \
+  --json 2>&1 | grep -v "%|" | tail -4 > $OUT/bench_decode.txt
+tail -c 3000 $OUT/benchmarks.md
+W=/tmp/expertstream-bench
+timeout ${CHECK_S:-100} python3 -m expertstream check $W/full-4-wd --snapshot $W/full-4 --dtype bfloat16 --device cuda \
+  --prompts 2 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_full4_cuda.txt
+timeout ${PREFILL_S:-120} python3 -m expertstream bench prefill --layers 4 --out $OUT/benchmarks.md 2>&1 | grep -v "%|" \
+  | tail -12 | tee $OUT/bench_prefill.txt
 ls -la $OUT

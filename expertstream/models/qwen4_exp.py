@@ -426,17 +426,21 @@ class SparseMoe(nn.Module):
         self.shared_down_proj = w.linear(f"{p}.shared_expert.down_proj.weight", h, si)
         self.act = ACT[a.hidden_act]
 
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
+    def route(self, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """All but the routed sum: (top_i [T, K], top_w [T, K] FP32, shared gate [T, 1], shared [T, H])."""
         logits = self.gate(u)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.k, dim=-1)
         if self.norm_topk:
             top_w = top_w / top_w.sum(-1, keepdim=True)
-        # rounded through the activation dtype as transformers does, passed on as FP32
-        routed = self.bank(self.layer, u, top_i, top_w.to(logits.dtype).float())
         gate, up, shared_gate = self.shared_in(u)
         shared = self.shared_down_proj(self.act(gate) * up)
-        return torch.addcmul(routed, torch.sigmoid(shared_gate), shared)
+        # rounded through the activation dtype as transformers does, passed on as FP32
+        return top_i, top_w.to(logits.dtype).float(), torch.sigmoid(shared_gate), shared
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        top_i, top_w, shared_gate, shared = self.route(u)
+        return torch.addcmul(self.bank(self.layer, u, top_i, top_w), shared_gate, shared)
 
 
 class DecoderLayer(nn.Module):
@@ -452,18 +456,31 @@ class DecoderLayer(nn.Module):
         self.mlp_hc = GatedResidual(w, f"{p}.mlp_hyper_connection", a)
         self.mlp = SparseMoe(w, f"{p}.mlp", a, i, bank)
 
+    # The stages of `forward`, also run one by one by the CUDA-graph decode (runtime/decode_graphs.py), which
+    # captures the static-shape stretches between the bank, the QSA attention and the PLE lookup.
+    def attention(self, u: torch.Tensor, st: State, cos, sin, inv_freq) -> torch.Tensor:
+        if self.linear_attn is not None:
+            return self.linear_attn(u, st)
+        return self.self_attn(u, st, cos, sin, inv_freq)
+
+    def moe_in(self, x, y, c) -> tuple[torch.Tensor, ...]:
+        """Attention output into the streams, then MoE input: (x, u, c, top_i, top_w, shared gate, shared)."""
+        x = inject(x, y, c)
+        u, c = self.mlp_hc(x)
+        return (x, u, c, *self.mlp.route(u))
+
+    @staticmethod
+    def moe_out(x, c, routed, shared_gate, shared) -> torch.Tensor:
+        return inject(x, torch.addcmul(routed, shared_gate, shared), c)
+
     def forward(self, x, ids, st: State, cos, sin, inv_freq) -> torch.Tensor:
         if self.ple is not None:
             x = x + self.ple(x, ids, st)
         u, c = self.attn_hc(x)
-        y = (
-            self.linear_attn(u, st)
-            if self.linear_attn is not None
-            else self.self_attn(u, st, cos, sin, inv_freq)
+        x, u, c, top_i, top_w, shared_gate, shared = self.moe_in(
+            x, self.attention(u, st, cos, sin, inv_freq), c
         )
-        x = inject(x, y, c)
-        u, c = self.mlp_hc(x)
-        return inject(x, self.mlp(u), c)
+        return self.moe_out(x, c, self.mlp.bank(self.mlp.layer, u, top_i, top_w), shared_gate, shared)
 
 
 class Qwen4ExpModel(nn.Module):
@@ -505,17 +522,23 @@ class Qwen4ExpModel(nn.Module):
         self.lm_head = w.linear("lm_head.weight", args.vocab_size, args.hidden_size)
         self.inv_freq = rope_inv_freq(args).to(device)
 
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Host ids [T] -> the N streams [T, N*H] on the device, each seeded with the token embedding."""
+        x = self.embed[ids.to(self.embed.device, non_blocking=True)]
+        return x.to(self.device, self.dtype, non_blocking=True).repeat(1, self.args.hc_count)
+
+    def rope(self, st: State, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(st.pos, st.pos + t, device=self.device)
+        return rope_cos_sin(self.inv_freq, positions, self.dtype)
+
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, st: State) -> torch.Tensor:
         t = ids.shape[0]
         st.check_room(t)
         # ids stay on the host (embedding rows, PLE hashing, the state's token list): nothing is read back
         ids = ids.cpu()
-        x = self.embed[ids.to(self.embed.device, non_blocking=True)]
-        x = x.to(self.device, self.dtype, non_blocking=True)
-        x = x.repeat(1, self.args.hc_count)  # the embedding seeds all N streams [T, N*H]
-        positions = torch.arange(st.pos, st.pos + t, device=self.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        x = self.embed_rows(ids)
+        cos, sin = self.rope(st, t)
         for layer in self.layers:
             x = layer(x, ids, st, cos, sin, self.inv_freq)
         st.advance(ids)

@@ -1,0 +1,157 @@
+"""One decode token as CUDA graphs: the static-shape stretches between the points that must stay eager.
+
+Eager points of a one-token step: the embedding row (gathered on the host), the PLE lookup (hashed and read on
+the host), QSA attention (its KV length, mask and block count follow the position) and the expert bank (reads
+the routing ids back to fetch experts). Everything between two of them keeps its shapes and addresses from
+token to token, so it is captured once and replayed: whole GDN layers, hyper-connections, routers, shared
+experts, the final mixer. A state's buffers are baked into its graphs, so graphs are kept per `State` (and
+dropped with it); they are captured while the first graphed step of that state runs, so no token is computed
+twice. `capture=False` runs the same program without graphs: the CPU tests pin it to the model's forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from expertstream.models.qwen4_exp import DecoderLayer, Qwen4ExpModel
+from expertstream.state import State
+
+
+@dataclass
+class _Step:
+    """What only the eager stages may read: host ids [1], the state, RoPE rows of this position."""
+
+    ids: torch.Tensor
+    st: State
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def _layer_ops(model: Qwen4ExpModel, i: int, layer: DecoderLayer, st: State) -> list[tuple[bool, object]]:
+    """(graphable, fn(env, step) -> {name: tensor}) for one layer; graphable fns never read `step`."""
+    ops = []
+    if layer.ple is not None:
+        ops.append((False, lambda e, s: {"x": e["x"] + layer.ple(e["x"], s.ids, s.st)}))
+    ops.append((True, lambda e, s: dict(zip(("u", "c"), layer.attn_hc(e["x"])))))
+    if layer.linear_attn is not None:  # recurrent state in place: static
+        ops.append((True, lambda e, s: {"y": layer.linear_attn(e["u"], st)}))
+    else:
+        ops.append((False, lambda e, s: {"y": layer.self_attn(e["u"], s.st, s.cos, s.sin, model.inv_freq)}))
+    names = ("x", "u", "c", "top_i", "top_w", "shared_gate", "shared")
+    ops.append((True, lambda e, s: dict(zip(names, layer.moe_in(e["x"], e["y"], e["c"])))))
+    ops.append((False, lambda e, s: {"routed": layer.mlp.bank(i, e["u"], e["top_i"], e["top_w"])}))
+    ops.append(
+        (True, lambda e, s: {"x": layer.moe_out(e["x"], e["c"], e["routed"], e["shared_gate"], e["shared"])})
+    )
+    return ops
+
+
+def decode_program(model: Qwen4ExpModel, st: State) -> list[tuple[bool, list]]:
+    """The one-token step as runs of graphable / eager stages, in order."""
+    ops = [(False, lambda e, s: {"x": model.embed_rows(s.ids)})]
+    for i, layer in enumerate(model.layers):
+        ops += _layer_ops(model, i, layer, st)
+    ops.append((True, lambda e, s: {"h": model.mixer(e["x"])[0]}))
+    runs: list[tuple[bool, list]] = []
+    for graphable, fn in ops:
+        if runs and runs[-1][0] == graphable:
+            runs[-1][1].append(fn)
+        else:
+            runs.append((graphable, [fn]))
+    return runs
+
+
+def _run(fns, env: dict, step: _Step | None) -> dict:
+    out: dict = {}
+    for fn in fns:
+        out.update(fn({**env, **out}, step))
+    return out
+
+
+class _Captured:
+    """One state's step: per run either a graph, or eager stages with the static buffers they fill."""
+
+    def __init__(self):
+        self.segments: list = []  # ("graph", CUDAGraph) | ("eager", fns, env at that point, static outputs)
+        self.h: torch.Tensor | None = None
+
+
+class DecodeGraphs:
+    """Runs `model` one token at a time; on CUDA through per-state CUDA graphs (see the module docstring).
+
+    Args:
+        model: the network.
+        capture: False runs the same stage program without graphs (any device; tests).
+    """
+
+    def __init__(self, model: Qwen4ExpModel, capture: bool = True):
+        self.model, self.capture = model, capture
+        self.warm = False  # one eager step first: Triton compiles and module loads cannot be captured
+        self._states: weakref.WeakKeyDictionary[State, _Captured] = weakref.WeakKeyDictionary()
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._stream = torch.cuda.Stream(model.device) if capture else None
+        self.captures = 0  # states captured so far (stats)
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, st: State) -> torch.Tensor:
+        """Feed one host token id [1] and advance `st` -> final mixer output [1, H] (a fresh tensor)."""
+        if ids.shape != (1,):
+            raise ValueError(f"decode takes one token id, got shape {tuple(ids.shape)}")
+        st.check_room(1)
+        ids = ids.cpu()
+        step = _Step(ids, st, *self.model.rope(st, 1))
+        if not self.capture or not self.warm:
+            env: dict = {}
+            for _, fns in decode_program(self.model, st):
+                env.update(_run(fns, env, step))
+            h = env["h"]
+            self.warm = True
+        else:
+            cap = self._states.get(st)
+            if cap is None:
+                cap = self._states[st] = self._capture(st, step)
+            else:
+                self._replay(cap, step)
+            h = cap.h.clone()
+        st.advance(ids)
+        return h
+
+    def _capture(self, st: State, step: _Step) -> _Captured:
+        """Build the state's graphs while running this step: each run is captured, then replayed at once."""
+        cap, env = _Captured(), {}
+        torch.cuda.synchronize(self.model.device)
+        for graphable, fns in decode_program(self.model, st):
+            if graphable:
+                g = torch.cuda.CUDAGraph()
+                self._stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._stream):
+                    # thread_local: the store's reader threads keep synchronising their copy events meanwhile
+                    g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        out = _run(fns, env, None)
+                    finally:
+                        g.capture_end()
+                torch.cuda.current_stream().wait_stream(self._stream)
+                g.replay()
+                cap.segments.append(("graph", g))
+                env.update(out)
+            else:
+                out = {k: v.clone() for k, v in _run(fns, env, step).items()}
+                cap.segments.append(("eager", fns, dict(env), out))
+                env.update(out)
+        cap.h = env["h"]
+        self.captures += 1
+        return cap
+
+    @staticmethod
+    def _replay(cap: _Captured, step: _Step) -> None:
+        for seg in cap.segments:
+            if seg[0] == "graph":
+                seg[1].replay()
+            else:
+                _, fns, env, static = seg
+                for name, value in _run(fns, env, step).items():
+                    static[name].copy_(value)

@@ -1,0 +1,65 @@
+"""The CUDA-graph decode program: its stages equal the model's forward (CPU); graphs equal eager (CUDA)."""
+
+import pytest
+import torch
+
+from expertstream.config import EngineConfig
+from expertstream.engine import Engine
+from expertstream.runtime.decode_graphs import DecodeGraphs, decode_program
+
+
+def continue_greedy(eng, prompt, n, step=None, st=None):
+    """Logits [n + 1, V] of the prompt's last position and n greedy tokens after it, and the state."""
+    step = step or (lambda st, t: eng.forward(st, [t]))
+    st = st or eng.new_state()
+    rows = [eng.forward(st, prompt)]
+    for _ in range(n):
+        rows.append(step(st, int(rows[-1].argmax())))
+    return torch.stack(rows), st
+
+
+def test_program_splits_at_the_eager_points(tiny_workdir):
+    eng = Engine(EngineConfig(model=str(tiny_workdir), device="cpu"))
+    a = eng.args
+    runs = decode_program(eng.model, eng.new_state())
+    eager = sum(len(fns) for graphable, fns in runs if not graphable)
+    qsa = sum(t != "linear_attention" for t in a.layer_types)
+    # embedding + one bank per layer + one attention per QSA layer + one PLE per PLE layer
+    assert eager == 1 + a.num_hidden_layers + qsa + len(a.ple_layers)
+    assert all(g != h for (g, _), (h, _) in zip(runs, runs[1:]))  # runs alternate: maximal stretches
+    eng.close()
+
+
+def test_stage_program_equals_the_model_bit_for_bit(tiny_workdir):
+    """Past the indexer budget (the QSA top-k path) and through the PLE layer, 40 tokens, CPU fp32."""
+    eng = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", max_model_len=256))
+    program = DecodeGraphs(eng.model, capture=False)
+    prompt = list(range(3, 30))
+    want, st_a = continue_greedy(eng, prompt, 40)
+    got, st_b = continue_greedy(
+        eng, prompt, 40, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
+    )
+    assert torch.equal(got, want)
+    assert st_a.pos == st_b.pos and st_a.tokens == st_b.tokens
+    eng.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):
+    outs = []
+    for eager in (True, False):
+        cfg = EngineConfig(model=str(tiny_workdir), device="cuda", dtype=dtype, max_model_len=256,
+                           gpu_memory_gb=4, enforce_eager=eager)  # fmt: skip
+        eng = Engine(cfg)
+        rows, st = continue_greedy(eng, list(range(3, 30)), 40)
+        # a second conversation gets graphs of its own; the first one's replay again after a reset
+        rows2, _ = continue_greedy(eng, [5, 6, 7], 8)
+        st.reset()
+        rows3, _ = continue_greedy(eng, [5, 6, 7], 8, st=st)
+        outs.append((rows, rows2, rows3))
+        if not eager:
+            assert eng.decode.captures == 2
+        eng.close()
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
