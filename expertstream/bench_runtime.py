@@ -18,6 +18,7 @@ first regime's. --baseline adds transformers + accelerate offloading (expertstre
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -49,9 +50,12 @@ def ensure_model(root: Path, layers: int) -> Path:
     return work
 
 
-def disk_rate(path: Path, block_bytes: int, threads: int, n: int = 256) -> float:
-    """GB/s of O_DIRECT reads of `n` random expert blocks with `threads` readers."""
+def disk_rate(path: Path, block_bytes: int, threads: int, n: int = 768) -> float:
+    """GB/s of O_DIRECT reads of `n` random expert blocks with `threads` readers, after the page cache's
+    writeback of a just-written model has finished (it otherwise shares the drive with the measurement)."""
     from expertstream.store.reader import BlockReader, alloc_aligned
+
+    os.sync()
 
     reader = BlockReader(path)
     blocks = path.stat().st_size // block_bytes

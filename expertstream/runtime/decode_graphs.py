@@ -5,8 +5,10 @@ the host), QSA attention (its KV length, mask and block count follow the positio
 the routing ids back to fetch experts). Everything between two of them keeps its shapes and addresses from
 token to token, so it is captured once and replayed: whole GDN layers, hyper-connections, routers, shared
 experts, the final mixer. A state's buffers are baked into its graphs, so graphs are kept per `State` (and
-dropped with it); they are captured while the first graphed step of that state runs, so no token is computed
-twice. `capture=False` runs the same program without graphs: the CPU tests pin it to the model's forward.
+dropped with it, memory pool included: a pool shared across states dies with the last graph using it, and
+torch asserts when a capture names a dead pool); they are captured while the first graphed step of that
+state runs, so no token is computed twice. `capture=False` runs the same program without graphs: the CPU
+tests pin it to the model's forward.
 """
 
 from __future__ import annotations
@@ -91,7 +93,6 @@ class DecodeGraphs:
         self.model, self.capture = model, capture
         self.warm = False  # one eager step first: Triton compiles and module loads cannot be captured
         self._states: weakref.WeakKeyDictionary[State, _Captured] = weakref.WeakKeyDictionary()
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._stream = torch.cuda.Stream(model.device) if capture else None
         self.captures = 0  # states captured so far (stats)
 
@@ -121,7 +122,7 @@ class DecodeGraphs:
 
     def _capture(self, st: State, step: _Step) -> _Captured:
         """Build the state's graphs while running this step: each run is captured, then replayed at once."""
-        cap, env = _Captured(), {}
+        cap, env, pool = _Captured(), {}, None
         torch.cuda.synchronize(self.model.device)
         for graphable, fns in decode_program(self.model, st):
             if graphable:
@@ -129,11 +130,12 @@ class DecodeGraphs:
                 self._stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self._stream):
                     # thread_local: the store's reader threads keep synchronising their copy events meanwhile
-                    g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    g.capture_begin(pool=pool, capture_error_mode="thread_local")
                     try:
                         out = _run(fns, env, None)
                     finally:
                         g.capture_end()
+                pool = g.pool()  # the state's graphs share the first one's private pool
                 torch.cuda.current_stream().wait_stream(self._stream)
                 g.replay()
                 cap.segments.append(("graph", g))
