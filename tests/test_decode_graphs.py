@@ -1,5 +1,7 @@
 """The CUDA-graph decode program: its stages equal the model's forward (CPU); graphs equal eager (CUDA)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -53,13 +55,17 @@ def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):
                            gpu_memory_gb=4, enforce_eager=eager)  # fmt: skip
         eng = Engine(cfg)
         rows, st = continue_greedy(eng, list(range(3, 30)), 40)
-        # a second conversation gets graphs of its own; the first one's replay again after a reset
-        rows2, _ = continue_greedy(eng, [5, 6, 7], 8)
+        # a second conversation gets graphs of its own, and a third after the second's state (and its
+        # graphs) died; the first one's replay again after a reset
+        rows2, st2 = continue_greedy(eng, [5, 6, 7], 8)
+        del st2
+        gc.collect()
+        rows3, _ = continue_greedy(eng, [9, 10], 6)
         st.reset()
-        rows3, _ = continue_greedy(eng, [5, 6, 7], 8, st=st)
-        outs.append((rows, rows2, rows3))
+        rows4, _ = continue_greedy(eng, [5, 6, 7], 8, st=st)
+        outs.append((rows, rows2, rows3, rows4))
         if not eager:
-            assert eng.decode.captures == 2
+            assert eng.decode.captures == 3
         eng.close()
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
