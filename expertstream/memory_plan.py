@@ -89,6 +89,21 @@ def _fp8_bytes(shape: tuple[int, ...]) -> int:
     return shape[0] * shape[1] + 4 * shape[0]  # e4m3 values + one FP32 scale per row
 
 
+def gpu_budget(gpu_memory_gb: float | None, utilization: float, free: int, total: int) -> int:
+    """Bytes the engine may use: `--gpu-memory-gb` (default: what is free now, so another process's share
+    is left alone) times `--gpu-memory-utilization`. A budget the GPU cannot give is refused."""
+    budget = int((gpu_memory_gb * GiB if gpu_memory_gb else free) * utilization)
+    if budget > total:
+        raise ValueError(f"--gpu-memory-gb {gpu_memory_gb} exceeds the GPU's {total / GiB:.1f} GiB")
+    if budget > free:
+        raise ValueError(
+            f"--gpu-memory-gb {gpu_memory_gb} x {utilization} = {budget / GiB:.1f} GiB, but only "
+            f"{free / GiB:.1f} GiB of the GPU's {total / GiB:.1f} GiB are free "
+            "(other processes hold the rest)"
+        )
+    return budget
+
+
 def plan_memory(
     text_config: Mapping,
     resident: Mapping[str, tuple[tuple[int, ...], str]],
