@@ -139,6 +139,9 @@ def decode_regime(work: Path, cfg: EngineConfig, vram_cache_blocks: int | None, 
     dt = (time.perf_counter() - t0) / tokens
     s1, c1 = eng.stats(), eng.bank.cache.stats
     last = generated[-1]
+    stall_ms = (c1.wait_seconds - c0.wait_seconds) / tokens * 1e3
+    sync_ms = (s1.bank_sync_seconds - s0.bank_sync_seconds) / tokens * 1e3
+    bank_ms = (s1.bank_decode_seconds - s0.bank_decode_seconds) / tokens * 1e3
     all_syncs = count_cuda_syncs(lambda: [eng.forward(state, [last]).argmax() for _ in range(2)]) / 2
     out = {
         "tokens": generated,
@@ -147,7 +150,12 @@ def decode_regime(work: Path, cfg: EngineConfig, vram_cache_blocks: int | None, 
         "pcie_bytes_per_token": (c1.bytes_copied - c0.bytes_copied) / tokens,
         "vram_hit_rate": (c1.hits - c0.hits) / max(1, c1.requests - c0.requests),
         "ram_hit_rate": (s1.hits - s0.hits) / max(1, s1.requests - s0.requests),
-        "stall_ms_per_token": (c1.wait_seconds - c0.wait_seconds) / tokens * 1e3,
+        "stall_ms_per_token": stall_ms,
+        # where a token's time goes: the bank's id read-back waiting for the GPU, the bank's own host work
+        # (stall excluded), and everything outside the bank (graph replays, QSA, PLE, embedding, lm_head)
+        "sync_ms_per_token": sync_ms,
+        "bank_host_ms_per_token": bank_ms - sync_ms - stall_ms,
+        "outside_bank_ms_per_token": dt * 1e3 - bank_ms,
         "spec_hit_rate": (s1.spec_used - s0.spec_used) / max(1, s1.spec_issued - s0.spec_issued),
         "spec_wasted_bytes_per_token": (s1.spec_wasted_bytes - s0.spec_wasted_bytes) / tokens,
         "syncs_per_token": (s1.host_syncs - s0.host_syncs) / tokens,
@@ -166,9 +174,10 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
     first = next(iter(results.values()))["tokens"]
     rows = [
         "| regime | ms/token (bench layers) | ms/token x48 | disk MB/token | PCIe MB/token | VRAM hit "
-        "| RAM hit | stall ms | guess hit | guess waste MB/token | bank syncs/token | CUDA syncs/token "
-        "| same tokens | bound ms | efficiency |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| RAM hit | stall ms | sync wait ms | bank host ms | outside bank ms | guess hit "
+        "| guess waste MB/token | bank syncs/token | CUDA syncs/token | same tokens | bound ms "
+        "| efficiency |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for name, r in results.items():
         disk_ms = r["disk_bytes_per_token"] / disk_gbps / 1e6
@@ -178,6 +187,8 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
             f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] * REAL_LAYERS / layers:.1f} | "
             f"{r['disk_bytes_per_token'] / 1e6:.1f} | {r['pcie_bytes_per_token'] / 1e6:.1f} | "
             f"{r['vram_hit_rate']:.0%} | {r['ram_hit_rate']:.0%} | {r['stall_ms_per_token']:.2f} | "
+            f"{r['sync_ms_per_token']:.2f} | {r['bank_host_ms_per_token']:.2f} | "
+            f"{r['outside_bank_ms_per_token']:.2f} | "
             f"{r['spec_hit_rate']:.0%} | {r['spec_wasted_bytes_per_token'] / 1e6:.1f} | "
             f"{r['syncs_per_token']:.1f} | {r['all_syncs_per_token']:.1f} | "
             f"{'yes' if r['tokens'] == first else 'NO'} | {bound:.2f} | {r['efficiency']:.2f} |"

@@ -46,6 +46,8 @@ class EngineStats:
     spec_wasted_bytes: int  # early VRAM copies not routed to + prefetched disk blocks nobody used (yet)
     prefetch_bytes_read: int  # disk bytes read by the low-priority prefetcher (part of bytes_read)
     host_syncs: int  # device -> host reads the expert bank waited on (decode: one per MoE layer)
+    bank_decode_seconds: float  # decode thread inside the bank's one-token calls (GPU bank; 0 otherwise)
+    bank_sync_seconds: float  # ... of which waiting in the routing-id read-back for the GPU to catch up
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -226,6 +228,8 @@ class Engine:
             spec_wasted_bytes=spec.copy_bytes_wasted + unused_reads * self.store.block_bytes,
             prefetch_bytes_read=s.prefetches * self.store.block_bytes,
             host_syncs=self.bank.host_syncs,
+            bank_decode_seconds=getattr(self.bank, "decode_seconds", 0.0),
+            bank_sync_seconds=getattr(self.bank, "sync_seconds", 0.0),
         )
 
     def close(self) -> None:

@@ -42,6 +42,9 @@ def test_decode_and_prefill_match_the_torch_bank(banks, n_slots, kernel_device):
     passes = -(-torch.unique(ids).numel() // (n_slots // 2))
     assert bank.prefill_passes == passes
     assert bank.host_syncs == 3 + 1 + (passes if passes > 1 else 0)
+    assert (
+        0 < bank.sync_seconds < bank.decode_seconds
+    )  # the three one-token calls' wall time, read-back inside
     if n_slots == 64:  # everything fits: the repeated decode of layer 0 was a VRAM hit
         assert bank.cache.stats.hits >= wd.text_config["num_experts_per_tok"]
     bank.close()

@@ -11,6 +11,7 @@ pairs run through the grouped tensor-core kernel and are summed into [T, H].
 from __future__ import annotations
 
 import mmap
+import time
 import weakref
 
 import torch
@@ -88,6 +89,9 @@ class GpuExperts:
         self.expert_to_slot = torch.zeros(self.num_experts, dtype=torch.int32, device=self.cache.device)
         self.spec = Speculator(self.layout.block_bytes) if speculate else None
         self.host_syncs = 0  # device -> host reads the bank waits on (decode: one per layer)
+        # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
+        # for the GPU to finish everything queued before: earlier layers, copies, the router)
+        self.decode_seconds = self.sync_seconds = 0.0
         self.prefill_passes = 0  # expert groups run by prefill (one fetch + one grouped launch each)
 
     def _wrap(self, handles):
@@ -112,7 +116,10 @@ class GpuExperts:
         # x [T, H], expert_ids [T, K], weights [T, K] fp32
         self._cache_reads = x.shape[0] == 1
         if x.shape[0] == 1:
-            return self._decode(layer, x, expert_ids, weights)
+            t0 = time.perf_counter()
+            y = self._decode(layer, x, expert_ids, weights)
+            self.decode_seconds += time.perf_counter() - t0
+            return y
         experts = torch.unique(expert_ids).tolist()
         self.host_syncs += 1
         if self.spec is not None:
@@ -123,7 +130,9 @@ class GpuExperts:
         k = expert_ids.shape[1]
         guess = self.spec.guess(layer, x, k) if self.spec is not None else None
         ids = expert_ids[0] if guess is None else torch.cat((expert_ids[0], guess))
+        t0 = time.perf_counter()
         ids = ids.tolist()  # the layer's one host sync: its experts and the next layer's guess together
+        self.sync_seconds += time.perf_counter() - t0
         self.host_syncs += 1
         experts = sorted(set(ids[:k]))  # top-k ids are distinct; a set keeps the fetch contract anyway
         if self.spec is not None:
