@@ -58,3 +58,26 @@ def test_controls_break_the_output(banks, kernel_device):
     swapped = GpuExperts(wd, store, 8, kernel_device, control="swap-nibbles")(1, *args).cpu()
     assert (swapped - want).abs().max() > 0.1 * want.abs().max()
     assert torch.count_nonzero(GpuExperts(wd, store, 8, kernel_device, control="no-experts")(1, *args)) == 0
+
+
+def test_prefill_reads_one_group_ahead(tiny_workdir, kernel_device, monkeypatch):
+    """Group g's kernel launches after the reads of group g+1 were started, and no block is read twice."""
+    import expertstream.runtime.gpu_experts as ge
+
+    wd = Workdir(tiny_workdir)
+    with ExpertStore(wd, 0, io_threads=2) as store:  # no RAM cache: every prompt block is a disk read
+        bank = GpuExperts(wd, store, 8, kernel_device)  # groups of 4 experts
+        misses_at_launch, real = [], ge.nvfp4_moe.nvfp4_moe_prefill
+
+        def spy(*args, **kwargs):
+            misses_at_launch.append(store.stats.misses)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(ge.nvfp4_moe, "nvfp4_moe_prefill", spy)
+        x, ids, w = routing(wd, 20, seed=3)
+        bank(1, *(v.to(kernel_device) for v in (x, ids, w)))
+        sizes = [min(4, n) for n in range(torch.unique(ids).numel(), 0, -4)]  # group sizes in order
+        assert len(sizes) > 2
+        assert misses_at_launch == [sum(sizes[: g + 2]) for g in range(len(sizes))]
+        assert store.stats.misses == sum(sizes)
+        bank.close()

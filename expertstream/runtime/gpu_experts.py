@@ -161,40 +161,56 @@ class GpuExperts:
         queued = self.store.prefetch([key for key, h in zip(keys, handles) if h is None])
         self.spec.issue(layer, guessed, [e for _, e in copied], queued)
 
+    def _read_ahead(self, layer: int, experts: list[int]) -> list:
+        """Start the host reads of a later prefill group now; its fetch joins them (the store shares a
+        block's read). Blocks already in VRAM need none. Returns handles to release after that fetch."""
+        keys = [(layer, e) for e in experts if (layer, e) not in self.cache.lru]
+        return self.store.request(keys, cache=self._cache_reads)
+
     def _prefill(self, layer, x, expert_ids, weights, experts) -> torch.Tensor:
         # groups of half the slots: the previous group's slots stay protected while its kernel runs
         group = max(1, self.cache.n_slots // 2)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        self.prefill_passes += -(-len(experts) // group)
-        for i in range(0, len(experts), group):
-            chunk = torch.tensor(experts[i : i + group], device=x.device)
-            slot_ids = self.cache.fetch(layer, experts[i : i + group])
-            self.expert_to_slot[chunk] = slot_ids
-            if len(experts) <= group:  # every routed expert is resident: one grouped launch
-                y = nvfp4_moe.nvfp4_moe_prefill(
-                    x,
-                    self.cache.slots,
-                    expert_ids,
-                    self.expert_to_slot,
-                    self.cache.ws2,
-                    weights.float(),
-                    self.layout,
-                )
-                self.cache.mark_used()
-                return y
-            tok, kk = torch.isin(expert_ids, chunk).nonzero(as_tuple=True)  # pairs routed into this group
-            self.host_syncs += 1  # nonzero's output size
+        groups = [experts[i : i + group] for i in range(0, len(experts), group)]
+        self.prefill_passes += len(groups)
+        if len(groups) == 1:  # every routed expert fits at once: one fetch, one grouped launch
+            self.expert_to_slot[torch.tensor(experts, device=x.device)] = self.cache.fetch(layer, experts)
             y = nvfp4_moe.nvfp4_moe_prefill(
-                x[tok],
+                x,
                 self.cache.slots,
-                expert_ids[tok, kk][:, None],
+                expert_ids,
                 self.expert_to_slot,
                 self.cache.ws2,
-                weights[tok, kk][:, None].float(),
+                weights.float(),
                 self.layout,
             )
             self.cache.mark_used()
-            out.index_add_(0, tok, y.float())
+            return y
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        # reads run one group ahead: group g+1's disk reads proceed while group g is copied and computed
+        pending = [self._read_ahead(layer, groups[0])]
+        try:
+            for g, members in enumerate(groups):
+                pending.append(self._read_ahead(layer, groups[g + 1]) if g + 1 < len(groups) else [])
+                chunk = torch.tensor(members, device=x.device)
+                self.expert_to_slot[chunk] = self.cache.fetch(layer, members)
+                for h in pending.pop(0):
+                    h.release()
+                tok, kk = torch.isin(expert_ids, chunk).nonzero(as_tuple=True)  # pairs routed into this group
+                self.host_syncs += 1  # nonzero's output size
+                y = nvfp4_moe.nvfp4_moe_prefill(
+                    x[tok],
+                    self.cache.slots,
+                    expert_ids[tok, kk][:, None],
+                    self.expert_to_slot,
+                    self.cache.ws2,
+                    weights[tok, kk][:, None].float(),
+                    self.layout,
+                )
+                self.cache.mark_used()
+                out.index_add_(0, tok, y.float())
+        finally:
+            for h in (h for hs in pending for h in hs):
+                h.release()
         return out.to(x.dtype)
 
     def close(self) -> None:
