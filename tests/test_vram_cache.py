@@ -32,12 +32,12 @@ def make(n_slots):
 def test_blocks_and_scales_land_in_their_slots_and_hits_are_free():
     cache, log = make(8)
     slots = cache.fetch(1, [3, 5])
-    for s, e in zip(slots.tolist(), (3, 5)):
+    for s, e in zip(slots, (3, 5)):
         assert torch.all(cache.slots[s] == 16 + e)
         assert torch.equal(cache.ws2[s], torch.arange(3, dtype=torch.float32) + (1 * 8 + e) * 3)
     reads = len([x for x in log if x[0] == "read"])
     again = cache.fetch(1, [5, 3])
-    assert again.tolist() == slots.tolist()[::-1]
+    assert again == slots[::-1]
     assert len([x for x in log if x[0] == "read"]) == reads  # no host traffic on hits
     assert cache.stats.hits == 2 and cache.stats.requests == 4
     assert all(("release", k) in log for k in ((1, 3), (1, 5)))  # host buffers are handed back
@@ -47,9 +47,9 @@ def test_evicts_the_coldest_but_never_the_previous_layer():
     cache, _ = make(4)
     a = cache.fetch(0, [0, 1])  # layer 0
     b = cache.fetch(1, [0, 1])  # layer 1: must not evict layer 0's slots (still protected)
-    assert set(a.tolist()).isdisjoint(b.tolist())
+    assert set(a).isdisjoint(b)
     c = cache.fetch(2, [0, 1])  # evicts layer 0 (used once like layer 1, but earlier; unprotected now)
-    assert set(c.tolist()) == set(a.tolist())
+    assert set(c) == set(a)
     assert (1, 0) in cache.lru and (0, 0) not in cache.lru
 
 
@@ -81,7 +81,7 @@ def test_prefetch_never_evicts_the_current_or_the_next_layers_blocks():
     cache, log = make(6)
     cache.fetch(3, [7])  # an older block of layer 3: the layer being guessed
     cache.fetch(0, [0, 1])  # old blocks of another layer
-    current = cache.fetch(2, [2, 3]).tolist()  # layer 2 runs now (protected)
+    current = cache.fetch(2, [2, 3])  # layer 2 runs now (protected)
     copied = cache.prefetch(guesses([(3, 4), (3, 5), (3, 6), (3, 1)], log))
     # one free slot, then layer 0's two blocks; (3, 7) and layer 2 are never candidates, so (3, 1) has no slot
     assert copied == [(3, 4), (3, 5), (3, 6)]

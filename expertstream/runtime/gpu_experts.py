@@ -87,6 +87,10 @@ class GpuExperts:
             fetch_host, self.layout.block_bytes, n_slots, workdir.expert_scales()[0], device
         )
         self.expert_to_slot = torch.zeros(self.num_experts, dtype=torch.int32, device=self.cache.device)
+        # its host mirror, pinned so the [E] map goes up without blocking; the event guards the buffer's reuse
+        cuda = self.cache.device.type == "cuda"
+        self._map_host = torch.zeros(self.num_experts, dtype=torch.int32, pin_memory=cuda)
+        self._map_uploaded: torch.cuda.Event | None = None
         self.spec = Speculator(self.layout.block_bytes) if speculate else None
         self.host_syncs = 0  # device -> host reads the bank waits on (decode: one per layer)
         # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
@@ -126,6 +130,17 @@ class GpuExperts:
             self.spec.score(layer, experts)
         return self._prefill(layer, x, expert_ids, weights, experts)
 
+    def _map(self, experts: list[int], slots: list[int]) -> None:
+        """Point `expert_to_slot` at `slots` with one non-blocking upload of the whole map (2 KB for 512
+        experts). Entries of other experts go stale; kernels only look up the experts just fetched."""
+        if self._map_uploaded is not None:
+            self._map_uploaded.synchronize()  # the last upload has read the buffer (long since, in practice)
+        self._map_host[experts] = torch.tensor(slots, dtype=torch.int32)
+        self.expert_to_slot.copy_(self._map_host, non_blocking=True)
+        if self._map_host.is_pinned():
+            self._map_uploaded = torch.cuda.Event()
+            self._map_uploaded.record(torch.cuda.current_stream(self.cache.device))
+
     def _decode(self, layer, x, expert_ids, weights) -> torch.Tensor:
         k = expert_ids.shape[1]
         guess = self.spec.guess(layer, x, k) if self.spec is not None else None
@@ -137,8 +152,7 @@ class GpuExperts:
         experts = sorted(set(ids[:k]))  # top-k ids are distinct; a set keeps the fetch contract anyway
         if self.spec is not None:
             self.spec.score(layer, experts)
-        slot_ids = self.cache.fetch(layer, experts)
-        self.expert_to_slot[torch.tensor(experts, device=slot_ids.device)] = slot_ids
+        self._map(experts, self.cache.fetch(layer, experts))
         y = nvfp4_moe.nvfp4_moe_decode(
             x,
             self.cache.slots,
@@ -173,7 +187,7 @@ class GpuExperts:
         groups = [experts[i : i + group] for i in range(0, len(experts), group)]
         self.prefill_passes += len(groups)
         if len(groups) == 1:  # every routed expert fits at once: one fetch, one grouped launch
-            self.expert_to_slot[torch.tensor(experts, device=x.device)] = self.cache.fetch(layer, experts)
+            self._map(experts, self.cache.fetch(layer, experts))
             y = nvfp4_moe.nvfp4_moe_prefill(
                 x,
                 self.cache.slots,
@@ -192,7 +206,7 @@ class GpuExperts:
             for g, members in enumerate(groups):
                 pending.append(self._read_ahead(layer, groups[g + 1]) if g + 1 < len(groups) else [])
                 chunk = torch.tensor(members, device=x.device)
-                self.expert_to_slot[chunk] = self.cache.fetch(layer, members)
+                self._map(members, self.cache.fetch(layer, members))
                 for h in pending.pop(0):
                     h.release()
                 tok, kk = torch.isin(expert_ids, chunk).nonzero(as_tuple=True)  # pairs routed into this group

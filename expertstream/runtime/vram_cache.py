@@ -86,11 +86,12 @@ class VramExpertCache:
             "the memory plan must give at least two layers' worth of slots"
         )
 
-    def fetch(self, layer: int, experts: Sequence[int]) -> torch.Tensor:
+    def fetch(self, layer: int, experts: Sequence[int]) -> list[int]:
         """Make the blocks of `experts` (distinct ids) of `layer` resident; return their slot ids.
 
         Returns:
-            int32 [len(experts)] slot ids on the device; the current stream waits for the copies.
+            slot ids, on the host; the current stream waits for the copies (the host does not: uploading the
+            ids with a blocking copy would make it wait for every queued copy and kernel).
         """
         keys = [(layer, int(e)) for e in experts]
         if len(set(keys)) != len(keys):
@@ -119,7 +120,7 @@ class VramExpertCache:
         if missing:
             self._copy_in(missing, out)
         self.protected, self.last_layer = set(out), layer
-        return torch.tensor(out, dtype=torch.int32, device=self.device)
+        return out
 
     def _copy_in(self, missing: list[tuple[int, tuple[int, int]]], out: list[int]) -> None:
         self._reap()
