@@ -94,9 +94,19 @@ def test_prefill_table_and_oom_row():
         peak_gib=6.5,
         plan=plan,
     )
-    results = {"disk/32768": ok, "ram/32768": {"prompt": 32768, "oom": True, "plan": plan}}
+    # the compute floor: the same prompt with every expert in VRAM (no disk, no PCIe bytes)
+    floor = ok | dict(seconds=2.5, disk_bytes=0.0, pcie_bytes=0.0)
+    fast_ram = ok | dict(seconds=3.0, disk_bytes=0.0, pcie_bytes=55e9)  # 1.0 s of PCIe: under the floor
+    results = {
+        "vram/32768": floor,
+        "disk/32768": ok,
+        "ram/32768": fast_ram,
+        "ram/2451": {"prompt": 2451, "oom": True, "plan": plan},
+    }
     table = prefill_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4, budget_gib=7.2)
-    assert ok["bound_s"] == pytest.approx(4.0) and ok["efficiency"] == pytest.approx(1.0)
+    assert ok["bound_s"] == pytest.approx(4.0) and ok["efficiency"] == pytest.approx(1.0)  # disk-bound
+    assert fast_ram["bound_s"] == pytest.approx(2.5) and fast_ram["efficiency"] == pytest.approx(2.5 / 3)
+    assert floor["efficiency"] == pytest.approx(1.0)
     assert "| 100 (112) |" in table and "6.50 (7.20)" in table and "out of VRAM budget" in table
 
 
