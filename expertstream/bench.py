@@ -59,6 +59,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baseline-layers", type=int, default=2, help="layers of the baseline's model (its own snapshot)"
     )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="decode: also profile 3 tokens per regime with torch.profiler into this folder "
+        "(REGIME.txt: ops by device time; REGIME.json: Chrome trace)",
+    )
 
 
 def append_markdown(path: Path, section: str, device: str, table: str) -> None:

@@ -119,7 +119,26 @@ def count_cuda_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def decode_regime(work: Path, cfg: EngineConfig, vram_cache_blocks: int | None, tokens: int) -> dict:
+def profile_tokens(step, path: Path, tokens: int = 3) -> None:
+    """torch.profiler over `tokens` calls of step(): the op table by device time (`path`.txt) and a Chrome
+    trace (`path`.json, chrome://tracing or Perfetto) to see where a token's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(tokens):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+    prof.export_chrome_trace(str(path.with_suffix(".json")))
+
+
+def decode_regime(
+    work: Path, cfg: EngineConfig, vram_cache_blocks: int | None, tokens: int, profile_to: Path | None = None
+) -> dict:
     from expertstream.engine import Engine
 
     eng = Engine(cfg, vram_cache_blocks=vram_cache_blocks)
@@ -143,6 +162,8 @@ def decode_regime(work: Path, cfg: EngineConfig, vram_cache_blocks: int | None, 
     sync_ms = (s1.bank_sync_seconds - s0.bank_sync_seconds) / tokens * 1e3
     bank_ms = (s1.bank_decode_seconds - s0.bank_decode_seconds) / tokens * 1e3
     all_syncs = count_cuda_syncs(lambda: [eng.forward(state, [last]).argmax() for _ in range(2)]) / 2
+    if profile_to is not None:
+        profile_tokens(lambda: eng.forward(state, [last]), profile_to)
     out = {
         "tokens": generated,
         "ms_per_token": dt * 1e3,
@@ -245,7 +266,8 @@ def run(args) -> int:
     }
     results = {}
     for name, (cfg, blocks) in regimes.items():
-        results[name] = decode_regime(work, cfg, blocks, args.tokens)
+        where = Path(args.profile) / name.replace(" ", "_").replace(",", "") if args.profile else None
+        results[name] = decode_regime(work, cfg, blocks, args.tokens, where)
         log.info("%s: %s", name, results[name])
     table = decode_table(results, disk, pcie, wd.num_layers)
     head = (

@@ -1,6 +1,7 @@
 """The CPU-testable parts of `expertstream bench decode|prefill`: plans, tables, arguments, clear refusals."""
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from expertstream import bench
 from expertstream.bench_baseline import baseline_table, max_memory
 from expertstream.bench_prefill import plan_prefill, prefill_table
-from expertstream.bench_runtime import decode_table
+from expertstream.bench_runtime import decode_table, profile_tokens
 
 
 def parse(argv):
@@ -27,6 +28,7 @@ def test_arguments_of_the_new_modes():
         2,
     )
     assert parse(["decode"]).prompts is None and not parse(["decode"]).baseline
+    assert parse(["decode", "--profile", "/tmp/p"]).profile.name == "p"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
@@ -124,3 +126,10 @@ def test_baseline_runs_offloaded_on_cpu_and_disk(tiny_snapshot):
 
     out = time_offloaded(tiny_snapshot, max_memory(None, 2**20), prompt=4, reps=1)  # layer 0 in RAM
     assert out["layers"] == 4 and out["seconds"] > 0 and "disk" in out["placement"]
+
+
+def test_profile_writes_the_op_table_and_a_trace(tmp_path):
+    a = torch.randn(64, 64)
+    profile_tokens(lambda: a @ a, tmp_path / "prof" / "vram")
+    assert "aten::mm" in (tmp_path / "prof" / "vram.txt").read_text()
+    assert json.loads((tmp_path / "prof" / "vram.json").read_text())["traceEvents"]
