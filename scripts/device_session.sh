@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device run for the GPU runtime (issue 5), most important first, each step under its own time limit so a
-# slow one cannot starve the rest: GPU tests (graphs vs eager, the CUDA bank, speculation), `check` on the tiny
-# model with the engine on CUDA, the decode bench (five regimes) on a 4-layer full-shape model, `check` on that
-# model, the prefill bench. Needs .whl/ (the transformers wheel CI uses) carried; writes under $OUT.
+# Device run 1 of 2 for the GPU runtime (issue 5), most important first, each step under its own time limit:
+# GPU tests (graphs vs eager, the CUDA bank, speculation, VRAM cache), `check` of the tiny model with the
+# engine on CUDA, and the decode bench (five regimes) with a torch.profiler trace of each. Needs .whl/ (the
+# transformers wheel CI uses) carried; writes under $OUT (prof.tgz holds the traces).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -13,12 +13,8 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py
 es synth /tmp/tiny --preset tiny >/dev/null 2>&1 && es setup /tmp/tiny /tmp/tiny-wd >/dev/null 2>&1
 timeout 60 python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda --long 2>&1 \
   | grep -v INFO | tail -9 | tee $OUT/check_tiny_cuda.txt
-timeout ${DECODE_S:-240} python3 -m expertstream bench decode --layers 4 --tokens ${TOKENS:-12} --out $OUT/benchmarks.md \
-  --json 2>&1 | grep -v "%|" | tail -4 > $OUT/bench_decode.txt
+timeout ${DECODE_S:-300} python3 -m expertstream bench decode --layers 4 --tokens ${TOKENS:-12} --profile /tmp/prof \
+  --out $OUT/benchmarks.md --json 2>&1 | grep -v "%|" | tail -4 > $OUT/bench_decode.txt
+tar -C /tmp -czf $OUT/prof.tgz prof
 tail -c 3000 $OUT/benchmarks.md
-W=/tmp/expertstream-bench
-timeout ${CHECK_S:-100} python3 -m expertstream check $W/full-4-wd --snapshot $W/full-4 --dtype bfloat16 --device cuda \
-  --prompts 2 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_full4_cuda.txt
-timeout ${PREFILL_S:-120} python3 -m expertstream bench prefill --layers 4 --out $OUT/benchmarks.md 2>&1 | grep -v "%|" \
-  | tail -12 | tee $OUT/bench_prefill.txt
 ls -la $OUT
