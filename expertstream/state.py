@@ -1,11 +1,12 @@
 """The per-conversation state: everything a forward call reads and advances, preallocated once.
 
 GDN layers: conv [K-1, conv_dim] (last pre-conv rows) and rec [Hv, Dk, Dv] FP32. QSA layers: k, v
-[max_model_len, kv_heads, head_dim] after norm and RoPE, idx_k [max_model_len, indexer_head_dim] raw indexer
-keys, blk_k [max_model_len // compress_ratio, indexer_head_dim] the pooled, normalised and roped key of each
-complete block (written once, when the block completes). PLE: ple_ctx, the last ngram_size-1 tokens (EOS at
-the start), and per PLE layer the last (kernel-1)*dilation normalised conv inputs. Plus the position and the
-consumed token ids.
+[max_model_len, kv_heads, head_dim] after norm and RoPE, idx_k [B * compress_ratio, indexer_head_dim] raw
+indexer keys and blk_k [B, indexer_head_dim] the pooled, normalised and roped key of each block, B =
+ceil(max_model_len / compress_ratio) (a complete block's key is final; a one-token step also rewrites the
+key of the incomplete block it is in, which nothing reads until that block completes). PLE: ple_ctx, the
+last ngram_size-1 tokens (EOS at the start), and per PLE layer the last (kernel-1)*dilation normalised conv
+inputs. Plus the position and the consumed token ids.
 """
 
 from __future__ import annotations
@@ -58,10 +59,12 @@ class State:
             else:
                 self.k[i] = torch.zeros(kv_shape, dtype=dtype, device=device)
                 self.v[i] = torch.zeros(kv_shape, dtype=dtype, device=device)
-                self.idx_k[i] = torch.zeros(max_model_len, args.indexer_head_dim, dtype=dtype, device=device)
-                self.blk_k[i] = torch.zeros(
-                    max_model_len // self.compress_ratio, args.indexer_head_dim, dtype=dtype, device=device
+                # whole blocks: a one-token step reads the block holding its position (incomplete at the end)
+                blocks = -(-max_model_len // self.compress_ratio)
+                self.idx_k[i] = torch.zeros(
+                    blocks * self.compress_ratio, args.indexer_head_dim, dtype=dtype, device=device
                 )
+                self.blk_k[i] = torch.zeros(blocks, args.indexer_head_dim, dtype=dtype, device=device)
         for i in args.ple_layers:
             self.ple_conv[i] = torch.zeros(
                 args.ple_conv_state_len, args.hc_count * args.hidden_size, dtype=dtype, device=device

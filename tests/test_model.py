@@ -8,7 +8,7 @@ import torch
 from expertstream.formats.fp8 import dequantize_fp8_rows, quantize_fp8_rows
 from expertstream.layers.experts import DenseExperts
 from expertstream.models.base import ModelArgs
-from expertstream.models.qwen4_exp import Qwen4ExpModel, index_mask
+from expertstream.models.qwen4_exp import Qwen4ExpModel, index_mask, kv_bucket
 from expertstream.ple import DenseTable
 from expertstream.state import State
 
@@ -140,6 +140,23 @@ def test_decode_step_by_step_matches_full(pair):
     assert st.pos == PROMPT and st.tokens == ids.tolist()
     assert (steps - full).abs().max() <= 1e-4 * full.abs().max()
     assert torch.equal(steps.argmax(-1), full.argmax(-1))
+
+
+def test_kv_bucket_is_a_power_of_two_window_capped_by_the_context():
+    assert [kv_bucket(s, 4096) for s in (1, 256, 257, 512, 513, 3000)] == [256, 256, 512, 512, 1024, 4096]
+    assert kv_bucket(5, 128) == 128 and kv_bucket(4096, 4096) == 4096
+
+
+def test_decode_across_kv_windows_matches_full(pair):
+    """One-token steps attend over a window of kv_bucket rows: 256, then 512 past 256 tokens."""
+    _, ours, args, _, _, _ = pair
+    ids = prompt_ids(3, 300)
+    full = ours.logits(ours(ids, State(args, 600, torch.float32, "cpu")))
+    st = State(args, 600, torch.float32, "cpu")
+    ours(ids[:200], st)
+    steps = torch.stack([ours.logits(ours(ids[i : i + 1], st))[0] for i in range(200, 300)])
+    assert (steps - full[200:]).abs().max() <= 1e-4 * full.abs().max()
+    assert torch.equal(steps.argmax(-1), full[200:].argmax(-1))
 
 
 def test_split_prompt_matches_full(pair):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,21 @@ ACT = {"silu": F.silu, "sigmoid": torch.sigmoid}
 GDN_CHUNK = 64
 # attention score elements materialised per query piece (FP32: 256 MiB), bounds long-prompt memory
 ATTN_PIECE_ELEMS = 1 << 26
+
+
+class Rope(NamedTuple):
+    """One call's positions [T] (on the device), their cos / signed sin [T, rotary_dim], and inv_freq."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    inv_freq: torch.Tensor
+
+
+def kv_bucket(s: int, max_len: int) -> int:
+    """KV rows a one-token step attends over when s tokens are in context: the next power of two >= s (at
+    least 256), capped at max_len. Few distinct values, so CUDA graphs are captured per bucket."""
+    return min(max_len, max(256, 1 << (s - 1).bit_length()))
 
 
 class Weights:
@@ -298,9 +314,12 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(inv_freq, starts, raw.dtype)
         return apply_rope(self.ik_norm(pooled)[:, None], cos, sin)[:, 0]
 
-    def forward(self, x: torch.Tensor, st: State, cos, sin, inv_freq) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, st: State, rope: Rope) -> torch.Tensor:
         t, p0 = x.shape[0], st.pos
         s = p0 + t
+        if t == 1:
+            return self.decode_one(x, st, rope, kv_bucket(s, st.k[self.layer].shape[0]))
+        cos, sin, inv_freq = rope.cos, rope.sin, rope.inv_freq
         qg, k, v, qik = self.proj(x)
         q, gate = qg.view(t, self.nh, 2 * self.d).chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q), cos, sin)
@@ -315,29 +334,61 @@ class Attention(nn.Module):
         if nb > b0:
             bkc[b0:nb] = self.block_keys(rawc[b0 * self.c : nb * self.c], b0 * self.c, inv_freq)
         keys, vals = kc[:s].transpose(0, 1), vc[:s].transpose(0, 1)  # [nkv, S, D] views
-        if t == 1:
-            out = self.attend_one(q, qi, keys, vals, bkc[:nb], s)
-        else:
-            out = self.attend(q, qi, keys, vals, bkc[:nb], p0, s)
+        out = self.attend(q, qi, keys, vals, bkc[:nb], p0, s)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
 
-    def attend_one(self, q, qi, keys, vals, bk, s: int) -> torch.Tensor:
-        """One query at position s - 1 -> [1, nh, D]; nothing read back, shapes follow the host's s only."""
-        nvis = bk.shape[0]  # complete visible blocks: s // c, known on the host
-        mask = None  # within the budget every visible key is kept: plain causal, i.e. all of kc[:s]
+    # One token in three stages, the first and last with shapes fixed by the KV window `kv_len` alone
+    # (CUDA-graph safe); the middle one, the block selection, follows transformers exactly: a top-k over
+    # exactly the visible blocks (its tie order on the ReLU's exact zeros depends on that length).
+    def decode_one(self, x: torch.Tensor, st: State, rope: Rope, kv_len: int) -> torch.Tensor:
+        q, qi, gate = self.decode_in(x, st, rope)
+        return self.decode_out(q, gate, self.decode_mask(qi, st, kv_len), st, kv_len)
+
+    def decode_in(self, x: torch.Tensor, st: State, rope: Rope) -> tuple[torch.Tensor, ...]:
+        """x [1, H] at the device position rope.positions [1] -> q [1, nh, D], indexer q [1, Hi, Di], gate;
+        KV, the raw indexer key and the key of the block holding the position are written in place."""
+        pos = rope.positions
+        qg, k, v, qik = self.proj(x)
+        q, gate = qg.view(1, self.nh, 2 * self.d).chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q), rope.cos, rope.sin)
+        kc, vc, rawc, bkc = st.k[self.layer], st.v[self.layer], st.idx_k[self.layer], st.blk_k[self.layer]
+        kc.index_copy_(0, pos, apply_rope(self.k_norm(k.view(1, self.nkv, self.d)), rope.cos, rope.sin))
+        vc.index_copy_(0, pos, v.view(1, self.nkv, self.d))
+        qi, rk = qik.split((self.inh * self.di, self.di), dim=-1)
+        rawc.index_copy_(0, pos, rk)
+        qi = apply_rope(self.iq_norm(qi.reshape(1, self.inh, self.di)), rope.cos, rope.sin)
+        # the block's key from its raw keys so far (State pads rawc to whole blocks): the value block_keys
+        # gives once the block is complete, and nothing reads it before (an incomplete block is not visible)
+        blk = torch.div(pos, self.c, rounding_mode="floor")  # [1]
+        raw = rawc.view(-1, self.c, self.di).index_select(0, blk)  # [1, c, Di]
+        pooled = raw.float().mean(1).to(raw.dtype)
+        bcos, bsin = rope_cos_sin(rope.inv_freq, blk * self.c, raw.dtype)
+        bkc.index_copy_(0, blk, apply_rope(self.ik_norm(pooled)[:, None], bcos, bsin)[:, 0])
+        return q, qi, gate
+
+    def decode_mask(self, qi: torch.Tensor, st: State, kv_len: int) -> torch.Tensor:
+        """Keys the query at st.pos may attend, [1, kv_len] bool: causal, and beyond the budget only the top
+        blocks among the visible ones plus the incomplete tail. Shapes follow the host's position."""
+        s = st.pos + 1
+        keep = torch.zeros(kv_len, dtype=torch.bool, device=qi.device)
+        keep[:s] = True
+        nvis = s // self.c  # complete visible blocks
         if nvis > self.block_topk:
-            # transformers' selection for one query: top blocks among exactly the visible ones (ties as topk)
+            bk = st.blk_k[self.layer][:nvis]
             scores = torch.relu(qi[0].float() @ bk.float().T).sum(0) / math.sqrt(self.di)  # [nvis]
-            top = scores.topk(self.block_topk).indices
-            mask = torch.ones(s, dtype=torch.bool, device=q.device)  # the tail tokens stay
-            blocks = mask[: nvis * self.c].view(nvis, self.c)
-            blocks.fill_(False).index_fill_(0, top, True)
-            mask = mask[None]
+            blocks = keep[: nvis * self.c].view(nvis, self.c)
+            blocks.fill_(False).index_fill_(0, scores.topk(self.block_topk).indices, True)
+        return keep[None]
+
+    def decode_out(self, q, gate, mask, st: State, kv_len: int) -> torch.Tensor:
+        """q [1, nh, D] attends over kc[:kv_len] under mask [1, kv_len]; output gate and o_proj -> [1, H]."""
+        keys = st.k[self.layer][:kv_len].transpose(0, 1)  # [nkv, kv_len, D] views
+        vals = st.v[self.layer][:kv_len].transpose(0, 1)
         # GQA without copying KV: the rep query heads of a kv head are its rows
         qg = q.reshape(self.nkv, self.nh // self.nkv, self.d)
         o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=self.d**-0.5)
-        return o.reshape(1, self.nh, self.d)
+        return self.o_proj(o.reshape(1, -1) * torch.sigmoid(gate.reshape(1, -1)))
 
     def attend(self, q, qi, keys, vals, bk, p0: int, s: int) -> torch.Tensor:
         """Queries at positions p0..s-1, in pieces that bound the score memory. -> [T, nh, D]."""
@@ -458,10 +509,10 @@ class DecoderLayer(nn.Module):
 
     # The stages of `forward`, also run one by one by the CUDA-graph decode (runtime/decode_graphs.py), which
     # captures the static-shape stretches between the bank, the QSA attention and the PLE lookup.
-    def attention(self, u: torch.Tensor, st: State, cos, sin, inv_freq) -> torch.Tensor:
+    def attention(self, u: torch.Tensor, st: State, rope: Rope) -> torch.Tensor:
         if self.linear_attn is not None:
             return self.linear_attn(u, st)
-        return self.self_attn(u, st, cos, sin, inv_freq)
+        return self.self_attn(u, st, rope)
 
     def moe_in(self, x, y, c) -> tuple[torch.Tensor, ...]:
         """Attention output into the streams, then MoE input: (x, u, c, top_i, top_w, shared gate, shared)."""
@@ -473,13 +524,11 @@ class DecoderLayer(nn.Module):
     def moe_out(x, c, routed, shared_gate, shared) -> torch.Tensor:
         return inject(x, torch.addcmul(routed, shared_gate, shared), c)
 
-    def forward(self, x, ids, st: State, cos, sin, inv_freq) -> torch.Tensor:
+    def forward(self, x, ids, st: State, rope: Rope) -> torch.Tensor:
         if self.ple is not None:
             x = x + self.ple(x, ids, st)
         u, c = self.attn_hc(x)
-        x, u, c, top_i, top_w, shared_gate, shared = self.moe_in(
-            x, self.attention(u, st, cos, sin, inv_freq), c
-        )
+        x, u, c, top_i, top_w, shared_gate, shared = self.moe_in(x, self.attention(u, st, rope), c)
         return self.moe_out(x, c, self.mlp.bank(self.mlp.layer, u, top_i, top_w), shared_gate, shared)
 
 
@@ -527,9 +576,9 @@ class Qwen4ExpModel(nn.Module):
         x = self.embed[ids.to(self.embed.device, non_blocking=True)]
         return x.to(self.device, self.dtype, non_blocking=True).repeat(1, self.args.hc_count)
 
-    def rope(self, st: State, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(st.pos, st.pos + t, device=self.device)
-        return rope_cos_sin(self.inv_freq, positions, self.dtype)
+    def rope(self, st: State, t: int) -> Rope:
+        positions = torch.arange(st.pos, st.pos + t, device=self.device)  # made on the device: no upload
+        return Rope(positions, *rope_cos_sin(self.inv_freq, positions, self.dtype), self.inv_freq)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, st: State) -> torch.Tensor:
@@ -538,9 +587,9 @@ class Qwen4ExpModel(nn.Module):
         # ids stay on the host (embedding rows, PLE hashing, the state's token list): nothing is read back
         ids = ids.cpu()
         x = self.embed_rows(ids)
-        cos, sin = self.rope(st, t)
+        rope = self.rope(st, t)
         for layer in self.layers:
-            x = layer(x, ids, st, cos, sin, self.inv_freq)
+            x = layer(x, ids, st, rope)
         st.advance(ids)
         return self.mixer(x)[0]
 

@@ -1,14 +1,17 @@
 """One decode token as CUDA graphs: the static-shape stretches between the points that must stay eager.
 
-Eager points of a one-token step: the embedding row (gathered on the host), the PLE lookup (hashed and read on
-the host), QSA attention (its KV length, mask and block count follow the position) and the expert bank (reads
-the routing ids back to fetch experts). Everything between two of them keeps its shapes and addresses from
-token to token, so it is captured once and replayed: whole GDN layers, hyper-connections, routers, shared
-experts, the final mixer. A state's buffers are baked into its graphs, so graphs are kept per `State` (and
-dropped with it, memory pool included: a pool shared across states dies with the last graph using it, and
-torch asserts when a capture names a dead pool); they are captured while the first graphed step of that
-state runs, so no token is computed twice. `capture=False` runs the same program without graphs: the CPU
-tests pin it to the model's forward.
+Eager points of a one-token step: the embedding row (gathered on the host, with the position and its RoPE
+rows made on the device), the PLE lookup (hashed and read on the host), each QSA layer's block selection
+(transformers' top-k runs over exactly the visible blocks, a length that follows the position) and the
+expert bank (reads the routing ids back to fetch experts). Everything between two of them keeps its shapes
+and addresses from token to token, so it is captured once and replayed: whole GDN layers, QSA projections,
+KV writes and attention over a fixed window of `kv_bucket` rows under the selection's mask,
+hyper-connections, routers, shared experts, the final mixer. A state's buffers are baked into its graphs,
+so graphs are kept per `State` and KV bucket (and dropped with the state, memory pool included: a pool
+shared across states dies with the last graph using it, and torch asserts when a capture names a dead
+pool); they are captured while the first graphed step of that state and bucket runs, so no token is
+computed twice. `capture=False` runs the same program without graphs: the CPU tests pin it to the model's
+forward.
 """
 
 from __future__ import annotations
@@ -18,21 +21,25 @@ from dataclasses import dataclass
 
 import torch
 
-from expertstream.models.qwen4_exp import DecoderLayer, Qwen4ExpModel
+from expertstream.models.qwen4_exp import DecoderLayer, Qwen4ExpModel, Rope, kv_bucket
 from expertstream.state import State
 
 
 @dataclass
 class _Step:
-    """What only the eager stages may read: host ids [1], the state, RoPE rows of this position."""
+    """What only the eager stages may read: the host ids [1] and the state."""
 
     ids: torch.Tensor
     st: State
-    cos: torch.Tensor
-    sin: torch.Tensor
 
 
-def _layer_ops(model: Qwen4ExpModel, i: int, layer: DecoderLayer, st: State) -> list[tuple[bool, object]]:
+def _rope(e: dict, model: Qwen4ExpModel) -> Rope:
+    return Rope(e["positions"], e["cos"], e["sin"], model.inv_freq)
+
+
+def _layer_ops(
+    model: Qwen4ExpModel, i: int, layer: DecoderLayer, st: State, kv_len: int
+) -> list[tuple[bool, object]]:
     """(graphable, fn(env, step) -> {name: tensor}) for one layer; graphable fns never read `step`."""
     ops = []
     if layer.ple is not None:
@@ -40,8 +47,12 @@ def _layer_ops(model: Qwen4ExpModel, i: int, layer: DecoderLayer, st: State) -> 
     ops.append((True, lambda e, s: dict(zip(("u", "c"), layer.attn_hc(e["x"])))))
     if layer.linear_attn is not None:  # recurrent state in place: static
         ops.append((True, lambda e, s: {"y": layer.linear_attn(e["u"], st)}))
-    else:
-        ops.append((False, lambda e, s: {"y": layer.self_attn(e["u"], s.st, s.cos, s.sin, model.inv_freq)}))
+    else:  # QSA: static stages around the eager block selection (transformers' top-k over the visible)
+        att = layer.self_attn
+        qkv_names = ("q", "qi", "gate")
+        ops.append((True, lambda e, s: dict(zip(qkv_names, att.decode_in(e["u"], st, _rope(e, model))))))
+        ops.append((False, lambda e, s: {"mask": att.decode_mask(e["qi"], s.st, kv_len)}))
+        ops.append((True, lambda e, s: {"y": att.decode_out(e["q"], e["gate"], e["mask"], st, kv_len)}))
     names = ("x", "u", "c", "top_i", "top_w", "shared_gate", "shared")
     ops.append((True, lambda e, s: dict(zip(names, layer.moe_in(e["x"], e["y"], e["c"])))))
     ops.append((False, lambda e, s: {"routed": layer.mlp.bank(i, e["u"], e["top_i"], e["top_w"])}))
@@ -51,11 +62,16 @@ def _layer_ops(model: Qwen4ExpModel, i: int, layer: DecoderLayer, st: State) -> 
     return ops
 
 
-def decode_program(model: Qwen4ExpModel, st: State) -> list[tuple[bool, list]]:
-    """The one-token step as runs of graphable / eager stages, in order."""
-    ops = [(False, lambda e, s: {"x": model.embed_rows(s.ids)})]
+def _embed(model: Qwen4ExpModel, s: _Step) -> dict:
+    rope = model.rope(s.st, 1)
+    return {"x": model.embed_rows(s.ids), "positions": rope.positions, "cos": rope.cos, "sin": rope.sin}
+
+
+def decode_program(model: Qwen4ExpModel, st: State, kv_len: int) -> list[tuple[bool, list]]:
+    """The one-token step, QSA over `kv_len` KV rows, as runs of graphable / eager stages, in order."""
+    ops = [(False, lambda e, s: _embed(model, s))]
     for i, layer in enumerate(model.layers):
-        ops += _layer_ops(model, i, layer, st)
+        ops += _layer_ops(model, i, layer, st, kv_len)
     ops.append((True, lambda e, s: {"h": model.mixer(e["x"])[0]}))
     runs: list[tuple[bool, list]] = []
     for graphable, fn in ops:
@@ -92,9 +108,10 @@ class DecodeGraphs:
     def __init__(self, model: Qwen4ExpModel, capture: bool = True):
         self.model, self.capture = model, capture
         self.warm = False  # one eager step first: Triton compiles and module loads cannot be captured
-        self._states: weakref.WeakKeyDictionary[State, _Captured] = weakref.WeakKeyDictionary()
+        # state -> KV bucket -> its graphs
+        self._states: weakref.WeakKeyDictionary[State, dict[int, _Captured]] = weakref.WeakKeyDictionary()
         self._stream = torch.cuda.Stream(model.device) if capture else None
-        self.captures = 0  # states captured so far (stats)
+        self.captures = 0  # (state, KV bucket) programs captured so far (stats)
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, st: State) -> torch.Tensor:
@@ -103,28 +120,29 @@ class DecodeGraphs:
             raise ValueError(f"decode takes one token id, got shape {tuple(ids.shape)}")
         st.check_room(1)
         ids = ids.cpu()
-        step = _Step(ids, st, *self.model.rope(st, 1))
+        step, kv_len = _Step(ids, st), kv_bucket(st.pos + 1, st.max_model_len)
         if not self.capture or not self.warm:
             env: dict = {}
-            for _, fns in decode_program(self.model, st):
+            for _, fns in decode_program(self.model, st, kv_len):
                 env.update(_run(fns, env, step))
             h = env["h"]
             self.warm = True
         else:
-            cap = self._states.get(st)
+            buckets = self._states.setdefault(st, {})
+            cap = buckets.get(kv_len)
             if cap is None:
-                cap = self._states[st] = self._capture(st, step)
+                cap = buckets[kv_len] = self._capture(st, step, kv_len)
             else:
                 self._replay(cap, step)
             h = cap.h.clone()
         st.advance(ids)
         return h
 
-    def _capture(self, st: State, step: _Step) -> _Captured:
+    def _capture(self, st: State, step: _Step, kv_len: int) -> _Captured:
         """Build the state's graphs while running this step: each run is captured, then replayed at once."""
         cap, env, pool = _Captured(), {}, None
         torch.cuda.synchronize(self.model.device)
-        for graphable, fns in decode_program(self.model, st):
+        for graphable, fns in decode_program(self.model, st, kv_len):
             if graphable:
                 g = torch.cuda.CUDAGraph()
                 self._stream.wait_stream(torch.cuda.current_stream())
