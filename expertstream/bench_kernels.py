@@ -164,6 +164,13 @@ FP8_GEMV_SWEEP = [
         (16, 512, 4, 1),
     ]
 ]  # fmt: skip
+DECODE_SWEEP = [
+    dict(block_n_gu=ngu, block_g_gu=ggu, block_n_down=nd, block_g_down=gd, num_warps=nw)
+    for ngu, ggu, nd, gd, nw in [
+        (4, 32, 4, 8, 2), (8, 32, 8, 8, 4), (16, 16, 16, 8, 4), (8, 16, 16, 8, 4), (4, 32, 16, 8, 4),
+        (16, 32, 32, 8, 8), (2, 64, 8, 8, 2), (8, 64, 8, 8, 4), (32, 8, 32, 8, 8),
+    ]
+]  # fmt: skip
 PREFILL_SWEEP = [
     dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
     for bm, bn, bk, nw, ns in [
@@ -181,7 +188,7 @@ def sweep_configs(path: str) -> dict:
     import torch
     import triton.testing
 
-    from expertstream.kernels import fp8_rows_matmul, nvfp4_moe_prefill
+    from expertstream.kernels import fp8_rows_matmul, nvfp4_moe_decode, nvfp4_moe_prefill
     from expertstream.kernels.nvfp4_moe import prefill_bucket
 
     def bench(fn):
@@ -192,7 +199,7 @@ def sweep_configs(path: str) -> dict:
             print("   skipped:", str(e).splitlines()[0][:120], flush=True)
             return float("inf")
 
-    best: dict = {"fp8_gemv": {}, "nvfp4_prefill": {}}
+    best: dict = {"fp8_gemv": {}, "nvfp4_decode": {}, "nvfp4_prefill": {}}
     for n, k in FP8_SHAPES:
         q = torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, device="cuda")
         scale = torch.rand(n, device="cuda")
@@ -206,6 +213,14 @@ def sweep_configs(path: str) -> dict:
             best["fp8_gemv"][f"{n}x{k}"] = min(res, key=lambda r: r[0])[1]
 
     layout, slots, ws2 = random_bank(EXPERTS)
+    ids, w = route(1)
+    sid, x = ids[0].to(torch.int32), torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
+    res = []
+    for cfg in DECODE_SWEEP:
+        us = 1e3 * bench(lambda: nvfp4_moe_decode(x, slots, sid, ws2, w[0], layout, config=cfg))  # noqa: B023
+        print(f"decode k={TOPK} {cfg} {us:.1f} us", flush=True)
+        res.append((us, cfg))
+    best["nvfp4_decode"][f"{HIDDEN}x{INTER}"] = min(res, key=lambda r: r[0])[1]
     e2s = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
     for t in (512, 2451, 8192):
         ids, w = route(t, seed=t)

@@ -27,6 +27,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 
 
+def cfg(n_gu: int, g_gu: int, n_down: int, g_down: int, warps: int = 2) -> dict:
+    """A decode launch config: rows per program and 16-element groups per step, gate+up then down."""
+    return dict(block_n_gu=n_gu, block_g_gu=g_gu, block_n_down=n_down, block_g_down=g_down, num_warps=warps)
+
+
 def random_slots(layout: ExpertLayout, s: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[S, block_bytes] blocks of random codes (all 16) and random E4M3 scales, subnormals included."""
     g = torch.Generator().manual_seed(seed)
@@ -70,7 +75,7 @@ def test_decode_matches_ref(bank, dtype, slot_ids):
     ids = torch.tensor(slot_ids, dtype=torch.int32, device=DEV)
     w = torch.rand(len(slot_ids), device=DEV)
     # block sizes chosen so H/16 and I/16 groups are not multiples of BLOCK_G, nor rows of BLOCK_N
-    got = nvfp4_moe_decode(x[None], slots, ids, ws2, w, layout, block_n=(16, 32), block_g=(4, 4))
+    got = nvfp4_moe_decode(x[None], slots, ids, ws2, w, layout, config=cfg(16, 4, 32, 4))
     assert got.shape == (1, layout.hidden_size) and got.dtype == dtype
     close(got, nvfp4_moe_decode_ref(x[None], slots, ids, ws2, w, layout), dtype)
 
@@ -273,8 +278,8 @@ def test_decode_is_deterministic(bank):
     x = torch.randn(layout.hidden_size, device=DEV)
     ids = torch.tensor([3, 1, 3, 0], dtype=torch.int32, device=DEV)
     w = torch.rand(4, device=DEV)
-    a = nvfp4_moe_decode(x, slots, ids, ws2, w, layout, block_n=(8, 4), block_g=(2, 2))
-    b = nvfp4_moe_decode(x, slots, ids, ws2, w, layout, block_n=(8, 4), block_g=(2, 2))
+    a = nvfp4_moe_decode(x, slots, ids, ws2, w, layout, config=cfg(8, 2, 4, 2))
+    b = nvfp4_moe_decode(x, slots, ids, ws2, w, layout, config=cfg(8, 2, 4, 2))
     assert torch.equal(a, b)
 
 

@@ -47,6 +47,10 @@ def _check_common(x, slots, ws2, layout: ExpertLayout) -> None:
 # ---------------------------------------------------------------- decode
 
 
+# the launch shape measured on the H200 (docs/kernels.md) until a sweep records a better one as data
+DECODE_DEFAULT = dict(block_n_gu=4, block_g_gu=32, block_n_down=4, block_g_down=8, num_warps=2)
+
+
 def nvfp4_moe_decode_ref(x, slots, slot_ids, ws2, weights, layout: ExpertLayout) -> torch.Tensor:
     """Plain-torch twin of `nvfp4_moe_decode` (FP32 maths, output in x.dtype)."""
     xf = x.reshape(-1).float()  # [H]
@@ -65,9 +69,7 @@ def nvfp4_moe_decode(
     weights: torch.Tensor,
     layout: ExpertLayout,
     *,
-    block_n: tuple[int, int] = (4, 4),
-    block_g: tuple[int, int] = (32, 8),
-    num_warps: int = 2,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Routed expert sum for one token, read straight from slot memory.
 
@@ -78,8 +80,9 @@ def nvfp4_moe_decode(
         ws2: [S, 3] float32 weight_scale_2 (gate, up, down) of each slot.
         weights: [K] float32 router weights.
         layout: the block layout.
-        block_n, block_g: rows per program and 16-element groups per step, for (gate+up, down).
-        num_warps: Triton warps per program.
+        config: block_n and block_g (rows per program and 16-element groups per step) of the gate+up and
+            the down launch, num_warps; default: tuned_configs.json for this device and shape, else
+            DECODE_DEFAULT.
 
     Returns:
         Tensor shaped like x, in x.dtype.
@@ -93,10 +96,12 @@ def nvfp4_moe_decode(
     assert weights.dtype == torch.float32 and weights.shape == (k,), (
         f"weights {weights.dtype} {weights.shape}"
     )
+    cfg = config or tuned_config("nvfp4_decode", x.device, f"{h_size}x{i_size}") or DECODE_DEFAULT
+    block_n, block_g = (cfg["block_n_gu"], cfg["block_n_down"]), (cfg["block_g_gu"], cfg["block_g_down"])
     off = _offsets(layout)
     h = torch.empty(k, i_size, dtype=torch.float32, device=x.device)  # silu(g) * u, [K, I]
     out = torch.empty_like(x)
-    common = dict(H=h_size, I=i_size, block_bytes=layout.block_bytes, num_warps=num_warps)
+    common = dict(H=h_size, I=i_size, block_bytes=layout.block_bytes, num_warps=cfg["num_warps"])
     launch_e2m1(
         _decode_gate_up_kernel, (k, cdiv(i_size, block_n[0])), x.device,
         x, slots, slot_ids, ws2, h, gw_off=off["gw_off"], uw_off=off["uw_off"], gs_off=off["gs_off"],
