@@ -65,7 +65,10 @@ class VramExpertCache:
         self.last_layer: int | None = None  # layer of the protected slots
         self.stats = VramStats()
         cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        # demand copies and speculative ones on separate streams: a demand block must not queue behind guesses
+        # (one FIFO stream made every layer wait for the last layer's early copies, right or wrong)
+        self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        self.spec_stream = torch.cuda.Stream(self.device) if cuda else None
         self.in_flight: list[tuple[torch.cuda.Event, object]] = []
         self.slot_events: dict[int, torch.cuda.Event] = {}
         self.early_copies: dict[int, torch.cuda.Event] = {}  # slot -> its prefetch copy, not yet awaited
@@ -132,13 +135,16 @@ class VramExpertCache:
         if self.copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
-    def _copy_block(self, slot: int, key: tuple[int, int], h) -> torch.cuda.Event | None:
-        """Queue one host block's copy into `slot`; returns the copy's event (None on a CPU device)."""
+    def _copy_block(self, slot: int, key: tuple[int, int], h, speculative: bool = False):
+        """Queue one host block's copy into `slot` (on the speculative stream for guesses); returns the
+        copy's event (None on a CPU device)."""
         t0 = time.perf_counter()
         block = h.wait()  # blocks on the RAM/disk tiers; each block goes up the moment it arrives
         self.stats.wait_seconds += time.perf_counter() - t0
-        stream, ev = self.copy_stream, None
-        self.early_copies.pop(slot, None)  # the slot's old content is gone; copies are stream-ordered
+        stream, ev = (self.spec_stream if speculative else self.copy_stream), None
+        earlier = self.early_copies.pop(slot, None)  # an unused guess still landing in this slot
+        if earlier is not None and not speculative:
+            stream.wait_event(earlier)  # the other stream's write must finish before this one
         if stream is None:
             self.slots[slot].copy_(block)
             h.release()
@@ -172,7 +178,7 @@ class VramExpertCache:
             if slot is None:
                 h.release()
                 continue
-            ev = self._copy_block(slot, key, h)
+            ev = self._copy_block(slot, key, h, speculative=True)
             if ev is not None:
                 self.early_copies[slot] = ev
             self.lru[key] = slot
