@@ -145,7 +145,7 @@ class DecodeGraphs:
         for graphable, fns in decode_program(self.model, st, kv_len):
             if graphable:
                 g = torch.cuda.CUDAGraph()
-                self._stream.wait_stream(torch.cuda.current_stream())
+                self._stream.wait_stream(torch.cuda.current_stream(self.model.device))
                 with torch.cuda.stream(self._stream):
                     # thread_local: the store's reader threads keep synchronising their copy events meanwhile
                     g.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -154,7 +154,7 @@ class DecodeGraphs:
                     finally:
                         g.capture_end()
                 pool = g.pool()  # the state's graphs share the first one's private pool
-                torch.cuda.current_stream().wait_stream(self._stream)
+                torch.cuda.current_stream(self.model.device).wait_stream(self._stream)
                 g.replay()
                 cap.segments.append(("graph", g))
                 env.update(out)
