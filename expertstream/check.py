@@ -9,6 +9,7 @@ Thresholds and their rationale: docs/check.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -77,8 +78,9 @@ def _snapshot_files(snapshot: Path) -> list[Path]:
     return files
 
 
-def reference_state_dict(snapshot: Path, text: dict) -> dict[str, torch.Tensor]:
-    """The text weights under `Qwen4ExpForCausalLM` names, experts and PLE dequantized to FP32."""
+def reference_state_dict(snapshot: Path, text: dict, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The text weights under `Qwen4ExpForCausalLM` names, experts and PLE dequantized to FP32 on `device`
+    (a GPU dequantizes a full-shape layer's 512 experts in a blink; the CPU takes tens of seconds)."""
     num_layers, num_experts = text["num_hidden_layers"], text["num_experts"]
     experts: dict[tuple[int, int, str, str], torch.Tensor] = {}
     ple_shards: dict[str, dict[int, torch.Tensor]] = {}
@@ -105,8 +107,7 @@ def reference_state_dict(snapshot: Path, text: dict) -> dict[str, torch.Tensor]:
                     out["model." + short] = f.get_tensor(name)
 
     for name, t in out.items():
-        if t.is_floating_point():
-            out[name] = t.float()
+        out[name] = t.to(device).float() if t.is_floating_point() else t.to(device)
     # experts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
     for layer in range(num_layers):
         gate_up, down = [], []
@@ -120,7 +121,7 @@ def reference_state_dict(snapshot: Path, text: dict) -> dict[str, torch.Tensor]:
                     raise ValueError(
                         f"{snapshot}: expert tensors of layer {layer} expert {e} {proj} are missing"
                     )
-                w[proj] = nvfp4.dequantize(*parts, dtype=torch.float32)
+                w[proj] = nvfp4.dequantize(*(t.to(device) for t in parts), dtype=torch.float32)
             gate_up.append(torch.cat([w["gate_proj"], w["up_proj"]], dim=0))
             down.append(w["down_proj"])
         out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
@@ -133,8 +134,8 @@ def reference_state_dict(snapshot: Path, text: dict) -> dict[str, torch.Tensor]:
             raise ValueError(
                 f"{snapshot}: {PREFIX}{module} shards are not 0..{len(shards) - 1}: {sorted(shards)}"
             )
-        table = torch.cat([shards[i] for i in range(len(shards))])
-        out[f"model.{module}.weight"] = e4m3_to_float(table) * ple_scales[module].float()
+        table = torch.cat([shards[i] for i in range(len(shards))]).to(device)
+        out[f"model.{module}.weight"] = e4m3_to_float(table) * ple_scales[module].to(device).float()
     return out
 
 
@@ -159,9 +160,15 @@ def build_reference(snapshot: str | Path, dtype: torch.dtype = torch.float32, de
     ] or None
     config = Qwen4ExpTextConfig(**text)
     config._attn_implementation = "eager"
-    state = reference_state_dict(snapshot, text)
-    model = Qwen4ExpForCausalLM(config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    state = reference_state_dict(snapshot, text, device)
+    try:  # every weight is loaded next: skip the random initialisation (minutes for a full-shape model)
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        no_init_weights = contextlib.nullcontext
+    with no_init_weights():
+        model = Qwen4ExpForCausalLM(config)
+    # assign: the model takes the dequantized tensors as they are, no second copy of every weight
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(
             f"{snapshot}: reference weights do not match; missing {missing}, unexpected {unexpected}"
