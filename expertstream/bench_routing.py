@@ -32,7 +32,7 @@ class Trace:
     num_experts: int
     k: int
     routed: list[list[list[int]]]  # [token][layer] -> the K routed expert ids
-    guessed: list[list[list[int]]]  # [token][layer] -> the ids guessed for layer + 1 (last layer: [])
+    guessed: list[list[list[int]]]  # [token][layer] -> layer + 1's top-2K by its router, best first ([] last)
 
 
 class RoutingRecorder:
@@ -44,8 +44,9 @@ class RoutingRecorder:
 
     def __call__(self, layer, x, expert_ids, weights):
         if x.shape[0] == 1:
-            # x [1, H], expert_ids [1, K]: the same guess the bank makes, on the same input
-            guess = self.spec.guess(layer, x, expert_ids.shape[1])
+            # x [1, H], expert_ids [1, K]: the bank's guess on the same input, twice as wide (its first K are
+            # the bank's own, topk being sorted), to see what wider guesses would catch
+            guess = self.spec.guess(layer, x, 2 * expert_ids.shape[1])
             self.calls.append((layer, expert_ids[0].tolist(), [] if guess is None else guess.tolist()))
         return self.bank(layer, x, expert_ids, weights)
 
@@ -117,21 +118,25 @@ def replay(trace: Trace, policy: Callable[[], LruPolicy | LfuPolicy], capacity: 
     return {"hit_rate": hits / requests, "misses_per_token": (requests - hits) / tokens}
 
 
+GUESS_WIDTHS = (1.0, 1.5, 2.0)  # guess sizes as multiples of K: the engine guesses K
+
+
 def guess_accuracy(trace: Trace) -> list[dict]:
-    """Per guessed layer (1..L-1): mean share of the K guesses the layer really routed to, and how often all
-    K were right."""
+    """Per guessed layer (1..L-1): the share of the layer's K routed experts found among its router's top
+    w*K guesses (w in GUESS_WIDTHS; at w = 1 this is the engine's used / issued), and how often all K were
+    among the top K."""
     rows = []
     for layer in range(1, trace.num_layers):
-        overlaps = [
-            len(set(tok[layer - 1]) & set(routed[layer])) for tok, routed in zip(trace.guessed, trace.routed)
-        ]
-        rows.append(
-            {
-                "layer": layer,
-                "overlap": sum(overlaps) / (trace.k * len(overlaps)),
-                "all_right": sum(o == trace.k for o in overlaps) / len(overlaps),
-            }
-        )
+        row: dict = {"layer": layer}
+        pairs = list(zip(trace.guessed, trace.routed))
+        for w in GUESS_WIDTHS:
+            n = round(w * trace.k)
+            found = [len(set(tok[layer - 1][:n]) & set(routed[layer])) for tok, routed in pairs]
+            row[f"recall_{w:g}k"] = sum(found) / (trace.k * len(found))
+            if w == 1.0:
+                row["overlap"] = row[f"recall_{w:g}k"]
+                row["all_right"] = sum(f == trace.k for f in found) / len(found)
+        rows.append(row)
     return rows
 
 
@@ -180,14 +185,20 @@ def tables(trace: Trace, caches: list[dict], guesses: list[dict], counters: dict
         "Extrapolated column: this model's miss rate x 48 layers x 10 experts x 2,764,800 B, assuming the "
         "full model misses as often at the same cache share (not measured).",
         "",
-        "| guessed layer | overlap with the real top-k (used / issued) | all K right |",
-        "|---:|---:|---:|",
+        "| guessed layer | overlap with the real top-k (used / issued) | all K right "
+        + "".join(f"| routed found in top {w:g}K " for w in GUESS_WIDTHS[1:])
+        + "|",
+        "|---:|---:|---:|" + "---:|" * (len(GUESS_WIDTHS) - 1),
     ]
     for g in guesses:
-        lines.append(f"| {g['layer']} | {g['overlap']:.1%} | {g['all_right']:.1%} |")
+        wider = "".join(f"| {g[f'recall_{w:g}k']:.1%} " for w in GUESS_WIDTHS[1:])
+        lines.append(f"| {g['layer']} | {g['overlap']:.1%} | {g['all_right']:.1%} {wider}|")
     issued, used = counters["spec_issued"], counters["spec_used"]
+    mean = {w: sum(g[f"recall_{w:g}k"] for g in guesses) / max(1, len(guesses)) for w in GUESS_WIDTHS[1:]}
     lines += [
-        f"| all | {used / issued if issued else 0:.1%} | - |",
+        f"| all | {used / issued if issued else 0:.1%} | - "
+        + "".join(f"| {mean[w]:.1%} " for w in GUESS_WIDTHS[1:])
+        + "|",
         "",
         f"Engine counters over the same tokens: spec_issued {issued}, spec_used {used} "
         f"(used fraction {used / issued if issued else 0:.1%}).",

@@ -75,9 +75,12 @@ def test_both_caches_keep_the_hot_expert():
 
 
 def test_guess_accuracy_per_layer():
-    # layer 0 guesses layer 1 right twice of 2 picks, then once; layer 1 (the last) guesses nothing
-    trace = Trace(2, 8, 2, [[[0, 1], [2, 3]], [[0, 1], [4, 5]]], [[[2, 3], []], [[4, 7], []]])
-    assert guess_accuracy(trace) == [{"layer": 1, "overlap": 0.75, "all_right": 0.5}]
+    # layer 1's top-4 by its router, seen at layer 0, best first: the top 2 are the engine's guess.
+    # token 0: both right in the top 2; token 1: one right in the top 2 (4), the other (5) fourth
+    trace = Trace(2, 8, 2, [[[0, 1], [2, 3]], [[0, 1], [4, 5]]], [[[2, 3, 6, 0], []], [[4, 7, 6, 5], []]])
+    (row,) = guess_accuracy(trace)
+    assert (row["layer"], row["overlap"], row["all_right"]) == (1, 0.75, 0.5)
+    assert row["recall_1k"] == 0.75 and row["recall_1.5k"] == 0.75 and row["recall_2k"] == 1.0
 
 
 def test_bench_routing_on_the_tiny_model(tiny_workdir, tmp_path, capsys):
