@@ -143,6 +143,7 @@ def decode_regime(
 
     eng = Engine(cfg, vram_cache_blocks=vram_cache_blocks)
     warm_caches(eng, vram=vram_cache_blocks >= eng.workdir.num_layers * eng.workdir.num_experts)
+    torch.cuda.reset_peak_memory_stats()  # from here: the prompt, graph captures and decode
     state = eng.new_state()
     tok = int(eng.forward(state, list(range(1, 17))).argmax())
     for _ in range(4):  # warm-up: kernels compiled, caches in their steady state
@@ -181,6 +182,7 @@ def decode_regime(
         "spec_wasted_bytes_per_token": (s1.spec_wasted_bytes - s0.spec_wasted_bytes) / tokens,
         "syncs_per_token": (s1.host_syncs - s0.host_syncs) / tokens,
         "all_syncs_per_token": all_syncs,
+        "peak_gib": torch.cuda.max_memory_allocated() / GiB,  # against --gpu-memory-gb (x utilization)
     }
     eng.close()
     return out
@@ -196,9 +198,9 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
     rows = [
         "| regime | ms/token (bench layers) | ms/token x48 | disk MB/token | PCIe MB/token | VRAM hit "
         "| RAM hit | stall ms | sync wait ms | bank host ms | outside bank ms | guess hit "
-        "| guess waste MB/token | bank syncs/token | CUDA syncs/token | same tokens | bound ms "
+        "| guess waste MB/token | bank syncs/token | CUDA syncs/token | peak GiB | same tokens | bound ms "
         "| efficiency |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for name, r in results.items():
         disk_ms = r["disk_bytes_per_token"] / disk_gbps / 1e6
@@ -211,7 +213,7 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
             f"{r['sync_ms_per_token']:.2f} | {r['bank_host_ms_per_token']:.2f} | "
             f"{r['outside_bank_ms_per_token']:.2f} | "
             f"{r['spec_hit_rate']:.0%} | {r['spec_wasted_bytes_per_token'] / 1e6:.1f} | "
-            f"{r['syncs_per_token']:.1f} | {r['all_syncs_per_token']:.1f} | "
+            f"{r['syncs_per_token']:.1f} | {r['all_syncs_per_token']:.1f} | {r['peak_gib']:.2f} | "
             f"{'yes' if r['tokens'] == first else 'NO'} | {bound:.2f} | {r['efficiency']:.2f} |"
         )
     return "\n".join(rows) + "\n"

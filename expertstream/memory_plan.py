@@ -26,7 +26,7 @@ FP8_CANDIDATES = (
 )
 # Allocator fragmentation and kernel workspaces the accounting cannot see.
 RESERVE_FRACTION = 0.04
-DECODE_WORKSPACE = 64 * MiB
+DECODE_WORKSPACE = 64 * MiB  # one-token activations and the decode graphs' pools (per state; unmeasured)
 ELEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I64": 8, "I32": 4}
 
 

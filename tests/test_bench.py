@@ -66,6 +66,7 @@ def decode_result(ms, tokens, **kw):
         spec_wasted_bytes_per_token=2e6,
         syncs_per_token=4.0,
         all_syncs_per_token=9.5,
+        peak_gib=6.25,
     )
     return r | kw
 
@@ -80,7 +81,7 @@ def test_decode_table_bound_efficiency_and_token_check():
     rows = table.strip().splitlines()
     assert len(rows) == 4 and "guess hit" in rows[0] and "bank syncs/token" in rows[0]
     assert "| 0.00 | 1.50 | 0.25 | 3.00 |" in rows[2]  # stall, sync wait, bank host, outside bank
-    assert "| 75% | 2.0 | 4.0 | 9.5 | yes |" in rows[2] and "| NO |" in rows[3]
+    assert "| 75% | 2.0 | 4.0 | 9.5 | 6.25 | yes |" in rows[2] and "| NO |" in rows[3]
 
 
 def test_prefill_table_and_oom_row():

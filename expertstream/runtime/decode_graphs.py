@@ -7,9 +7,9 @@ expert bank (reads the routing ids back to fetch experts). Everything between tw
 and addresses from token to token, so it is captured once and replayed: whole GDN layers, QSA projections,
 KV writes and attention over a fixed window of `kv_bucket` rows under the selection's mask,
 hyper-connections, routers, shared experts, the final mixer. A state's buffers are baked into its graphs,
-so graphs are kept per `State` and KV bucket (and dropped with the state, memory pool included: a pool
-shared across states dies with the last graph using it, and torch asserts when a capture names a dead
-pool); they are captured while the first graphed step of that state and bucket runs, so no token is
+so graphs are kept per `State` and KV bucket in one memory pool per state (dropped with the state: a
+pool shared across states dies with the last graph using it, and torch asserts when a capture names a
+dead pool); they are captured while the first graphed step of that state and bucket runs, so no token is
 computed twice. `capture=False` runs the same program without graphs: the CPU tests pin it to the model's
 forward.
 """
@@ -97,6 +97,15 @@ class _Captured:
         self.h: torch.Tensor | None = None
 
 
+class _StateGraphs:
+    """A state's captures, one per KV window, in one private memory pool: captures never run at once and
+    every capture's outputs stay referenced, so intermediates can share memory across windows."""
+
+    def __init__(self):
+        self.pool = None  # the first capture's pool, named by the later ones
+        self.by_window: dict[int, _Captured] = {}
+
+
 class DecodeGraphs:
     """Runs `model` one token at a time; on CUDA through per-state CUDA graphs (see the module docstring).
 
@@ -108,8 +117,7 @@ class DecodeGraphs:
     def __init__(self, model: Qwen4ExpModel, capture: bool = True):
         self.model, self.capture = model, capture
         self.warm = False  # one eager step first: Triton compiles and module loads cannot be captured
-        # state -> KV bucket -> its graphs
-        self._states: weakref.WeakKeyDictionary[State, dict[int, _Captured]] = weakref.WeakKeyDictionary()
+        self._states: weakref.WeakKeyDictionary[State, _StateGraphs] = weakref.WeakKeyDictionary()
         self._stream = torch.cuda.Stream(model.device) if capture else None
         self.captures = 0  # (state, KV bucket) programs captured so far (stats)
 
@@ -128,19 +136,19 @@ class DecodeGraphs:
             h = env["h"]
             self.warm = True
         else:
-            buckets = self._states.setdefault(st, {})
-            cap = buckets.get(kv_len)
+            graphs = self._states.setdefault(st, _StateGraphs())
+            cap = graphs.by_window.get(kv_len)
             if cap is None:
-                cap = buckets[kv_len] = self._capture(st, step, kv_len)
+                cap = graphs.by_window[kv_len] = self._capture(graphs, st, step, kv_len)
             else:
                 self._replay(cap, step)
             h = cap.h.clone()
         st.advance(ids)
         return h
 
-    def _capture(self, st: State, step: _Step, kv_len: int) -> _Captured:
+    def _capture(self, graphs: _StateGraphs, st: State, step: _Step, kv_len: int) -> _Captured:
         """Build the state's graphs while running this step: each run is captured, then replayed at once."""
-        cap, env, pool = _Captured(), {}, None
+        cap, env = _Captured(), {}
         torch.cuda.synchronize(self.model.device)
         for graphable, fns in decode_program(self.model, st, kv_len):
             if graphable:
@@ -148,12 +156,12 @@ class DecodeGraphs:
                 self._stream.wait_stream(torch.cuda.current_stream(self.model.device))
                 with torch.cuda.stream(self._stream):
                     # thread_local: the store's reader threads keep synchronising their copy events meanwhile
-                    g.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    g.capture_begin(pool=graphs.pool, capture_error_mode="thread_local")
                     try:
                         out = _run(fns, env, None)
                     finally:
                         g.capture_end()
-                pool = g.pool()  # the state's graphs share the first one's private pool
+                graphs.pool = graphs.pool or g.pool()  # the state's graphs share the first one's pool
                 torch.cuda.current_stream(self.model.device).wait_stream(self._stream)
                 g.replay()
                 cap.segments.append(("graph", g))
