@@ -8,8 +8,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 es() { python3 -m expertstream "$@"; }
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_gpu_experts.py \
-  tests/test_speculation.py tests/test_vram_cache.py 2>&1 | tail -15 | tee $OUT/gpu_tests.txt
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_gpu_experts.py \
+  tests/test_speculation.py tests/test_vram_cache.py tests/test_decode_path.py tests/test_kernels.py 2>&1 \
+  | tail -15 | tee $OUT/gpu_tests.txt
 es synth /tmp/tiny --preset tiny >/dev/null 2>&1 && es setup /tmp/tiny /tmp/tiny-wd >/dev/null 2>&1
 timeout 60 python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda --long 2>&1 \
   | grep -v INFO | tail -9 | tee $OUT/check_tiny_cuda.txt
