@@ -87,6 +87,12 @@ def main() -> None:
     p.add_argument("--corpus", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True, help="snapshot directory to write (NVIDIA layout)")
     p.add_argument("--minutes", type=float, default=7.0, help="training time budget")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="train exactly this many steps instead (the schedule then follows steps, not "
+        "the clock, so a rerun on another GPU repeats the run)",
+    )
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -153,8 +159,12 @@ def main() -> None:
         return best
 
     warmup = 100
-    while time.time() - t0 < budget_s:
-        frac = (time.time() - t0) / budget_s
+
+    def progress() -> float:  # share of the budget spent: steps when given, else wall-clock time
+        return step / args.steps if args.steps else (time.time() - t0) / budget_s
+
+    while progress() < 1:
+        frac = progress()
         lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr * g["scale"]
