@@ -91,7 +91,7 @@ def main() -> None:
         "--steps",
         type=int,
         help="train exactly this many steps instead (the schedule then follows steps, not "
-        "the clock, so a rerun on another GPU repeats the run)",
+        "the clock, so a rerun on another GPU repeats the schedule)",
     )
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=64)
