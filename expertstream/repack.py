@@ -8,6 +8,7 @@ setup never leaves a directory that `Workdir` accepts. Format: docs/workdir.md.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -68,6 +69,8 @@ COPY_FILES = (
 FP8_DENSE = re.compile(r"layers\.\d+\.linear_attn\.(in_proj_qkv|in_proj_z|out_proj)\.weight")
 REPLACED = ("experts.bin", "resident.safetensors", EXPERT_SCALES, "ple/ngram_embedding.bin")
 WRITES_IN_FLIGHT = 8  # blocks queued to the writer thread (bounds RAM to ~8 blocks)
+PROGRESS = "setup.progress.json"  # blocks durably written so far: a rerun after an interruption skips them
+PROGRESS_EVERY = 256  # blocks between journal updates (~700 MB for the real model)
 
 
 @dataclass(slots=True)
@@ -160,15 +163,51 @@ def check_disk(plan: Plan, workdir: Path, copy_ple: bool) -> None:
         )
 
 
-def _write_experts(plan: Plan, path: Path, progress: bool) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """Read each shard's expert tensors in file order; pwrite each finished block at its offset."""
+def _progress_key(plan: Plan) -> dict:
+    """What a journal must match to be resumed: the same snapshot files (name, size, modification time: a
+    re-downloaded shard starts over), config and block layout."""
+    shards = sorted({info.path for info in plan.snap.tensors.values()})
+    return {
+        "snapshot": str(plan.snap.path),
+        "config_sha256": plan.snap.config_sha256,
+        "shards": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in shards],
+        "layout": plan.layout.to_json(),
+        "num_layers": plan.num_layers,
+        "num_experts": plan.num_experts,
+    }
+
+
+def _resumable(plan: Plan, workdir: Path) -> dict[int, int]:
+    """{block index: crc32} of blocks an interrupted setup of the same snapshot wrote durably, else {}."""
+    journal, experts = workdir / PROGRESS, workdir / "experts.bin"
+    if not journal.is_file() or not experts.is_file():
+        return {}
+    try:
+        data = json.loads(journal.read_text())
+    except ValueError:
+        return {}
+    size = plan.num_layers * plan.num_experts * plan.layout.block_bytes
+    if data.get("key") != _progress_key(plan) or experts.stat().st_size != size:
+        return {}
+    return {int(i): crc for i, crc in data["done"].items()}
+
+
+def _write_experts(
+    plan: Plan, path: Path, progress: bool, done: dict[int, int]
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Read each shard's expert tensors in file order; pwrite each finished block at its offset.
+
+    Blocks in `done` (index -> crc32, from an interrupted run) are kept: their codes are not read again, only
+    their scalars. Every PROGRESS_EVERY blocks the file is synced and the journal rewritten, so it never lists
+    a block that is not on disk."""
     L, E, layout = plan.num_layers, plan.num_experts, plan.layout
     bb = layout.block_bytes
-    checksums = [0] * (L * E)
+    checksums = [done.get(i, 0) for i in range(L * E)]
+    written = dict(done)  # index -> crc of blocks on disk (journaled after the next fsync)
     scalars = torch.full((2, L, E, 3), float("nan"), dtype=torch.float32)  # weight_scale_2, input_scale
     pending: dict[tuple[int, int], list] = {}  # (layer, expert) -> [block bytearray, parts still missing]
-    per_block = len(layout.parts) + 2 * len(PROJ)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    journal = path.parent / PROGRESS
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if done else os.O_TRUNC), 0o644)
     writes: deque = deque()
 
     def write(idx: int, block: bytearray) -> None:
@@ -177,13 +216,27 @@ def _write_experts(plan: Plan, path: Path, progress: bool) -> tuple[list[int], t
             raise OSError(f"{path}: short write of block {idx} ({n} / {bb} bytes): disk full?")
         checksums[idx] = zlib.crc32(block)
 
+    def checkpoint() -> None:
+        os.fsync(fd)
+        tmp = journal.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": _progress_key(plan), "done": written}))
+        os.replace(tmp, journal)
+
+    def needed(name: str) -> bool:
+        l, e, sub = plan.experts[name]
+        return l * E + e not in done or sub.split(".")[1] in SCALARS
+
     try:
         os.ftruncate(fd, L * E * bb)
         bar = tqdm(total=L * E * bb, unit="B", unit_scale=True, desc="experts", disable=not progress)
+        bar.update(len(done) * bb)
+        since = 0
         with ThreadPoolExecutor(1) as writer, bar:
-            for info, data in iter_tensor_bytes(plan.snap.tensors[n] for n in plan.experts):
+            for info, data in iter_tensor_bytes(plan.snap.tensors[n] for n in plan.experts if needed(n)):
                 l, e, sub = plan.experts[info.name]
-                slot = pending.setdefault((l, e), [bytearray(bb), per_block])
+                resumed = l * E + e in done
+                parts = len(PROJ) * len(SCALARS) + (0 if resumed else len(layout.parts))
+                slot = pending.setdefault((l, e), [None if resumed else bytearray(bb), parts])
                 proj, kind = sub.split(".")
                 if kind in SCALARS:
                     scalars[SCALARS.index(kind), l, e, PROJ.index(proj)] = struct.unpack("<f", data)[0]
@@ -195,14 +248,28 @@ def _write_experts(plan: Plan, path: Path, progress: bool) -> tuple[list[int], t
                     continue
                 _check_scales(scalars[0, l, e], plan, l, e)
                 del pending[(l, e)]
-                writes.append(writer.submit(write, l * E + e, slot[0]))
+                if resumed:
+                    continue
+                idx = l * E + e
+                writes.append((idx, writer.submit(write, idx, slot[0])))
                 bar.update(bb)
-                while len(writes) > WRITES_IN_FLIGHT or (writes and writes[0].done()):
-                    writes.popleft().result()
+                while len(writes) > WRITES_IN_FLIGHT or (writes and writes[0][1].done()):
+                    i, fut = writes.popleft()
+                    fut.result()
+                    written[i], since = checksums[i], since + 1
+                if since >= PROGRESS_EVERY:
+                    checkpoint()
+                    since = 0
             while writes:
-                writes.popleft().result()
+                i, fut = writes.popleft()
+                fut.result()
+                written[i] = checksums[i]
         assert not pending, "every expert tensor was checked present"
         os.fsync(fd)
+    except BaseException:
+        if written:  # what reached the disk stays usable for the next run
+            checkpoint()
+        raise
     finally:
         os.close(fd)
     return checksums, scalars[0], scalars[1]
@@ -303,6 +370,7 @@ def setup_workdir(
     fp8_dense: bool = False,
     copy_ple: bool = False,
     progress: bool = True,
+    restart: bool = False,
 ) -> Path:
     """Turn a HF snapshot into a working directory (docs/workdir.md).
 
@@ -312,6 +380,8 @@ def setup_workdir(
         fp8_dense: store the big GDN matrices as FP8 row-scaled instead of BF16.
         copy_ple: copy the PLE table into the workdir instead of reading it from the snapshot in place.
         progress: show tqdm progress bars.
+        restart: ignore what an interrupted setup of the same snapshot left (by default its expert blocks
+            are kept and only the missing ones are read and written).
 
     Returns:
         The working directory's absolute path.
@@ -326,8 +396,15 @@ def setup_workdir(
     created = not workdir.exists()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / MANIFEST).unlink(missing_ok=True)  # from here on the directory is unfinished
+    done = {} if restart else _resumable(plan, workdir)
+    if done:
+        log.info(
+            "resuming an interrupted setup: %d of %d expert blocks already written (--restart redoes all)",
+            len(done),
+            plan.num_layers * plan.num_experts,
+        )
     try:
-        checksums, ws2, input_scale = _write_experts(plan, workdir / "experts.bin", progress)
+        checksums, ws2, input_scale = _write_experts(plan, workdir / "experts.bin", progress, done)
         save_file({"weight_scale_2": ws2, "input_scale": input_scale}, workdir / EXPERT_SCALES)
         fp8 = _write_resident(plan, workdir / "resident.safetensors", progress)
         if copy_ple and plan.ple:
@@ -356,8 +433,11 @@ def setup_workdir(
             "budget": budget(plan),
         }
         write_manifest(workdir, manifest)
-    except BaseException:
-        if created:  # a directory we made holds nothing worth keeping
+        (workdir / PROGRESS).unlink(missing_ok=True)
+    except BaseException as e:
+        if isinstance(e, (SetupError, SnapshotError)):  # a refused snapshot: nothing to resume from
+            (workdir / PROGRESS).unlink(missing_ok=True)
+        if created and not (workdir / PROGRESS).is_file():  # a directory we made, with nothing to resume
             shutil.rmtree(workdir, ignore_errors=True)
         raise
     return workdir
@@ -373,6 +453,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--copy-ple", action="store_true", help="copy the PLE table instead of reading it in place"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="redo everything instead of resuming an interrupted setup of the same snapshot",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -383,6 +468,7 @@ def main(args: argparse.Namespace) -> int:
             fp8_dense=args.fp8_dense,
             copy_ple=args.copy_ple,
             progress=not args.no_progress,
+            restart=args.restart,
         )
     except (SetupError, SnapshotError, OSError) as e:
         print(f"expertstream setup: error: {e}", flush=True)

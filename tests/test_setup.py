@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import shutil
 import zlib
 from pathlib import Path
@@ -337,3 +338,71 @@ def test_header_parser_agrees_with_safetensors(tiny_snapshot):
             assert got.dtype == t.dtype and torch.equal(
                 got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
             )
+
+
+def test_interrupted_setup_resumes_without_rereading_written_blocks(tiny_snapshot, tmp_path, monkeypatch):
+    import expertstream.repack as repack
+
+    monkeypatch.setattr(repack, "PROGRESS_EVERY", 4)
+    real_check, seen = repack._check_scales, []
+
+    def interrupt_after_20_blocks(ws2, plan, l, e):
+        seen.append((l, e))
+        if len(seen) > 20:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of the experts
+        real_check(ws2, plan, l, e)
+
+    monkeypatch.setattr(repack, "_check_scales", interrupt_after_20_blocks)
+    wd = tmp_path / "wd"
+    with pytest.raises(KeyboardInterrupt):
+        setup_workdir(tiny_snapshot, wd, progress=False)
+    journal = json.loads((wd / repack.PROGRESS).read_text())
+    done = len(journal["done"])
+    assert 0 < done <= 20 and not (wd / "manifest.json").exists()  # unfinished: no Workdir accepts it
+    with pytest.raises(WorkdirError):
+        Workdir(wd)
+    monkeypatch.setattr(repack, "_check_scales", real_check)
+
+    read, real_iter = [], repack.iter_tensor_bytes
+
+    def counting(infos):
+        for info, data in real_iter(infos):
+            read.append(info.name)
+            yield info, data
+
+    monkeypatch.setattr(repack, "iter_tensor_bytes", counting)
+    setup_workdir(tiny_snapshot, wd, progress=False)
+    plan = plan_setup(tiny_snapshot, False)
+    codes = [n for n in read if n in plan.experts and plan.experts[n][2].endswith(".weight")]
+    assert len(codes) == (plan.num_layers * plan.num_experts - done) * len(PROJ)  # only the missing blocks
+    assert not (wd / repack.PROGRESS).exists()
+    assert verify_workdir(wd, tiny_snapshot, check_all=True) == []  # resumed blocks and checksums intact
+
+    # --restart (and a journal of another snapshot's files) reads every block again
+    read.clear()
+    (wd / repack.PROGRESS).write_text(json.dumps(journal))
+    setup_workdir(tiny_snapshot, wd, progress=False, restart=True)
+    codes = [n for n in read if n in plan.experts and plan.experts[n][2].endswith(".weight")]
+    assert len(codes) == plan.num_layers * plan.num_experts * len(PROJ)
+    # a journal resumes only the same files: a re-downloaded (touched) shard starts over
+    (wd / repack.PROGRESS).write_text(json.dumps(journal))
+    assert repack._resumable(plan, wd)
+    shard = next(iter(sorted(tiny_snapshot.glob("model-0*.safetensors"))))
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    try:
+        assert repack._resumable(plan_setup(tiny_snapshot, False), wd) == {}
+    finally:
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_refused_snapshot_leaves_nothing_to_resume(tiny_snapshot, tmp_path):
+    import expertstream.repack as repack
+
+    snap = _copy(tiny_snapshot, tmp_path / "snap")
+    _edit_tensor(snap, E_NAME.format(l=3, e=9, sub="up_proj.weight_scale_2"), lambda t: t * 2)
+    wd = tmp_path / "wd"
+    wd.mkdir()  # made by the user: kept, but without a journal
+    with pytest.raises(SetupError):
+        setup_workdir(snap, wd, progress=False)
+    assert not (wd / repack.PROGRESS).exists()
