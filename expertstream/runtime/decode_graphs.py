@@ -16,13 +16,17 @@ forward.
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+from expertstream.log import get_logger
 from expertstream.models.qwen4_exp import DecoderLayer, Qwen4ExpModel, Rope, kv_bucket
 from expertstream.state import State
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -148,7 +152,7 @@ class DecodeGraphs:
 
     def _capture(self, graphs: _StateGraphs, st: State, step: _Step, kv_len: int) -> _Captured:
         """Build the state's graphs while running this step: each run is captured, then replayed at once."""
-        cap, env = _Captured(), {}
+        cap, env, t0 = _Captured(), {}, time.perf_counter()
         torch.cuda.synchronize(self.model.device)
         for graphable, fns in decode_program(self.model, st, kv_len):
             if graphable:
@@ -172,6 +176,13 @@ class DecodeGraphs:
                 env.update(out)
         cap.h = env["h"]
         self.captures += 1
+        graphs = sum(seg[0] == "graph" for seg in cap.segments)
+        log.info(
+            "decode graphs: %d captured for a %d-row KV window in %.0f ms (this token included)",
+            graphs,
+            kv_len,
+            (time.perf_counter() - t0) * 1e3,
+        )
         return cap
 
     @staticmethod
