@@ -52,6 +52,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--no-speculation", action="store_true", help="decode, prefill: run the engine without speculation"
     )
     p.add_argument(
+        "--speculation-width",
+        type=float,
+        default=1.0,
+        help="decode, prefill: next-layer guesses as a multiple of the experts per token",
+    )
+    p.add_argument(
         "--baseline",
         action="store_true",
         help="decode, prefill: also time transformers + accelerate offloading (bf16, disk offload) per layer",

@@ -149,6 +149,7 @@ def run(args) -> int:
         gpu_memory_gb=args.gpu_memory_gb,
         max_model_len=max(args.max_model_len, *prompts),
         no_speculation=args.no_speculation,
+        speculation_width=args.speculation_width,
     )
     disk, pcie = disk_rate(wd.experts_path, block, base.io_threads), pcie_rate()
     vram_blocks = int(real_model_cache_share(wd, args.gpu_memory_gb, base.max_model_len) * wd.num_layers)

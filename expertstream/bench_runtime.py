@@ -248,6 +248,7 @@ def run(args) -> int:
         gpu_memory_gb=args.gpu_memory_gb,
         max_model_len=args.max_model_len,
         no_speculation=args.no_speculation,
+        speculation_width=args.speculation_width,
     )
     disk = disk_rate(wd.experts_path, block, base.io_threads)
     pcie = pcie_rate()
@@ -280,7 +281,7 @@ def run(args) -> int:
         f"({share:.1f} per layer, the 48-layer plan's share; {share24:.1f} per layer at "
         f"{BIG_BUDGET_GB} GiB); "
         f"CUDA graphs on except in `vram eager`; speculation "
-        f"{'off' if args.no_speculation else 'on'}.\n\n"
+        f"{'off' if args.no_speculation else f'on, {args.speculation_width:g} x K guesses'}.\n\n"
     )
     table = head + table
     if args.baseline:

@@ -44,6 +44,13 @@ class EngineConfig:
             "help": "do not guess layer L+1's experts from layer L's input (no early copies and disk reads)"
         },
     )
+    speculation_width: float = field(
+        default=1.0,
+        metadata={
+            "help": "next-layer guesses as a multiple of the experts per token: wider finds more of the "
+            "next layer's experts early and wastes more copies and reads (bench routing measures both)"
+        },
+    )
     enforce_eager: bool = field(
         default=False,
         metadata={
@@ -75,6 +82,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
+        if self.speculation_width < 1:
+            raise ValueError(
+                f"speculation_width must be >= 1 (K guesses or more), got {self.speculation_width}"
+            )
         if self.cpu_affinity is not None:
             parse_cpu_list(self.cpu_affinity)
 

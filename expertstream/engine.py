@@ -111,10 +111,18 @@ class Engine:
             cache = self.plan.vram_cache_blocks if vram_cache_blocks is None else vram_cache_blocks
             n_slots = self.plan.slots // self.workdir.layout.block_bytes + cache
             self.bank = GpuExperts(
-                self.workdir, self.store, max(n_slots, 2 * k), self.device, control, speculate
+                self.workdir,
+                self.store,
+                max(n_slots, 2 * k),
+                self.device,
+                control,
+                speculate,
+                config.speculation_width,
             )
         else:
-            self.bank = StreamedExperts(self.workdir, self.store, self.dtype, control, speculate)
+            self.bank = StreamedExperts(
+                self.workdir, self.store, self.dtype, control, speculate, config.speculation_width
+            )
         base.use_triton(gpu)
         self.ple = None
         if self.args.ple_layer_ids:

@@ -216,3 +216,21 @@ def test_cpu_affinity_pins_the_loading_thread_not_the_readers(tiny_workdir):
     assert seen["engine"] == {first} and seen["readers"] and all(r == cpus for r in seen["readers"])
     with pytest.raises(ValueError, match="cpu_affinity"):
         EngineConfig(cpu_affinity="3-1")
+
+
+def test_wider_guesses_are_issued_and_change_no_logit(tiny_workdir, kernel_device):
+    outs, issued = [], []
+    for width in (1.0, 2.0):
+        cfg = EngineConfig(model=str(tiny_workdir), device=kernel_device, speculation_width=width)
+        eng = Engine(cfg)
+        st = eng.new_state()
+        rows = [eng.forward(st, [1, 5, 9, 3])]
+        for _ in range(3):
+            rows.append(eng.forward(st, [int(rows[-1].argmax())]))
+        outs.append(torch.stack(rows))
+        issued.append(eng.stats().spec_issued)
+        eng.close()
+    assert torch.equal(outs[0], outs[1])
+    assert issued[1] == 2 * issued[0] > 0  # top-2K guessed for every next layer
+    with pytest.raises(ValueError, match="speculation_width"):
+        EngineConfig(speculation_width=0.5)

@@ -81,7 +81,15 @@ class StreamedExperts:
             `set_router_weights` and a store with `prefetch`).
     """
 
-    def __init__(self, workdir, store, dtype: torch.dtype, control: str = "none", speculate: bool = True):
+    def __init__(
+        self,
+        workdir,
+        store,
+        dtype: torch.dtype,
+        control: str = "none",
+        speculate: bool = True,
+        speculation_width: float = 1.0,
+    ):
         if control not in CONTROLS:
             raise ValueError(f"expert control {control!r} is not one of {CONTROLS}")
         self.layout, self.store, self.dtype, self.control = workdir.layout, store, dtype, control
@@ -90,7 +98,8 @@ class StreamedExperts:
         self._bypass = "cache" in inspect.signature(store.request).parameters
         self._weight_parts = [self.layout.part(f"{p}.weight") for p in PROJ]
         self.stall_seconds = 0.0  # time spent waiting for blocks that had not landed yet
-        self.spec = Speculator(self.layout.block_bytes) if speculate and hasattr(store, "prefetch") else None
+        spec = speculate and hasattr(store, "prefetch")
+        self.spec = Speculator(self.layout.block_bytes, speculation_width) if spec else None
         self.host_syncs = 0  # `.tolist()` reads of the routing (device syncs when it runs on a GPU)
 
     def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:

@@ -70,9 +70,19 @@ class GpuExperts:
         device: a CUDA device (or CPU with TRITON_INTERPRET=1, for tests).
         control: "none", "swap-nibbles" or "no-experts" (must-break controls).
         speculate: guess the next layer's experts during decode once `set_router_weights` gave the routers.
+        speculation_width: guesses per layer as a multiple of K.
     """
 
-    def __init__(self, workdir, store, n_slots: int, device, control: str = "none", speculate: bool = True):
+    def __init__(
+        self,
+        workdir,
+        store,
+        n_slots: int,
+        device,
+        control: str = "none",
+        speculate: bool = True,
+        speculation_width: float = 1.0,
+    ):
         self.layout = workdir.layout
         self.store, self.control = store, control
         self.num_experts = workdir.num_experts
@@ -91,7 +101,7 @@ class GpuExperts:
         cuda = self.cache.device.type == "cuda"
         self._map_host = torch.zeros(self.num_experts, dtype=torch.int32, pin_memory=cuda)
         self._map_uploaded: torch.cuda.Event | None = None
-        self.spec = Speculator(self.layout.block_bytes) if speculate else None
+        self.spec = Speculator(self.layout.block_bytes, speculation_width) if speculate else None
         self.host_syncs = 0  # device -> host reads the bank waits on (decode: one per layer)
         # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
         # for the GPU to finish everything queued before: earlier layers, copies, the router)

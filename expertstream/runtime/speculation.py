@@ -29,8 +29,9 @@ class Speculator:
     """Holds the routers and the guess in flight; a bank calls guess() before its host sync, then issue()
     with what it started, and score() when the next layer's real experts are known."""
 
-    def __init__(self, block_bytes: int):
+    def __init__(self, block_bytes: int, width: float = 1.0):
         self.block_bytes = block_bytes
+        self.width = width  # guesses per layer as a multiple of K (wider: more found, more wasted copies)
         self.routers: dict[int, torch.Tensor] = {}
         self.stats = SpecStats()
         self._pending: tuple[int, set[int], set[int]] | None = None  # (layer, guessed, copied early)
@@ -40,12 +41,14 @@ class Speculator:
         self.routers = dict(routers)
 
     def guess(self, layer: int, x: torch.Tensor, k: int) -> torch.Tensor | None:
-        """int64 [k] device tensor: layer+1's top-k experts for x [1, H], or None without its router."""
+        """int64 [round(width * k)] device tensor: layer+1's top experts for x [1, H], best first, or None
+        without its router."""
         w = self.routers.get(layer + 1)
         if w is None:
             return None
+        n = min(w.shape[0], round(self.width * k))
         # top-k of the logits is top-k of the softmax (monotone): no softmax, no renormalisation needed
-        return torch.topk(torch.nn.functional.linear(x[0], w), k).indices
+        return torch.topk(torch.nn.functional.linear(x[0], w), n).indices
 
     def issue(self, layer: int, guessed: list[int], copied: list[int], prefetched: int) -> None:
         self.stats.issued += len(guessed)
