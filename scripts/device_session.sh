@@ -15,6 +15,7 @@ es synth /tmp/tiny --preset tiny >/dev/null 2>&1 && es setup /tmp/tiny /tmp/tiny
 timeout 60 python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda --long 2>&1 \
   | grep -v INFO | tail -9 | tee $OUT/check_tiny_cuda.txt
 timeout ${DECODE_S:-300} python3 -m expertstream bench decode --layers 4 --tokens ${TOKENS:-12} --profile /tmp/prof \
+  --speculation-width ${WIDTH:-1} \
   --out $OUT/benchmarks.md --json 2>&1 | grep -v "%|" | tail -4 > $OUT/bench_decode.txt
 tar -C /tmp -czf $OUT/prof.tgz prof
 tail -c 3000 $OUT/benchmarks.md
