@@ -37,7 +37,9 @@ def filter_logits(
         sorted_logits, order = torch.sort(logits, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the tokens before it already cover top_p; the most likely token always stays
+        # (explicitly: a top_p under float32's smallest subnormal, such as 5e-324, rounds to 0 here)
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -93,6 +93,9 @@ def test_filters_keep_the_documented_sets():
     assert kept(filter_logits(logits, 1.0, top_k=0, top_p=0.8, min_p=0.0)) == [0, 1]
     assert kept(filter_logits(logits, 1.0, top_k=0, top_p=0.81, min_p=0.0)) == [0, 1, 2]
     assert kept(filter_logits(logits, 1.0, top_k=0, top_p=0.01, min_p=0.0)) == [0]
+    # a top_p below float32's smallest subnormal rounds to 0 in the comparison: the best token still stays
+    # (schemathesis sent top_p = 5e-324 and the draw failed on an all -inf row)
+    assert kept(filter_logits(logits, 1.0, top_k=0, top_p=5e-324, min_p=0.0)) == [0]
     # min_p 0.2: threshold 0.1 keeps 0.5, 0.3, 0.15
     assert kept(filter_logits(logits, 1.0, top_k=0, top_p=1.0, min_p=0.2)) == [0, 1, 2]
     gen = make_generator(0)
