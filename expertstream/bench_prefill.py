@@ -14,14 +14,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from expertstream.bench_runtime import (
     REAL_LAYERS,
+    bench_model,
     disk_rate,
-    ensure_model,
     pcie_rate,
     real_model_cache_share,
     warm_caches,
@@ -135,22 +134,11 @@ def prefill_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, 
 
 def run(args) -> int:
     from expertstream.bench import emit
-    from expertstream.workdir import Workdir
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench prefill needs a CUDA GPU (it measures the GPU runtime); none is visible")
     prompts = args.prompts or list(PROMPTS)
-    work = ensure_model(Path(args.workdir), args.layers)
-    wd = Workdir(work)
+    wd, base = bench_model(args, "prefill", max(args.max_model_len, *prompts))
     block = wd.layout.block_bytes
     expert_bytes = wd.num_layers * wd.num_experts * block
-    base = EngineConfig(
-        model=str(work),
-        gpu_memory_gb=args.gpu_memory_gb,
-        max_model_len=max(args.max_model_len, *prompts),
-        no_speculation=args.no_speculation,
-        speculation_width=args.speculation_width,
-    )
     disk, pcie = disk_rate(wd.experts_path, block, base.io_threads), pcie_rate()
     vram_blocks = int(real_model_cache_share(wd, args.gpu_memory_gb, base.max_model_len) * wd.num_layers)
     all_in_ram = dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1)

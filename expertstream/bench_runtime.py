@@ -137,7 +137,7 @@ def profile_tokens(step, path: Path, tokens: int = 3) -> None:
 
 
 def decode_regime(
-    work: Path, cfg: EngineConfig, vram_cache_blocks: int | None, tokens: int, profile_to: Path | None = None
+    cfg: EngineConfig, vram_cache_blocks: int | None, tokens: int, profile_to: Path | None = None
 ) -> dict:
     from expertstream.engine import Engine
 
@@ -233,23 +233,29 @@ def real_model_cache_share(wd, budget_gb: float, max_model_len: int) -> float:
     return plan.vram_cache_blocks / REAL_LAYERS
 
 
-def run(args) -> int:
-    from expertstream.bench import emit
+def bench_model(args, what: str, max_model_len: int):
+    """The GPU benches' model and base engine config: (Workdir of the full-shape model, EngineConfig)."""
     from expertstream.workdir import Workdir
 
     if not torch.cuda.is_available():
-        raise SystemExit("bench decode needs a CUDA GPU (it measures the GPU runtime); none is visible")
+        raise SystemExit(f"bench {what} needs a CUDA GPU (it measures the GPU runtime); none is visible")
     work = ensure_model(Path(args.workdir), args.layers)
-    wd = Workdir(work)
-    block = wd.layout.block_bytes
-    expert_bytes = wd.num_layers * wd.num_experts * block
     base = EngineConfig(
         model=str(work),
         gpu_memory_gb=args.gpu_memory_gb,
-        max_model_len=args.max_model_len,
+        max_model_len=max_model_len,
         no_speculation=args.no_speculation,
         speculation_width=args.speculation_width,
     )
+    return Workdir(work), base
+
+
+def run(args) -> int:
+    from expertstream.bench import emit
+
+    wd, base = bench_model(args, "decode", args.max_model_len)
+    block = wd.layout.block_bytes
+    expert_bytes = wd.num_layers * wd.num_experts * block
     disk = disk_rate(wd.experts_path, block, base.io_threads)
     pcie = pcie_rate()
     share = real_model_cache_share(wd, args.gpu_memory_gb, args.max_model_len)
@@ -270,7 +276,7 @@ def run(args) -> int:
     results = {}
     for name, (cfg, blocks) in regimes.items():
         where = Path(args.profile) / name.replace(" ", "_").replace(",", "") if args.profile else None
-        results[name] = decode_regime(work, cfg, blocks, args.tokens, where)
+        results[name] = decode_regime(cfg, blocks, args.tokens, where)
         log.info("%s: %s", name, results[name])
     table = decode_table(results, disk, pcie, wd.num_layers)
     head = (
