@@ -119,9 +119,24 @@ def count_cuda_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def profile_tokens(step, path: Path, tokens: int = 3) -> None:
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: the time a device engine was busy (overlaps once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def profile_tokens(step, path: Path, tokens: int = 3) -> dict:
     """torch.profiler over `tokens` calls of step(): the op table by device time (`path`.txt) and a Chrome
-    trace (`path`.json, chrome://tracing or Perfetto) to see where a token's time goes."""
+    trace (`path`.json, chrome://tracing or Perfetto) to see where a token's time goes.
+
+    Returns ms per token that the GPU ran kernels and that copies ran (each the union over streams): the
+    hardware's share of a profiled token, against which the host's share shows."""
+    import json
+
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -134,6 +149,15 @@ def profile_tokens(step, path: Path, tokens: int = 3) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
     prof.export_chrome_trace(str(path.with_suffix(".json")))
+    events = json.loads(path.with_suffix(".json").read_text())["traceEvents"]
+    spans = {"kernel": [], "gpu_memcpy": []}
+    for e in events:
+        if e.get("cat") in spans and "dur" in e:
+            spans[e["cat"]].append((e["ts"], e["ts"] + e["dur"]))  # microseconds
+    return {
+        "kernel_ms_per_token": busy_ms(spans["kernel"]) / tokens / 1e3,
+        "copy_ms_per_token": busy_ms(spans["gpu_memcpy"]) / tokens / 1e3,
+    }
 
 
 def decode_regime(
@@ -163,8 +187,7 @@ def decode_regime(
     sync_ms = (s1.bank_sync_seconds - s0.bank_sync_seconds) / tokens * 1e3
     bank_ms = (s1.bank_decode_seconds - s0.bank_decode_seconds) / tokens * 1e3
     all_syncs = count_cuda_syncs(lambda: [eng.forward(state, [last]).argmax() for _ in range(2)]) / 2
-    if profile_to is not None:
-        profile_tokens(lambda: eng.forward(state, [last]), profile_to)
+    profiled = profile_tokens(lambda: eng.forward(state, [last]), profile_to) if profile_to else None
     out = {
         "tokens": generated,
         "ms_per_token": dt * 1e3,
@@ -183,6 +206,7 @@ def decode_regime(
         "syncs_per_token": (s1.host_syncs - s0.host_syncs) / tokens,
         "all_syncs_per_token": all_syncs,
         "peak_gib": torch.cuda.max_memory_allocated() / GiB,  # against --gpu-memory-gb (x utilization)
+        "profiled": profiled,
     }
     eng.close()
     return out
@@ -215,6 +239,16 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
             f"{r['spec_hit_rate']:.0%} | {r['spec_wasted_bytes_per_token'] / 1e6:.1f} | "
             f"{r['syncs_per_token']:.1f} | {r['all_syncs_per_token']:.1f} | {r['peak_gib']:.2f} | "
             f"{'yes' if r['tokens'] == first else 'NO'} | {bound:.2f} | {r['efficiency']:.2f} |"
+        )
+    profiled = [(name, r["profiled"]) for name, r in results.items() if r.get("profiled")]
+    if profiled:
+        rows.append(
+            "\nProfiled tokens (torch.profiler, 3 tokens; the profiler slows the host): GPU busy per token, "
+            "kernels / copies, each the union over streams: "
+            + "; ".join(
+                f"{n} {p['kernel_ms_per_token']:.2f} / {p['copy_ms_per_token']:.2f} ms" for n, p in profiled
+            )
+            + "."
         )
     return "\n".join(rows) + "\n"
 

@@ -9,7 +9,7 @@ import torch
 from expertstream import bench
 from expertstream.bench_baseline import baseline_table, max_memory
 from expertstream.bench_prefill import plan_prefill, prefill_table
-from expertstream.bench_runtime import decode_table, profile_tokens
+from expertstream.bench_runtime import busy_ms, decode_table, profile_tokens
 
 
 def parse(argv):
@@ -131,6 +131,12 @@ def test_baseline_runs_offloaded_on_cpu_and_disk(tiny_snapshot):
 
 def test_profile_writes_the_op_table_and_a_trace(tmp_path):
     a = torch.randn(64, 64)
-    profile_tokens(lambda: a @ a, tmp_path / "prof" / "vram")
+    busy = profile_tokens(lambda: a @ a, tmp_path / "prof" / "vram")
     assert "aten::mm" in (tmp_path / "prof" / "vram.txt").read_text()
     assert json.loads((tmp_path / "prof" / "vram.json").read_text())["traceEvents"]
+    assert busy["kernel_ms_per_token"] >= 0 and busy["copy_ms_per_token"] >= 0  # no GPU here: zero
+
+
+def test_busy_time_counts_overlaps_once():
+    assert busy_ms([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
+    assert busy_ms([]) == 0

@@ -46,6 +46,39 @@ def test_stage_program_equals_the_model_bit_for_bit(tiny_workdir):
     eng.close()
 
 
+def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device):
+    """With the GPU bank (want / prepare / compute stages; the Triton interpreter on a CPU) the program
+    still equals the model's forward, speculation included; only prepare stays eager."""
+    pytest.importorskip("triton")
+    from expertstream.runtime.gpu_experts import GpuExperts
+
+    eng = Engine(
+        EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
+    )
+    bank = GpuExperts(eng.workdir, eng.store, 64, eng.device)
+    bank.set_router_weights({i: layer.mlp.gate.weight for i, layer in enumerate(eng.model.layers)})
+    for layer in eng.model.layers:
+        layer.mlp.bank = bank
+    runs = decode_program(eng.model, eng.new_state(), kv_len=256)
+    eager = [fn for graphable, fns in runs if not graphable for fn in fns]
+    a = eng.args
+    assert len(eager) == 1 + a.num_hidden_layers + sum(t != "linear_attention" for t in a.layer_types) + len(
+        a.ple_layers
+    )
+    program = DecodeGraphs(eng.model, capture=False)
+    prompt = [3 + i % 50 for i in range(20)]
+    want, _ = continue_greedy(eng, prompt, 4)
+    syncs = bank.host_syncs
+    got, _ = continue_greedy(
+        eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
+    )
+    assert torch.equal(got, want)
+    assert bank.host_syncs - syncs == syncs  # one per layer and token in both
+    assert bank.spec.stats.issued > 0
+    bank.close()
+    eng.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):

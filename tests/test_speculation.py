@@ -120,9 +120,11 @@ def test_guesses_not_in_ram_go_to_the_prefetch_reader(tiny_workdir, kernel_devic
         deadline = time.monotonic() + 10
         while s.stats.prefetches + s.stats.prefetch_dropped < len(ids[0]) and time.monotonic() < deadline:
             time.sleep(0.01)
-        bank(1, *steps[1])  # routes exactly to the guess: served by the prefetched blocks
-        st = s.stats
-        assert st.prefetches == st.prefetch_hits == len(ids[0]) and st.prefetch_dropped == 0
+        assert s.stats.prefetches == len(ids[0])
+        # routes exactly to the guess: served by the prefetched blocks (its own guesses for layer 2 may be
+        # read meanwhile: they are queued before its kernel runs)
+        bank(1, *steps[1])
+        assert s.stats.prefetch_hits == len(ids[0]) and s.stats.prefetch_dropped == 0
         bank.close()
 
 

@@ -434,12 +434,19 @@ class PLELayer(nn.Module):
         self.conv_wt = nn.Buffer(self.conv_w[:, 0].T.float().contiguous())  # [K, N*H] for one token
         self.dilation = a.ngram_size
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, st: State) -> torch.Tensor:
-        # ids [T] on the host: rows are hashed and read there, only the embedding goes to the device
+    def embed(self, ids: torch.Tensor, st: State, like: torch.Tensor) -> torch.Tensor:
+        """ids [T] on the host -> [T, ple_embed_dim] on like's device and dtype: rows are hashed and read on
+        the host, only the embedding goes to the device (the decode graphs keep this stage eager)."""
         rows = ngram_row_ids(
             st.ple_ctx, ids, self.eos, self.mult, self.vocab, self.offsets, self.heads_per_ngram
         )
-        e = self.table.lookup(rows).to(x.device, x.dtype, non_blocking=True)  # [T, ple_embed_dim]
+        return self.table.lookup(rows).to(like.device, like.dtype, non_blocking=True)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, st: State) -> torch.Tensor:
+        return self.mix(x, self.embed(ids, st, x), st)
+
+    def mix(self, x: torch.Tensor, e: torch.Tensor, st: State) -> torch.Tensor:
+        """x [T, N*H] streams, e [T, ple_embed_dim] -> the PLE term added to x; advances the conv history."""
         key, value = self.proj(e)
         key = self.norm_key(key).unflatten(-1, (self.n, self.h))
         query = self.norm_query(x).unflatten(-1, (self.n, self.h))

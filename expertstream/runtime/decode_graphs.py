@@ -1,12 +1,14 @@
 """One decode token as CUDA graphs: the static-shape stretches between the points that must stay eager.
 
 Eager points of a one-token step: the embedding row (gathered on the host, with the position and its RoPE
-rows made on the device), the PLE lookup (hashed and read on the host), each QSA layer's block selection
-(transformers' top-k runs over exactly the visible blocks, a length that follows the position) and the
-expert bank (reads the routing ids back to fetch experts). Everything between two of them keeps its shapes
-and addresses from token to token, so it is captured once and replayed: whole GDN layers, QSA projections,
-KV writes and attention over a fixed window of `kv_bucket` rows under the selection's mask,
-hyper-connections, routers, shared experts, the final mixer. A state's buffers are baked into its graphs,
+rows made on the device), the PLE row lookup (hashed and read on the host; the PLE maths is captured), each
+QSA layer's block selection (transformers' top-k runs over exactly the visible blocks, a length that
+follows the position) and the expert bank's host work (it reads the routing ids back to fetch experts; a
+bank with `decode_prepare` keeps only that eager, its kernels read the slots through fixed addresses and
+are captured). Everything between two of them keeps its shapes and addresses from token to token, so it is
+captured once and replayed: whole GDN layers, QSA projections, KV writes and attention over a fixed window
+of `kv_bucket` rows under the selection's mask, hyper-connections, routers and the next layer's guess,
+routed and shared experts, the PLE mixing, the final mixer. A state's buffers are baked into its graphs,
 so graphs are kept per `State` and KV bucket in one memory pool per state (dropped with the state: a
 pool shared across states dies with the last graph using it, and torch asserts when a capture names a
 dead pool); they are captured while the first graphed step of that state and bucket runs, so no token is
@@ -46,8 +48,9 @@ def _layer_ops(
 ) -> list[tuple[bool, object]]:
     """(graphable, fn(env, step) -> {name: tensor}) for one layer; graphable fns never read `step`."""
     ops = []
-    if layer.ple is not None:
-        ops.append((False, lambda e, s: {"x": e["x"] + layer.ple(e["x"], s.ids, s.st)}))
+    if layer.ple is not None:  # the row lookup is host work; mixing it into the streams is static
+        ops.append((False, lambda e, s: {"ple": layer.ple.embed(s.ids, s.st, e["x"])}))
+        ops.append((True, lambda e, s: {"x": e["x"] + layer.ple.mix(e["x"], e["ple"], st)}))
     ops.append((True, lambda e, s: dict(zip(("u", "c"), layer.attn_hc(e["x"])))))
     if layer.linear_attn is not None:  # recurrent state in place: static
         ops.append((True, lambda e, s: {"y": layer.linear_attn(e["u"], st)}))
@@ -59,7 +62,13 @@ def _layer_ops(
         ops.append((True, lambda e, s: {"y": att.decode_out(e["q"], e["gate"], e["mask"], st, kv_len)}))
     names = ("x", "u", "c", "top_i", "top_w", "shared_gate", "shared")
     ops.append((True, lambda e, s: dict(zip(names, layer.moe_in(e["x"], e["y"], e["c"])))))
-    ops.append((False, lambda e, s: {"routed": layer.mlp.bank(i, e["u"], e["top_i"], e["top_w"])}))
+    bank = layer.mlp.bank
+    if hasattr(bank, "decode_prepare"):  # a bank with slots: only its host work (fetch, map) stays eager
+        ops.append((True, lambda e, s: {"want": bank.decode_want(i, e["u"], e["top_i"])}))
+        ops.append((False, lambda e, s: bank.decode_prepare(i, e["want"], e["top_i"].shape[1]) or {}))
+        ops.append((True, lambda e, s: {"routed": bank.decode_compute(i, e["u"], e["top_i"], e["top_w"])}))
+    else:
+        ops.append((False, lambda e, s: {"routed": bank(i, e["u"], e["top_i"], e["top_w"])}))
     ops.append(
         (True, lambda e, s: {"x": layer.moe_out(e["x"], e["c"], e["routed"], e["shared_gate"], e["shared"])})
     )

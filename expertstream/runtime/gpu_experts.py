@@ -107,6 +107,7 @@ class GpuExperts:
         # for the GPU to finish everything queued before: earlier layers, copies, the router)
         self.decode_seconds = self.sync_seconds = 0.0
         self.prefill_passes = 0  # expert groups run by prefill (one fetch + one grouped launch each)
+        self._launch_pending = False  # a prepared decode whose kernel has not been marked used yet
 
     def _wrap(self, handles):
         if self.control == "swap-nibbles":
@@ -130,10 +131,8 @@ class GpuExperts:
         # x [T, H], expert_ids [T, K], weights [T, K] fp32
         self._cache_reads = x.shape[0] == 1
         if x.shape[0] == 1:
-            t0 = time.perf_counter()
-            y = self._decode(layer, x, expert_ids, weights)
-            self.decode_seconds += time.perf_counter() - t0
-            return y
+            return self._decode(layer, x, expert_ids, weights)
+        self._mark_launched()
         experts = torch.unique(expert_ids).tolist()
         self.host_syncs += 1
         if self.spec is not None:
@@ -152,18 +151,47 @@ class GpuExperts:
             self._map_uploaded.record(torch.cuda.current_stream(self.cache.device))
 
     def _decode(self, layer, x, expert_ids, weights) -> torch.Tensor:
-        k = expert_ids.shape[1]
-        guess = self.spec.guess(layer, x, k) if self.spec is not None else None
-        ids = expert_ids[0] if guess is None else torch.cat((expert_ids[0], guess))
+        self.decode_prepare(layer, self.decode_want(layer, x, expert_ids), expert_ids.shape[1])
         t0 = time.perf_counter()
-        ids = ids.tolist()  # the layer's one host sync: its experts and the next layer's guess together
-        self.sync_seconds += time.perf_counter() - t0
+        y = self.decode_compute(layer, x, expert_ids, weights)
+        self._mark_launched()
+        self.decode_seconds += time.perf_counter() - t0  # eager launches count as bank host time too
+        return y
+
+    # One-token decode in three stages, so the CUDA-graph decode (runtime/decode_graphs.py) captures the
+    # device work and only the host work stays eager: want (graphable) -> prepare (eager, the layer's one
+    # host sync) -> compute (graphable: reads the slots and the expert->slot map through fixed addresses).
+
+    def decode_want(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [K + G] device tensor: the routed experts of x [1, H], then the next layer's G guesses."""
+        guess = self.spec.guess(layer, x, expert_ids.shape[1]) if self.spec is not None else None
+        return expert_ids[0] if guess is None else torch.cat((expert_ids[0], guess))
+
+    def decode_prepare(self, layer: int, want: torch.Tensor, k: int) -> None:
+        """Read `want` back (the host sync), make the K experts resident and mapped, start the guesses."""
+        if self.control == "no-experts":
+            return
+        t0 = time.perf_counter()
+        self._mark_launched()  # the previous layer's kernel is queued by now: copies into its slots wait
+        ids = want.tolist()
+        t1 = time.perf_counter()
+        self.sync_seconds += t1 - t0
         self.host_syncs += 1
         experts = sorted(set(ids[:k]))  # top-k ids are distinct; a set keeps the fetch contract anyway
         if self.spec is not None:
             self.spec.score(layer, experts)
         self._map(experts, self.cache.fetch(layer, experts))
-        y = nvfp4_moe.nvfp4_moe_decode(
+        # the guesses' copies start now, on their own stream: they overlap this layer's kernel
+        if len(ids) > k:
+            self._speculate(layer + 1, ids[k:])
+        self._launch_pending = True
+        self.decode_seconds += time.perf_counter() - t0
+
+    def decode_compute(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
+        """The routed sum of x [1, H] from the slots `decode_prepare` filled (no host work but launches)."""
+        if self.control == "no-experts":
+            return torch.zeros_like(x)
+        return nvfp4_moe.nvfp4_moe_decode(
             x,
             self.cache.slots,
             self.expert_to_slot[expert_ids[0]],
@@ -171,10 +199,12 @@ class GpuExperts:
             weights[0].float(),
             self.layout,
         )
-        self.cache.mark_used()
-        if guess is not None:
-            self._speculate(layer + 1, ids[k:])
-        return y
+
+    def _mark_launched(self) -> None:
+        # the kernel reading the last fetch's slots has been queued since its prepare: record that point
+        if self._launch_pending:
+            self._launch_pending = False
+            self.cache.mark_used()
 
     def _speculate(self, layer: int, guessed: list[int]) -> None:
         # runs after this layer's launch and after its demand reads landed (fetch waited for them), so the
@@ -238,4 +268,5 @@ class GpuExperts:
         return out.to(x.dtype)
 
     def close(self) -> None:
+        self._mark_launched()
         self.cache.close()

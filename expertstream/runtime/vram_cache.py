@@ -8,6 +8,7 @@ prefetch() copies guessed next-layer blocks into spare slots without making the 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ class VramExpertCache:
         # (one FIFO stream made every layer wait for the last layer's early copies, right or wrong)
         self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         self.spec_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.in_flight: list[tuple[torch.cuda.Event, object]] = []
+        self.in_flight: list[tuple[torch.cuda.Event, list]] = []  # a batch's last copy, its handles
         self.slot_events: dict[int, torch.cuda.Event] = {}
         self.early_copies: dict[int, torch.cuda.Event] = {}  # slot -> its prefetch copy, not yet awaited
 
@@ -128,39 +129,58 @@ class VramExpertCache:
     def _copy_in(self, missing: list[tuple[int, tuple[int, int]]], out: list[int]) -> None:
         self._reap()
         handles = self.fetch_host([key for _, key in missing])
-        for (i, key), h in zip(missing, handles):
-            self._copy_block(out[i], key, h)
+        self._copy_blocks([(out[i], key, h) for (i, key), h in zip(missing, handles)])
+        for i, key in missing:
             self.lru[key] = out[i]
             self.policy.access(key)
         if self.copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
-    def _copy_block(self, slot: int, key: tuple[int, int], h, speculative: bool = False):
-        """Queue one host block's copy into `slot` (on the speculative stream for guesses); returns the
-        copy's event (None on a CPU device)."""
-        t0 = time.perf_counter()
-        block = h.wait()  # blocks on the RAM/disk tiers; each block goes up the moment it arrives
-        self.stats.wait_seconds += time.perf_counter() - t0
-        stream, ev = (self.spec_stream if speculative else self.copy_stream), None
-        earlier = self.early_copies.pop(slot, None)  # an unused guess still landing in this slot
-        if earlier is not None and not speculative:
-            stream.wait_event(earlier)  # the other stream's write must finish before this one
-        if stream is None:
-            self.slots[slot].copy_(block)
-            h.release()
-        else:
-            last_use = self.slot_events.pop(slot, None)
-            if last_use is not None:  # never overwrite a slot a queued kernel still reads
-                stream.wait_event(last_use)
-            with torch.cuda.stream(stream):
+    def _copy_blocks(self, blocks: list[tuple[int, tuple[int, int], object]], speculative: bool = False):
+        """Queue the copies of host blocks [(slot, key, handle)] (on the speculative stream for guesses) and
+        set their slots' global scales. Returns one event per block for guesses (a demand hit on one waits
+        for that block only), else None: demand copies are awaited as a whole."""
+        events = []
+        stream = self.spec_stream if speculative else self.copy_stream
+        waited: set[int] = set()  # slot_events share one event per kernel launch: wait for each once
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for slot, _, h in blocks:
+                t0 = time.perf_counter()
+                block = h.wait()  # blocks on the RAM/disk tiers; each block goes up the moment it arrives
+                self.stats.wait_seconds += time.perf_counter() - t0
+                self.stats.copies += 1
+                self.stats.bytes_copied += self.block_bytes
+                if stream is None:
+                    self.slots[slot].copy_(block)
+                    h.release()
+                    continue
+                earlier = self.early_copies.pop(slot, None)  # an unused guess still landing in this slot
+                if earlier is not None and not speculative:
+                    stream.wait_event(earlier)  # the other stream's write must finish before this one
+                last_use = self.slot_events.pop(slot, None)
+                if last_use is not None and id(last_use) not in waited:  # never overwrite what a kernel reads
+                    stream.wait_event(last_use)
+                    waited.add(id(last_use))
                 self.slots[slot].copy_(block, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            self.in_flight.append((ev, h))  # the host buffer is released once its copy has run
-        self.ws2[slot] = self.scales[key[0], key[1]]
-        self.stats.copies += 1
-        self.stats.bytes_copied += self.block_bytes
-        return ev
+                if speculative:
+                    events.append(torch.cuda.Event())
+                    events[-1].record(stream)
+            if stream is not None and blocks:
+                done = events[-1] if events else torch.cuda.Event()
+                if not events:
+                    done.record(stream)
+                self.in_flight.append((done, [h for _, _, h in blocks]))  # host buffers go back once it ran
+        self._set_scales([slot for slot, _, _ in blocks], [key for _, key, _ in blocks])
+        return events if speculative else None
+
+    def _set_scales(self, slots: list[int], keys: list[tuple[int, int]]) -> None:
+        # one upload of the slot and (layer, expert) indices, one gather and scatter on the compute stream
+        if not slots:
+            return
+        n_experts = self.scales.shape[1]
+        idx = torch.tensor(slots + [layer * n_experts + e for layer, e in keys], dtype=torch.int64)
+        idx = idx.to(self.device, non_blocking=True)
+        self.ws2.index_copy_(0, idx[: len(slots)], self.scales.view(-1, 3).index_select(0, idx[len(slots) :]))
 
     def prefetch(self, blocks: list[tuple[tuple[int, int], object]]) -> list[tuple[int, int]]:
         """Copy guessed blocks already in host RAM ((key, handle) pairs) into spare slots ahead of demand.
@@ -172,18 +192,19 @@ class VramExpertCache:
         """
         self._reap()
         skip = {key[0] for key, _ in blocks} | {self.last_layer}
-        copied = []
+        chosen, copied = [], []
         for key, h in blocks:
             slot = None if key in self.lru else self._spare_slot(skip)
             if slot is None:
                 h.release()
                 continue
-            ev = self._copy_block(slot, key, h, speculative=True)
-            if ev is not None:
-                self.early_copies[slot] = ev
+            chosen.append((slot, key, h))
             self.lru[key] = slot
             self.policy.add_cold(key)
             copied.append(key)
+        events = self._copy_blocks(chosen, speculative=True)
+        for (slot, _, _), ev in zip(chosen, events or ()):
+            self.early_copies[slot] = ev
         return copied
 
     def _spare_slot(self, skip_layers: set[int | None]) -> int | None:
@@ -206,17 +227,19 @@ class VramExpertCache:
 
     def _reap(self) -> None:
         pending = []
-        for ev, h in self.in_flight:
+        for ev, handles in self.in_flight:
             if ev.query():
-                h.release()
+                for h in handles:
+                    h.release()
             else:
-                pending.append((ev, h))
+                pending.append((ev, handles))
         self.in_flight = pending
 
     def close(self) -> None:
         """Finish in-flight copies, hand host buffers back and free the slots (the budget's largest part)."""
-        for ev, h in self.in_flight:
+        for ev, handles in self.in_flight:
             ev.synchronize()
-            h.release()
+            for h in handles:
+                h.release()
         self.in_flight = []
         self.slots = self.slots.new_empty(0, self.block_bytes)  # a use after close fails on indexing
