@@ -164,11 +164,15 @@ FP8_GEMV_SWEEP = [
         (16, 512, 4, 1),
     ]
 ]  # fmt: skip
+# (gate+up rows, groups, warps; down rows, groups, warps; pipelining stages); block_g < 32 warps everywhere
+# (x vectors loaded in the tile's layout). gate+up: 6400 rows of 160 groups; down: 2560 rows of 400.
 DECODE_SWEEP = [
-    dict(block_n_gu=ngu, block_g_gu=ggu, block_n_down=nd, block_g_down=gd, num_warps=nw)
-    for ngu, ggu, nd, gd, nw in [
-        (4, 32, 4, 8, 2), (8, 32, 8, 8, 4), (16, 16, 16, 8, 4), (8, 16, 16, 8, 4), (4, 32, 16, 8, 4),
-        (16, 32, 32, 8, 8), (2, 64, 8, 8, 2), (8, 64, 8, 8, 4), (32, 8, 32, 8, 8),
+    dict(block_n_gu=ngu, block_g_gu=ggu, num_warps_gu=wgu, block_n_down=nd, block_g_down=gd,
+         num_warps_down=wd, num_stages=st)
+    for ngu, ggu, wgu, nd, gd, wd, st in [
+        (8, 32, 2, 8, 128, 8, 2), (8, 32, 2, 8, 128, 8, 1), (8, 32, 2, 8, 128, 8, 3),
+        (16, 32, 4, 4, 64, 4, 2), (8, 64, 4, 8, 64, 4, 2), (4, 16, 1, 4, 64, 4, 2), (16, 32, 4, 16, 64, 8, 2),
+        (8, 32, 2, 4, 64, 4, 3), (8, 32, 2, 16, 128, 8, 2), (8, 16, 2, 8, 128, 8, 3),
     ]
 ]  # fmt: skip
 PREFILL_SWEEP = [
@@ -180,10 +184,15 @@ PREFILL_SWEEP = [
 ]  # fmt: skip
 
 
-def sweep_configs(path: str) -> dict:
-    """Time each candidate config on the real shapes and write the best per shape as tuned_configs.json
-    data ({device name: {kernel: {key: cfg}}}); prints one line per candidate."""
+SWEPT = ("fp8_gemv", "nvfp4_decode", "nvfp4_prefill")
+
+
+def sweep_configs(path: str, kernels: tuple[str, ...] = SWEPT) -> dict:
+    """Time each candidate config of `kernels` on the real shapes and merge the best per shape into the
+    tuned_configs.json data at `path` ({device name: {kernel: {key: cfg}}}; other entries are kept);
+    prints one line per candidate."""
     import json
+    import os
 
     import torch
     import triton.testing
@@ -199,40 +208,41 @@ def sweep_configs(path: str) -> dict:
             print("   skipped:", str(e).splitlines()[0][:120], flush=True)
             return float("inf")
 
-    best: dict = {"fp8_gemv": {}, "nvfp4_decode": {}, "nvfp4_prefill": {}}
-    for n, k in FP8_SHAPES:
-        q = torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, device="cuda")
-        scale = torch.rand(n, device="cuda")
-        for m in (1,):  # M = 2..4 reuse the M = 1 choice (key without M)
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            res = []
-            for cfg in FP8_GEMV_SWEEP:
-                us = 1e3 * bench(lambda: fp8_rows_matmul(x, q, scale, config=cfg))  # noqa: B023
-                print(f"fp8 M={m} {n}x{k} {cfg} {us:.1f} us", flush=True)
-                res.append((us, cfg))
-            best["fp8_gemv"][f"{n}x{k}"] = min(res, key=lambda r: r[0])[1]
-
-    layout, slots, ws2 = random_bank(EXPERTS)
-    ids, w = route(1)
-    sid, x = ids[0].to(torch.int32), torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
-    res = []
-    for cfg in DECODE_SWEEP:
-        us = 1e3 * bench(lambda: nvfp4_moe_decode(x, slots, sid, ws2, w[0], layout, config=cfg))  # noqa: B023
-        print(f"decode k={TOPK} {cfg} {us:.1f} us", flush=True)
-        res.append((us, cfg))
-    best["nvfp4_decode"][f"{HIDDEN}x{INTER}"] = min(res, key=lambda r: r[0])[1]
-    e2s = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
-    for t in (512, 2451, 8192):
-        ids, w = route(t, seed=t)
-        x = torch.randn(t, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    def pick(kernel: str, key: str, label: str, candidates: list[dict], run) -> None:
         res = []
-        for cfg in PREFILL_SWEEP:
-            us = 1e3 * bench(lambda: nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg))  # noqa: B023
-            print(f"prefill T={t} {cfg} {us:.1f} us", flush=True)
+        for cfg in candidates:
+            us = 1e3 * bench(lambda: run(cfg))  # noqa: B023
+            print(f"{label} {cfg} {us:.1f} us", flush=True)
             res.append((us, cfg))
-        key = f"{HIDDEN}x{INTER}x{prefill_bucket(t * TOPK, EXPERTS)}"
-        best["nvfp4_prefill"][key] = min(res, key=lambda r: r[0])[1]
-    data = {torch.cuda.get_device_name(): best}
+        us, cfg = min(res, key=lambda r: r[0])
+        if us < float("inf"):
+            best.setdefault(kernel, {})[key] = cfg
+
+    data = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    best = data.setdefault(torch.cuda.get_device_name(), {})
+    if "fp8_gemv" in kernels:
+        for n, k in FP8_SHAPES:  # M = 2..4 reuse the M = 1 choice (key without M)
+            q = torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, device="cuda")
+            scale = torch.rand(n, device="cuda")
+            x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+            pick("fp8_gemv", f"{n}x{k}", f"fp8 M=1 {n}x{k}", FP8_GEMV_SWEEP,
+                 lambda cfg: fp8_rows_matmul(x, q, scale, config=cfg))  # noqa: B023  # fmt: skip
+    layout, slots, ws2 = random_bank(EXPERTS)
+    if "nvfp4_decode" in kernels:
+        ids, w = route(1)
+        sid, x = ids[0].to(torch.int32), torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
+        pick("nvfp4_decode", f"{HIDDEN}x{INTER}", f"decode k={TOPK}", DECODE_SWEEP,
+             lambda cfg: nvfp4_moe_decode(x, slots, sid, ws2, w[0], layout, config=cfg))  # fmt: skip
+    if "nvfp4_prefill" in kernels:
+        e2s = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
+        for t in (512, 2451, 8192):
+            ids, w = route(t, seed=t)
+            x = torch.randn(t, HIDDEN, dtype=torch.bfloat16, device="cuda")
+            pick("nvfp4_prefill", f"{HIDDEN}x{INTER}x{prefill_bucket(t * TOPK, EXPERTS)}", f"prefill T={t}",
+                 PREFILL_SWEEP, lambda cfg: nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg))  # noqa: B023  # fmt: skip
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     print(json.dumps(data))

@@ -119,6 +119,9 @@ class Engine:
                 speculate,
                 config.speculation_width,
             )
+            t1 = time.perf_counter()
+            self.bank.warm_up(self.dtype)  # a first prompt must not wait for Triton compiles
+            log.info("expert kernels ready in %.1f s", time.perf_counter() - t1)
         else:
             self.bank = StreamedExperts(
                 self.workdir, self.store, self.dtype, control, speculate, config.speculation_width

@@ -97,10 +97,12 @@ class GpuExperts:
             fetch_host, self.layout.block_bytes, n_slots, workdir.expert_scales()[0], device
         )
         self.expert_to_slot = torch.zeros(self.num_experts, dtype=torch.int32, device=self.cache.device)
-        # its host mirror, pinned so the [E] map goes up without blocking; the event guards the buffer's reuse
+        # two pinned host mirrors used in turn, so the [E] map goes up without blocking; each one's event
+        # guards its reuse (an upload queued two maps ago: long done, in decode and prefill passes alike)
         cuda = self.cache.device.type == "cuda"
-        self._map_host = torch.zeros(self.num_experts, dtype=torch.int32, pin_memory=cuda)
-        self._map_uploaded: torch.cuda.Event | None = None
+        self._map_host = [torch.zeros(self.num_experts, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._map_uploaded: list[torch.cuda.Event | None] = [None, None]
+        self._maps = 0
         self.spec = Speculator(self.layout.block_bytes, speculation_width) if speculate else None
         self.host_syncs = 0  # device -> host reads the bank waits on (decode: one per layer)
         # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
@@ -108,6 +110,20 @@ class GpuExperts:
         self.decode_seconds = self.sync_seconds = 0.0
         self.prefill_passes = 0  # expert groups run by prefill (one fetch + one grouped launch each)
         self._launch_pending = False  # a prepared decode whose kernel has not been marked used yet
+
+    def warm_up(self, dtype: torch.dtype) -> None:
+        """Compile the kernels before the first request: one decode, and one prefill in each tile-size bucket
+        (1 + 8, 40 and 100 pairs on one slot). Slot contents do not matter; nothing is cached."""
+        dev, h = self.cache.device, self.layout.hidden_size
+        e2s = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
+        slot0 = torch.zeros(1, dtype=torch.int32, device=dev)
+        one = torch.ones(1, dtype=torch.float32, device=dev)
+        nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, dtype=dtype, device=dev), self.cache.slots, slot0,
+                                   self.cache.ws2, one, self.layout)  # fmt: skip
+        for t in (8, 40, 100):
+            ids = torch.zeros(t, 1, dtype=torch.int64, device=dev)
+            nvfp4_moe.nvfp4_moe_prefill(torch.zeros(t, h, dtype=dtype, device=dev), self.cache.slots, ids, e2s,
+                                        self.cache.ws2, one.expand(t, 1).contiguous(), self.layout)  # fmt: skip
 
     def _wrap(self, handles):
         if self.control == "swap-nibbles":
@@ -139,16 +155,22 @@ class GpuExperts:
             self.spec.score(layer, experts)
         return self._prefill(layer, x, expert_ids, weights, experts)
 
-    def _map(self, experts: list[int], slots: list[int]) -> None:
+    def _map(self, experts: list[int], slots: list[int], others: int | None = None) -> None:
         """Point `expert_to_slot` at `slots` with one non-blocking upload of the whole map (2 KB for 512
-        experts). Entries of other experts go stale; kernels only look up the experts just fetched."""
-        if self._map_uploaded is not None:
-            self._map_uploaded.synchronize()  # the last upload has read the buffer (long since, in practice)
-        self._map_host[experts] = torch.tensor(slots, dtype=torch.int32)
-        self.expert_to_slot.copy_(self._map_host, non_blocking=True)
-        if self._map_host.is_pinned():
-            self._map_uploaded = torch.cuda.Event()
-            self._map_uploaded.record(torch.cuda.current_stream(self.cache.device))
+        experts). Other experts' entries go stale (kernels look up only the experts just fetched), or are
+        set to `others` (-1: a prefill pass skips their pairs)."""
+        i = self._maps % 2
+        self._maps += 1
+        host, uploaded = self._map_host[i], self._map_uploaded[i]
+        if uploaded is not None:
+            uploaded.synchronize()  # that upload has read the buffer
+        if others is not None:
+            host.fill_(others)
+        host[experts] = torch.tensor(slots, dtype=torch.int32)
+        self.expert_to_slot.copy_(host, non_blocking=True)
+        if host.is_pinned():
+            self._map_uploaded[i] = torch.cuda.Event()
+            self._map_uploaded[i].record(torch.cuda.current_stream(self.cache.device))
 
     def _decode(self, layer, x, expert_ids, weights) -> torch.Tensor:
         self.decode_prepare(layer, self.decode_want(layer, x, expert_ids), expert_ids.shape[1])
@@ -239,33 +261,26 @@ class GpuExperts:
             )
             self.cache.mark_used()
             return y
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        # one row per (token, k) pair, filled group by group: the kernel skips pairs whose expert is not in
+        # the group (mapped to -1), so no pass reads the routing back or gathers its tokens
+        y = torch.empty(expert_ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
         # reads run one group ahead: group g+1's disk reads proceed while group g is copied and computed
         pending = [self._read_ahead(layer, groups[0])]
         try:
             for g, members in enumerate(groups):
                 pending.append(self._read_ahead(layer, groups[g + 1]) if g + 1 < len(groups) else [])
-                chunk = torch.tensor(members, device=x.device)
-                self._map(members, self.cache.fetch(layer, members))
+                self._map(members, self.cache.fetch(layer, members), others=-1)
                 for h in pending.pop(0):
                     h.release()
-                tok, kk = torch.isin(expert_ids, chunk).nonzero(as_tuple=True)  # pairs routed into this group
-                self.host_syncs += 1  # nonzero's output size
-                y = nvfp4_moe.nvfp4_moe_prefill(
-                    x[tok],
-                    self.cache.slots,
-                    expert_ids[tok, kk][:, None],
-                    self.expert_to_slot,
-                    self.cache.ws2,
-                    weights[tok, kk][:, None].float(),
-                    self.layout,
-                )
+                nvfp4_moe.nvfp4_moe_prefill_pairs(
+                    x, self.cache.slots, expert_ids, self.expert_to_slot, self.cache.ws2, weights.float(),
+                    self.layout, y, distinct=len(experts),
+                )  # fmt: skip
                 self.cache.mark_used()
-                out.index_add_(0, tok, y.float())
         finally:
             for h in (h for hs in pending for h in hs):
                 h.release()
-        return out.to(x.dtype)
+        return y.view(*expert_ids.shape, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
     def close(self) -> None:
         self._mark_launched()
