@@ -272,7 +272,9 @@ def sort_pairs(slot_of_pair: torch.Tensor, num_slots: int, block_m: int) -> tupl
     p = slot_of_pair.numel()
     dev = slot_of_pair.device
     skipped = slot_of_pair < 0
-    bucket = torch.where(skipped, num_slots, slot_of_pair)  # skipped pairs sort last, in a bucket of their own
+    bucket = torch.where(
+        skipped, num_slots, slot_of_pair
+    )  # skipped pairs sort last, in a bucket of their own
     counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, bucket, torch.ones_like(bucket))  # [S + 1]
     counts[num_slots] = 0  # no tiles for them
@@ -284,7 +286,9 @@ def sort_pairs(slot_of_pair: torch.Tensor, num_slots: int, block_m: int) -> tupl
     rank = torch.arange(p, device=dev) - seg_begin[sorted_slot]
     nt = -(-p // block_m) + min(num_slots, p)
     # skipped pairs are written to one scratch entry past the end (no boolean indexing: that would sync)
-    dest = torch.where(sorted_slot < num_slots, (tile_end - tiles)[sorted_slot] * block_m + rank, nt * block_m)
+    dest = torch.where(
+        sorted_slot < num_slots, (tile_end - tiles)[sorted_slot] * block_m + rank, nt * block_m
+    )
     pair_ids = torch.full((nt * block_m + 1,), p, dtype=torch.int32, device=dev)
     pair_ids[dest] = order.to(torch.int32)
     tile_idx = torch.searchsorted(tile_end[:num_slots], torch.arange(nt, device=dev), right=True)  # [NT]
@@ -352,7 +356,9 @@ def nvfp4_moe_prefill_pairs(
     t, k = expert_ids.shape
     h_size, i_size, s = layout.hidden_size, layout.intermediate_size, slots.shape[0]
     p = t * k
-    assert out.shape == (p, h_size) and out.dtype == x.dtype and out.is_contiguous(), f"out {tuple(out.shape)}"
+    assert out.shape == (p, h_size) and out.dtype == x.dtype and out.is_contiguous(), (
+        f"out {tuple(out.shape)}"
+    )
     require_triton(x, expert_ids, expert_to_slot, weights, out)
     cfg = config or _prefill_config(p, min(s, distinct or s), layout, x.device)
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]

@@ -121,9 +121,9 @@ class GpuExperts:
         nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, dtype=dtype, device=dev), self.cache.slots, slot0,
                                    self.cache.ws2, one, self.layout)  # fmt: skip
         for t in (8, 40, 100):
-            ids = torch.zeros(t, 1, dtype=torch.int64, device=dev)
-            nvfp4_moe.nvfp4_moe_prefill(torch.zeros(t, h, dtype=dtype, device=dev), self.cache.slots, ids, e2s,
-                                        self.cache.ws2, one.expand(t, 1).contiguous(), self.layout)  # fmt: skip
+            x = torch.zeros(t, h, dtype=dtype, device=dev)
+            ids, w = torch.zeros(t, 1, dtype=torch.int64, device=dev), one.expand(t, 1).contiguous()
+            nvfp4_moe.nvfp4_moe_prefill(x, self.cache.slots, ids, e2s, self.cache.ws2, w, self.layout)
 
     def _wrap(self, handles):
         if self.control == "swap-nibbles":
