@@ -164,15 +164,11 @@ FP8_GEMV_SWEEP = [
         (16, 512, 4, 1),
     ]
 ]  # fmt: skip
-# (gate+up rows, groups, warps; down rows, groups, warps; pipelining stages); block_g < 32 warps everywhere
-# (x vectors loaded in the tile's layout). gate+up: 6400 rows of 160 groups; down: 2560 rows of 400.
 DECODE_SWEEP = [
-    dict(block_n_gu=ngu, block_g_gu=ggu, num_warps_gu=wgu, block_n_down=nd, block_g_down=gd,
-         num_warps_down=wd, num_stages=st)
-    for ngu, ggu, wgu, nd, gd, wd, st in [
-        (8, 32, 2, 8, 128, 8, 2), (8, 32, 2, 8, 128, 8, 1), (8, 32, 2, 8, 128, 8, 3),
-        (16, 32, 4, 4, 64, 4, 2), (8, 64, 4, 8, 64, 4, 2), (4, 16, 1, 4, 64, 4, 2), (16, 32, 4, 16, 64, 8, 2),
-        (8, 32, 2, 4, 64, 4, 3), (8, 32, 2, 16, 128, 8, 2), (8, 16, 2, 8, 128, 8, 3),
+    dict(block_n_gu=ngu, block_g_gu=ggu, block_n_down=nd, block_g_down=gd, num_warps=nw)
+    for ngu, ggu, nd, gd, nw in [
+        (4, 32, 4, 8, 2), (8, 32, 8, 8, 4), (16, 16, 16, 8, 4), (8, 16, 16, 8, 4), (4, 32, 16, 8, 4),
+        (16, 32, 32, 8, 8), (2, 64, 8, 8, 2), (8, 64, 8, 8, 4), (32, 8, 32, 8, 8),
     ]
 ]  # fmt: skip
 PREFILL_SWEEP = [

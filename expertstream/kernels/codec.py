@@ -3,9 +3,8 @@
 Triton is optional: without it this module still imports (CPU users run the `*_ref` twins) and
 `require_triton()` raises. Kernel signatures use string annotations (`from __future__ import annotations`),
 which Triton reads as constexpr markers, so nothing Triton-typed is evaluated at import time.
-Codes and scales are read as raw integers (bytes or words) and decoded with integer ops into float bit
-patterns: the interpreter has no fp8 type, subnormal E4M3 block scales stay exact, and the software E2M1
-path (sm_90) needs no float conversion instruction (4x slower than integer ops there).
+Bytes are always read as uint8 and decoded with bit ops: the interpreter has no fp8 type, and subnormal
+E4M3 block scales stay exact.
 """
 
 from __future__ import annotations
@@ -25,15 +24,11 @@ except ImportError:  # CPU-only install
 log = get_logger(__name__)
 
 HAVE_TRITON = triton is not None
-# software E2M1 decode: nibble c -> fp32 bits ((c & 8) << 28) | ((c & 7) << 22) = value * 2^-126 (exact; 0.5
-# becomes the fp32 subnormal 2^-127), so no conversion instruction is needed
-E2M1_SOFT_UNIT = 2.0**126
+# E2M1 code c -> fp16 bits ((c & 8) << 12) | ((c & 7) << 9) = value * 2^-14 (exact; 0.5 is subnormal)
+E2M1_SOFT_UNIT = 2.0**14
 # E4M3 byte b -> fp16 bits ((b & 0x80) << 8) | ((b & 0x7F) << 7) is the value times 2^-8 (E4M3 subnormals
 # land on fp16 subnormals, exact)
 E4M3_UNIT = 2.0**8
-# prefill weight tiles hold weight / TILE_UNIT: e2m1 * e4m3 has <= 6 significant bits in [2^-10, 2688], so
-# weight * 2^-7 is a normal fp32 in [2^-17, 21] whose low 16 bits are zero, exact in bf16 and in fp16
-TILE_UNIT = 2.0**7
 # capabilities whose PTX inline-asm E2M1 path failed to compile in this process (software from then on)
 _PTX_FAILED: set[tuple[int, int]] = set()
 
@@ -95,83 +90,34 @@ def launch_e2m1(kernel, grid, device: torch.device, *args, **kwargs) -> None:
 
 
 @jit
-def _e2m1x4_ptx(r, PACK: tl.constexpr):
-    # sm_100+ hardware decode of the 4 code bytes in each 32-bit register -> 4 f16x2 registers (low nibble in
-    # the low half). PACK = 4: r holds uint8 bytes, one int32 result per byte; PACK = 1: r holds int32 words,
-    # a 4-tuple of int32 results (bytes 0..3).
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b8 b0, b1, b2, b3;
-        mov.b32 {b0, b1, b2, b3}, $4;
-        cvt.rn.f16x2.e2m1x2 $0, b0;
-        cvt.rn.f16x2.e2m1x2 $1, b1;
-        cvt.rn.f16x2.e2m1x2 $2, b2;
-        cvt.rn.f16x2.e2m1x2 $3, b3;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r",
-        args=[r],
-        dtype=tl.int32 if PACK == 4 else (tl.int32, tl.int32, tl.int32, tl.int32),
-        is_pure=True,
-        pack=PACK,
-    )
-
-
-@jit
-def e2m1_f32(m, Q: tl.constexpr):
-    """E2M1 nibble at bits Q..Q+3 of uint32 m (Q <= 20; other set bits only at >= Q + 16 or < Q - 12) -> fp32
-    value * 2^-126, from bits: the product with 2^(22-Q) + 2^(28-Q) puts the magnitude at bits 22..24 and the
-    sign at bit 31 without carries, the mask drops the copies. One IMAD + one LOP3, no conversion; exact (0.5
-    becomes the fp32 subnormal 2^-127)."""
-    return ((m * ((1 << (22 - Q)) + (1 << (28 - Q)))) & 0x81C00000).to(tl.float32, bitcast=True)
-
-
-@jit
-def e2m1_unit(USE_PTX: tl.constexpr):
-    """fp32 factor turning e2m1_pair / e2m1x8 values into true values (a power of two)."""
-    return 1.0 if USE_PTX else 8.507059173023462e37  # E2M1_SOFT_UNIT in software
-
-
-@jit
 def e2m1_pair(b, USE_PTX: tl.constexpr):
     """Packed uint8 bytes -> (low-nibble, high-nibble) fp32 values; in software divided by E2M1_SOFT_UNIT."""
     if USE_PTX:
-        r = _e2m1x4_ptx(b, 4)
-        lo, hi = f16x2_halves(r)
+        # one byte -> f16x2 in a 32-bit register, low nibble in the low half
+        r = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b8 b0, b1, b2, b3;
+            mov.b32 {b0, b1, b2, b3}, $4;
+            cvt.rn.f16x2.e2m1x2 $0, b0;
+            cvt.rn.f16x2.e2m1x2 $1, b1;
+            cvt.rn.f16x2.e2m1x2 $2, b2;
+            cvt.rn.f16x2.e2m1x2 $3, b3;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[b],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=4,
+        )
+        lo = r.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (r >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     else:
-        c = b.to(tl.uint32)
-        lo = e2m1_f32(c & 0xF, 0)
-        hi = e2m1_f32(c & 0xF0, 4)
-    return lo, hi
-
-
-@jit
-def e2m1x8(w, USE_PTX: tl.constexpr):
-    """uint32 words of 8 E2M1 codes (column 8i + p at bits 4p..4p+3 of word i) -> 8-tuple of fp32 tensors,
-    element p; in software divided by E2M1_SOFT_UNIT."""
-    if USE_PTX:
-        r0, r1, r2, r3 = _e2m1x4_ptx(w, 1)
-        c0, c1 = f16x2_halves(r0)
-        c2, c3 = f16x2_halves(r1)
-        c4, c5 = f16x2_halves(r2)
-        c6, c7 = f16x2_halves(r3)
-    else:
-        # 4 masked copies hold two nibbles 16 bits apart: 5 ops per word, then 2 per element
-        m0 = w & 0x000F000F  # nibbles 0 and 4
-        m1 = w & 0x00F000F0  # 1 and 5
-        w8 = w >> 8
-        m2 = w8 & 0x000F000F  # 2 and 6
-        m3 = w8 & 0x00F000F0  # 3 and 7
-        c0 = e2m1_f32(m0, 0)
-        c1 = e2m1_f32(m1, 4)
-        c2 = e2m1_f32(m2, 0)
-        c3 = e2m1_f32(m3, 4)
-        c4 = e2m1_f32(m0, 16)
-        c5 = e2m1_f32(m1, 20)
-        c6 = e2m1_f32(m2, 16)
-        c7 = e2m1_f32(m3, 20)
-    return c0, c1, c2, c3, c4, c5, c6, c7
+        c = b.to(tl.int32)
+        lo = (((c & 0x8) << 12) | ((c & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (((c & 0x80) << 8) | ((c & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo.to(tl.float32), hi.to(tl.float32)
 
 
 @jit
@@ -182,28 +128,9 @@ def e4m3_f16(b):
 
 
 @jit
-def e4m3_f32(b):
-    """Raw E4M3 bytes (uint8) -> their fp32 value, exactly and without a conversion instruction: the fp32 bits
-    ((b & 0x80) << 24) | ((b & 0x7F) << 20) are value * 2^-120 (E4M3 subnormals land on fp32 subnormals),
-    and the product with 2^120 is exact (NaN bytes 0x7F/0xFF decode as +-480)."""
-    c = b.to(tl.uint32)
-    return (((c & 0x80) << 24) | ((c & 0x7F) << 20)).to(tl.float32, bitcast=True) * 1.329227995784916e36
-
-
-@jit
-def nvfp4_tile_scale(sb, USE_PTX: tl.constexpr):
-    """E4M3 scale bytes -> fp32 factor f with e2m1_pair(...) * f = weight / TILE_UNIT exactly: scale 2^119
-    in software (codes are value * 2^-126; 448 * 2^119 < 2^128), scale * 2^-7 with PTX."""
-    return e4m3_f32(sb) * (0.0078125 if USE_PTX else 6.646139978924579e35)
-
-
-@jit
-def exact_cast(v, dtype: tl.constexpr):
-    """fp32 values exactly representable in dtype (<= 8 significant bits, in range) -> dtype; bf16 takes the
-    top half of the fp32 bits (its low half is zero), no conversion instruction."""
-    if dtype == tl.bfloat16:
-        return (v.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return v.to(dtype)
+def nvfp4_unit(USE_PTX: tl.constexpr):
+    """fp32 factor turning e2m1_pair(...) * e4m3_f16(...) products into true values (a power of two)."""
+    return 256.0 if USE_PTX else 4194304.0  # E4M3_UNIT, times E2M1_SOFT_UNIT in software
 
 
 # ---------------------------------------------------------------- tuned configs recorded as data

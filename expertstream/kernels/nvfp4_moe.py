@@ -3,12 +3,10 @@
 Shapes: T tokens, H hidden, I expert width, K experts per token, S slots, B = layout.block_bytes.
 Each slot row is one `ExpertLayout` block; ws2 [S, 3] holds its FP32 weight_scale_2 (gate, up, down).
 y[t] = sum_k w[t, k] * down_k(silu(gate_k x[t]) * up_k x[t]).
-- decode (one token): two launches per layer, FP32 FMAs on codes read as int64 words (one 16-code group
-  each): gate+up over (expert, row block), then down over row blocks, one reduction over the K experts'
-  concatenated columns (deterministic, no atomics).
+- decode (one token): two launches per layer, gate+up over (expert, row block), then down over row blocks
+  looping over the K experts (deterministic, no atomics).
 - prefill (many tokens): (token, k) pairs sorted by slot and padded to BLOCK_M tiles; each tile dequantises
-  weight tiles to the activation dtype in registers (exactly, weight * 2^-7) and runs tl.dot; per-pair
-  outputs [T*K, H] are summed.
+  weight tiles to the activation dtype in registers and runs tl.dot; per-pair outputs [T*K, H] are summed.
 """
 
 from __future__ import annotations
@@ -21,13 +19,10 @@ from expertstream.kernels.codec import (
     cdiv,
     dot_precision,
     e2m1_pair,
-    e2m1_unit,
-    e2m1x8,
-    e4m3_f32,
-    exact_cast,
+    e4m3_f16,
     jit,
     launch_e2m1,
-    nvfp4_tile_scale,
+    nvfp4_unit,
     require_triton,
     tl,
     tuned_config,
@@ -52,13 +47,8 @@ def _check_common(x, slots, ws2, layout: ExpertLayout) -> None:
 # ---------------------------------------------------------------- decode
 
 
-# launch shape until a device sweep records one as data (bench_kernels.DECODE_SWEEP): gate+up 8 rows x 32
-# groups on 2 warps (5 steps over H = 2560), down 8 rows x 128 groups on 8 warps (2560 / 8 programs would
-# give too few threads with narrower steps), loads pipelined 2 deep
-DECODE_DEFAULT = dict(block_n_gu=8, block_g_gu=32, num_warps_gu=2, block_n_down=8, block_g_down=128,
-                      num_warps_down=8, num_stages=2)  # fmt: skip
-# x and h are pre-scaled by 2^64 so that code (value * 2^-126 in software) * x products are normal floats
-X_UNIT = 2.0**64
+# the launch shape measured on the H200 (docs/kernels.md) until a sweep records a better one as data
+DECODE_DEFAULT = dict(block_n_gu=4, block_g_gu=32, block_n_down=4, block_g_down=8, num_warps=2)
 
 
 def nvfp4_moe_decode_ref(x, slots, slot_ids, ws2, weights, layout: ExpertLayout) -> torch.Tensor:
@@ -90,10 +80,9 @@ def nvfp4_moe_decode(
         ws2: [S, 3] float32 weight_scale_2 (gate, up, down) of each slot.
         weights: [K] float32 router weights.
         layout: the block layout.
-        config: block_n, block_g and num_warps (rows per program, 16-column groups per row and step, warps)
-            of the gate+up (`_gu`) and the down (`_down`) launch, num_stages: the loops' load
-            pipelining depth (1: none). block_g < 32 num_warps keeps the x vectors out of shared memory.
-            Default: tuned_configs.json for this device and shape, else DECODE_DEFAULT.
+        config: block_n and block_g (rows per program and 16-element groups per step) of the gate+up and
+            the down launch, num_warps; default: tuned_configs.json for this device and shape, else
+            DECODE_DEFAULT.
 
     Returns:
         Tensor shaped like x, in x.dtype.
@@ -107,114 +96,97 @@ def nvfp4_moe_decode(
     assert weights.dtype == torch.float32 and weights.shape == (k,), (
         f"weights {weights.dtype} {weights.shape}"
     )
-    # codes are read as int64 words (one 16-code group each) from 16-byte aligned blocks (vector-load hints)
-    assert layout.block_bytes % 16 == 0 and slots.data_ptr() % 16 == 0, "slots must be 16-byte aligned"
     cfg = config or tuned_config("nvfp4_decode", x.device, f"{h_size}x{i_size}") or DECODE_DEFAULT
+    block_n, block_g = (cfg["block_n_gu"], cfg["block_n_down"]), (cfg["block_g_gu"], cfg["block_g_down"])
     off = _offsets(layout)
-    # xp [16, H/16], xp[p, j] = x[16j + p] 2^64: one contiguous vector per nibble position of a group word,
-    # in one kernel (fp16 x is widened first: x 2^64 would overflow it)
-    xv = x.reshape(h_size // 16, 16).T
-    xp = torch.empty(16, h_size // 16, dtype=torch.float32, device=x.device)
-    torch.mul(xv.float() if x.dtype == torch.float16 else xv, X_UNIT, out=xp)
-    # hp [16, K I/16], hp[p, k I/16 + j] = h_k[16j + p] w_k ws2_k(down) 2^64 with h = silu(g) u, written
-    # by gate+up: the same layout over the K experts' concatenated columns, so down is one reduction of K I
-    hp = torch.empty(16, k * i_size // 16, dtype=torch.float32, device=x.device)
+    h = torch.empty(k, i_size, dtype=torch.float32, device=x.device)  # silu(g) * u, [K, I]
     out = torch.empty_like(x)
-    groups = slots.view(torch.int64)  # [S, block_bytes / 8]
-    common = dict(block_groups=layout.block_bytes // 8, block_bytes=layout.block_bytes, K=k, H=h_size,
-                  I=i_size, X_UNIT=X_UNIT, NUM_STAGES=cfg["num_stages"])  # fmt: skip
+    common = dict(H=h_size, I=i_size, block_bytes=layout.block_bytes, num_warps=cfg["num_warps"])
     launch_e2m1(
-        _decode_gate_up_kernel, (k, cdiv(i_size, cfg["block_n_gu"])), x.device,
-        xp, groups, slots, slot_ids, ws2, weights, hp, gw_off=off["gw_off"] // 8, uw_off=off["uw_off"] // 8,
-        gs_off=off["gs_off"], us_off=off["us_off"], BLOCK_N=cfg["block_n_gu"], BLOCK_G=cfg["block_g_gu"],
-        num_warps=cfg["num_warps_gu"], **common,
+        _decode_gate_up_kernel, (k, cdiv(i_size, block_n[0])), x.device,
+        x, slots, slot_ids, ws2, h, gw_off=off["gw_off"], uw_off=off["uw_off"], gs_off=off["gs_off"],
+        us_off=off["us_off"], BLOCK_N=block_n[0], BLOCK_G=block_g[0], **common,
     )  # fmt: skip
     launch_e2m1(
-        _decode_down_kernel, (cdiv(h_size, cfg["block_n_down"]),), x.device,
-        hp, groups, slots, slot_ids, out, dw_off=off["dw_off"] // 8, ds_off=off["ds_off"],
-        BLOCK_N=cfg["block_n_down"], BLOCK_G=cfg["block_g_down"], num_warps=cfg["num_warps_down"], **common,
+        _decode_down_kernel, (cdiv(h_size, block_n[1]),), x.device,
+        h, slots, slot_ids, ws2, weights, out, K=k, dw_off=off["dw_off"], ds_off=off["ds_off"],
+        BLOCK_N=block_n[1], BLOCK_G=block_g[1], **common,
     )  # fmt: skip
     return out
 
 
 @jit
-def _group_dots(gp, gcol, gmask, sp, scol, nmask, xp_ptr, XG: tl.constexpr, USE_PTX: tl.constexpr):
-    # rows [BN] x BG groups of 16 codes -> sum over the group of code * x, times its E4M3 scale: [BN, BG].
-    # Group j of row r is the int64 word at gp[r] + gcol[j] (column p at bits 4p..4p+3), its scale the byte
-    # at sp[r] + scol[j]; x of column p of group j is xp[p, j] (xp [16, XG] fp32 times 2^64, [BG] vectors).
-    # Codes and scales share one shape and contiguity, so one register layout; Triton loads the x vectors
-    # straight in its column layout when BG < the program's threads (a small load), else converts them.
+def _group_partial(
+    blk, w_off, s_off, n, gg, j, row_bytes, row_groups, nmask, gmask, xe, xo, USE_PTX: tl.constexpr
+):
+    # rows n [BN] x groups gg [BG] of 16 elements: codes [BN, BG, 8] bytes, scales [BN, BG];
+    # xe / xo [BG, 8] are the even / odd input columns. Returns [BN, BG] in units of 1 / nvfp4_unit.
     m2 = nmask[:, None] & gmask[None, :]
-    g = tl.load(gp + gcol[None, :], mask=m2, other=0)
-    codes = e2m1x8(g.to(tl.uint32), USE_PTX) + e2m1x8((g >> 32).to(tl.uint32), USE_PTX)  # 16 x [BN, BG]
-    xo = tl.arange(0, gcol.shape[0])
-    part = tl.zeros(g.shape, tl.float32)
-    for p in tl.static_range(16):
-        part += codes[p] * tl.load(xp_ptr + p * XG + xo, mask=gmask, other=0.0)[None, :]
-    return part * e4m3_f32(tl.load(sp + scol[None, :], mask=m2, other=0))
+    b = tl.load(
+        blk + w_off + n[:, None, None] * row_bytes + gg[None, :, None] * 8 + j[None, None, :],
+        mask=m2[:, :, None], other=0,
+    )  # fmt: skip
+    lo, hi = e2m1_pair(b, USE_PTX)
+    part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
+    s = e4m3_f16(tl.load(blk + s_off + n[:, None] * row_groups + gg[None, :], mask=m2, other=0))
+    return part * s.to(tl.float32)
 
 
 @jit
 def _decode_gate_up_kernel(
-    xp_ptr, groups_ptr, slots_ptr, slot_ids_ptr, ws2_ptr, rw_ptr, hp_ptr, block_groups, block_bytes, gw_off,
-    uw_off, gs_off, us_off, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, X_UNIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PTX: tl.constexpr,
+    x_ptr, slots_ptr, slot_ids_ptr, ws2_ptr, h_ptr, block_bytes, gw_off, uw_off, gs_off, us_off,
+    H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # program (k, n block): h[k, n] = silu(gate[n] . x) * (up[n] . x) for BLOCK_N rows of expert k, stored
-    # times w_k ws2_k(down) 2^64 in the permuted hp layout. The loop stays rolled (unrolled, every step's
-    # loads stay live and spill registers on sm_90); NUM_STAGES > 1 prefetches the next steps' loads.
+    # program (k, n block): h[k, n] = silu(gate[n] . x) * (up[n] . x) for BLOCK_N rows of expert k;
+    # H, I, K are constexpr so the loops unroll and every block load is in flight at once
     k = tl.program_id(0)
     slot = tl.load(slot_ids_ptr + k).to(tl.int64)
+    blk = slots_ptr + slot * block_bytes
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
-    grow = groups_ptr + slot * block_groups + n[:, None] * (H // 16)  # [BN, 1] int64 words
-    srow = slots_ptr + slot * block_bytes + n[:, None] * (H // 16)  # [BN, 1] scale bytes
+    j = tl.arange(0, 8)
     acc_g = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    for g0 in tl.range(0, H // 16, BLOCK_G, num_stages=NUM_STAGES):
-        # offsets from the induction variable (a multiple of BLOCK_G) keep 16-byte vector loads
-        gi = g0 + tl.arange(0, BLOCK_G)
-        gmask = gi < H // 16
-        xs = xp_ptr + g0
-        acc_g += _group_dots(grow + gw_off, gi, gmask, srow + gs_off, gi, nmask, xs, H // 16, USE_PTX)
-        acc_u += _group_dots(grow + uw_off, gi, gmask, srow + us_off, gi, nmask, xs, H // 16, USE_PTX)
-    unit = e2m1_unit(USE_PTX) / X_UNIT
+    for g0 in tl.static_range(0, H // 16, BLOCK_G):
+        gg = g0 + tl.arange(0, BLOCK_G)
+        gmask = gg < H // 16
+        xi = gg[:, None] * 16 + 2 * j[None, :]  # [BG, 8] even input columns
+        xe = tl.load(x_ptr + xi, mask=gmask[:, None], other=0.0).to(tl.float32)
+        xo = tl.load(x_ptr + xi + 1, mask=gmask[:, None], other=0.0).to(tl.float32)
+        acc_g += _group_partial(blk, gw_off, gs_off, n, gg, j, H // 2, H // 16, nmask, gmask, xe, xo, USE_PTX)
+        acc_u += _group_partial(blk, uw_off, us_off, n, gg, j, H // 2, H // 16, nmask, gmask, xe, xo, USE_PTX)
+    unit = nvfp4_unit(USE_PTX)
     g = tl.sum(acc_g, axis=1) * (tl.load(ws2_ptr + slot * 3) * unit)
     u = tl.sum(acc_u, axis=1) * (tl.load(ws2_ptr + slot * 3 + 1) * unit)
-    fold = tl.load(rw_ptr + k) * tl.load(ws2_ptr + slot * 3 + 2) * X_UNIT
-    # column n of expert k -> hp[n % 16, k I/16 + n / 16]
-    hcol = (n % 16) * (K * I // 16) + k * (I // 16) + n // 16
-    tl.store(hp_ptr + hcol, g * tl.sigmoid(g) * u * fold, mask=nmask)
+    tl.store(h_ptr + k * I + n, g * tl.sigmoid(g) * u, mask=nmask)
 
 
 @jit
 def _decode_down_kernel(
-    hp_ptr, groups_ptr, slots_ptr, slot_ids_ptr, out_ptr, block_groups, block_bytes, dw_off, ds_off,
-    K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, X_UNIT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PTX: tl.constexpr,
+    h_ptr, slots_ptr, slot_ids_ptr, ws2_ptr, w_ptr, out_ptr, block_bytes, dw_off, ds_off, K: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # program (n block): out[n] = sum over the K experts' concatenated groups c = k I/16 + j of
-    # down_k[n] group j . hp[:, c] (w_k, ws2 already in hp): one row reduction of length K I in a fixed order
-    # (deterministic, no atomics) with as many threads per row as a gate+up row, where a (row block, expert)
-    # grid would need FP32 partials and a third launch to sum them.
+    # program (n block): out[n] = sum_k w[k] * down_k[n] . h[k], the K experts in order
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
-    grow = groups_ptr + n[:, None] * (I // 16)  # [BN, 1]; the expert's slot and dw_off go into the columns
-    srow = slots_ptr + n[:, None] * (I // 16)
-    # an expert's groups come in runs of I/16: 16-byte (2-group) loads when that is even
-    VEC: tl.constexpr = 2 if (I // 16) % 2 == 0 else 1
-    acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    for c0 in tl.range(0, K * I // 16, BLOCK_G, num_stages=NUM_STAGES):
-        ci = c0 + tl.arange(0, BLOCK_G)
-        cmask = ci < K * I // 16
-        kc = ci // (I // 16)  # expert of each group
-        slot = tl.load(slot_ids_ptr + kc, mask=cmask, other=0).to(tl.int64)
-        j = ci - kc * (I // 16)
-        gcol = tl.max_contiguous(tl.multiple_of(slot * block_groups + dw_off + j, VEC), VEC)
-        acc += _group_dots(grow, gcol, cmask, srow, slot * block_bytes + ds_off + j, nmask, hp_ptr + c0,
-                           K * I // 16, USE_PTX)  # fmt: skip
-    y = tl.sum(acc, axis=1) * (e2m1_unit(USE_PTX) / X_UNIT)
-    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+    j = tl.arange(0, 8)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k in tl.static_range(K):
+        slot = tl.load(slot_ids_ptr + k).to(tl.int64)
+        blk = slots_ptr + slot * block_bytes
+        part = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+        for g0 in tl.static_range(0, I // 16, BLOCK_G):
+            gg = g0 + tl.arange(0, BLOCK_G)
+            gmask = gg < I // 16
+            hoff = k * I + gg[:, None] * 16 + 2 * j[None, :]
+            he = tl.load(h_ptr + hoff, mask=gmask[:, None], other=0.0)
+            ho = tl.load(h_ptr + hoff + 1, mask=gmask[:, None], other=0.0)
+            part += _group_partial(
+                blk, dw_off, ds_off, n, gg, j, I // 2, I // 16, nmask, gmask, he, ho, USE_PTX
+            )
+        acc += tl.sum(part, axis=1) * (tl.load(ws2_ptr + slot * 3 + 2) * tl.load(w_ptr + k))
+    acc = acc * nvfp4_unit(USE_PTX)
+    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 # ---------------------------------------------------------------- prefill
@@ -272,9 +244,8 @@ def sort_pairs(slot_of_pair: torch.Tensor, num_slots: int, block_m: int) -> tupl
     p = slot_of_pair.numel()
     dev = slot_of_pair.device
     skipped = slot_of_pair < 0
-    bucket = torch.where(
-        skipped, num_slots, slot_of_pair
-    )  # skipped pairs sort last, in a bucket of their own
+    # skipped pairs sort last, in a bucket of their own
+    bucket = torch.where(skipped, num_slots, slot_of_pair)
     counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, bucket, torch.ones_like(bucket))  # [S + 1]
     counts[num_slots] = 0  # no tiles for them
@@ -383,15 +354,15 @@ def nvfp4_moe_prefill_pairs(
 
 
 @jit
-def _dequant_tile(blk, w_off, s_off, kk, n, row_bytes, row_groups, mask, USE_PTX: tl.constexpr,
-                  dtype: tl.constexpr):  # fmt: skip
-    # W^T tile of rows n [BN] over packed bytes kk [BK]: (even-column, odd-column) halves [BK, BN] in dtype,
-    # holding weight / TILE_UNIT exactly (no conversion instruction in software for bf16 and fp32 tiles)
+def _dequant_tile(
+    blk, w_off, s_off, kk, n, row_bytes, row_groups, mask, USE_PTX: tl.constexpr, dtype: tl.constexpr
+):
+    # W^T tile of rows n [BN] over packed bytes kk [BK]: (even-column, odd-column) halves [BK, BN] in dtype
     b = tl.load(blk + w_off + n[None, :] * row_bytes + kk[:, None], mask=mask, other=0)
     sb = tl.load(blk + s_off + n[None, :] * row_groups + kk[:, None] // 8, mask=mask, other=0)
-    s = nvfp4_tile_scale(sb, USE_PTX)
+    s = e4m3_f16(sb).to(tl.float32) * nvfp4_unit(USE_PTX)
     lo, hi = e2m1_pair(b, USE_PTX)
-    return exact_cast(lo * s, dtype), exact_cast(hi * s, dtype)
+    return (lo * s).to(dtype), (hi * s).to(dtype)
 
 
 @jit(do_not_specialize=("P", "K"))  # pair counts vary per call: one compiled variant
@@ -427,8 +398,8 @@ def _prefill_gate_up_kernel(
         lo, hi = _dequant_tile(blk, uw_off, us_off, kk, n, H // 2, H // 16, wm, USE_PTX, xe.dtype)
         acc_u = tl.dot(xe, lo, acc_u, input_precision=DOT_PRECISION)
         acc_u = tl.dot(xo, hi, acc_u, input_precision=DOT_PRECISION)
-    g = acc_g * (tl.load(ws2_ptr + slot * 3) * 128.0)  # TILE_UNIT: tiles hold weight * 2^-7
-    u = acc_u * (tl.load(ws2_ptr + slot * 3 + 1) * 128.0)
+    g = acc_g * tl.load(ws2_ptr + slot * 3)
+    u = acc_u * tl.load(ws2_ptr + slot * 3 + 1)
     hv = g * tl.sigmoid(g) * u
     hm = valid[:, None] & nmask[None, :]
     tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=hm)
@@ -463,6 +434,6 @@ def _prefill_down_kernel(
         acc = tl.dot(he, lo, acc, input_precision=DOT_PRECISION)
         acc = tl.dot(ho, hi, acc, input_precision=DOT_PRECISION)
     rw = tl.load(w_ptr + pair, mask=valid, other=0.0)
-    acc = acc * (tl.load(ws2_ptr + slot * 3 + 2) * 128.0) * rw[:, None]  # TILE_UNIT
+    acc = acc * tl.load(ws2_ptr + slot * 3 + 2) * rw[:, None]
     ym = valid[:, None] & nmask[None, :]
     tl.store(y_ptr + pair[:, None].to(tl.int64) * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)
