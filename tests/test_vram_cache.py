@@ -112,3 +112,17 @@ def test_prefetch_skips_resident_keys_and_keeps_protection():
     assert cache.prefetch(guesses([(1, 0), (2, 0)], log)) == [(2, 0)]
     assert cache.protected == protected and cache.last_layer == 1
     assert ("release", (1, 0)) in log
+
+
+def test_host_mirror_pushes_the_host_copy():
+    from expertstream.runtime.host_mirror import HostMirror
+
+    dev = torch.zeros(4, 3)
+    m = HostMirror(dev)
+    m.host[1] = torch.tensor([1.0, 2.0, 3.0])
+    assert dev.abs().sum() == 0  # nothing moves before push()
+    m.push()
+    assert torch.equal(dev, m.host) and m.pushes == 1
+    m.host[1] = 0
+    m.push()
+    assert dev.abs().sum() == 0

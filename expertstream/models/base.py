@@ -145,6 +145,15 @@ class RMSNorm(nn.Module):
         return (out * self.scale.view(-1, self.group)).flatten(-2).type_as(x)
 
 
+def upload(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Host rows -> device without waiting for the GPU: a pageable copy waits for the stream to drain, so
+    CUDA uploads go through pinned memory (torch's caching host allocator keeps it until the copy ran)."""
+    t = t.to(dtype)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     dim = args.rotary_dim
     return 1.0 / (args.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))

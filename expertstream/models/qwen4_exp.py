@@ -26,6 +26,7 @@ from expertstream.models.base import (
     apply_rope,
     rope_cos_sin,
     rope_inv_freq,
+    upload,
 )
 from expertstream.ple import ngram_row_ids
 from expertstream.state import State
@@ -440,7 +441,7 @@ class PLELayer(nn.Module):
         rows = ngram_row_ids(
             st.ple_ctx, ids, self.eos, self.mult, self.vocab, self.offsets, self.heads_per_ngram
         )
-        return self.table.lookup(rows).to(like.device, like.dtype, non_blocking=True)
+        return upload(self.table.lookup(rows), like.device, like.dtype)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, st: State) -> torch.Tensor:
         return self.mix(x, self.embed(ids, st, x), st)
@@ -580,8 +581,8 @@ class Qwen4ExpModel(nn.Module):
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Host ids [T] -> the N streams [T, N*H] on the device, each seeded with the token embedding."""
-        x = self.embed[ids.to(self.embed.device, non_blocking=True)]
-        return x.to(self.device, self.dtype, non_blocking=True).repeat(1, self.args.hc_count)
+        x = self.embed[ids.to(self.embed.device)]
+        return upload(x, self.device, self.dtype).repeat(1, self.args.hc_count)
 
     def rope(self, st: State, t: int) -> Rope:
         positions = torch.arange(st.pos, st.pos + t, device=self.device)  # made on the device: no upload

@@ -19,6 +19,7 @@ import torch
 from expertstream.formats.expert_block import PROJ
 from expertstream.kernels import nvfp4_moe
 from expertstream.log import get_logger
+from expertstream.runtime.host_mirror import HostMirror
 from expertstream.runtime.speculation import Speculator
 from expertstream.runtime.vram_cache import VramExpertCache
 
@@ -97,12 +98,7 @@ class GpuExperts:
             fetch_host, self.layout.block_bytes, n_slots, workdir.expert_scales()[0], device
         )
         self.expert_to_slot = torch.zeros(self.num_experts, dtype=torch.int32, device=self.cache.device)
-        # two pinned host mirrors used in turn, so the [E] map goes up without blocking; each one's event
-        # guards its reuse (an upload queued two maps ago: long done, in decode and prefill passes alike)
-        cuda = self.cache.device.type == "cuda"
-        self._map_host = [torch.zeros(self.num_experts, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
-        self._map_uploaded: list[torch.cuda.Event | None] = [None, None]
-        self._maps = 0
+        self._slot_map = HostMirror(self.expert_to_slot)  # set on the host, uploaded without blocking
         self.spec = Speculator(self.layout.block_bytes, speculation_width) if speculate else None
         self.host_syncs = 0  # device -> host reads the bank waits on (decode: one per layer)
         # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
@@ -157,20 +153,13 @@ class GpuExperts:
 
     def _map(self, experts: list[int], slots: list[int], others: int | None = None) -> None:
         """Point `expert_to_slot` at `slots` with one non-blocking upload of the whole map (2 KB for 512
-        experts). Other experts' entries go stale (kernels look up only the experts just fetched), or are
-        set to `others` (-1: a prefill pass skips their pairs)."""
-        i = self._maps % 2
-        self._maps += 1
-        host, uploaded = self._map_host[i], self._map_uploaded[i]
-        if uploaded is not None:
-            uploaded.synchronize()  # that upload has read the buffer
+        experts, `HostMirror`). Other experts' entries go stale (kernels look up only the experts just
+        fetched), or are set to `others` (-1: a prefill pass skips their pairs)."""
+        host = self._slot_map.host
         if others is not None:
             host.fill_(others)
         host[experts] = torch.tensor(slots, dtype=torch.int32)
-        self.expert_to_slot.copy_(host, non_blocking=True)
-        if host.is_pinned():
-            self._map_uploaded[i] = torch.cuda.Event()
-            self._map_uploaded[i].record(torch.cuda.current_stream(self.cache.device))
+        self._slot_map.push()
 
     def _decode(self, layer, x, expert_ids, weights) -> torch.Tensor:
         self.decode_prepare(layer, self.decode_want(layer, x, expert_ids), expert_ids.shape[1])

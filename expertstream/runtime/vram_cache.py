@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from expertstream.runtime.host_mirror import HostMirror
 from expertstream.store.policy import Key, LfuPolicy
 
 
@@ -39,7 +40,7 @@ class VramExpertCache:
             the host tiers (ExpertStore.request).
         block_bytes: bytes per block.
         n_slots: slots to allocate (>= 2 x experts per layer, so two layers never evict each other).
-        scales: [L, E, 3] float32 global scales (moved to the device once: 48 x 512 x 3 x 4 B = 295 KB).
+        scales: [L, E, 3] float32 global scales (kept on the host; a slot's row goes up with its block).
         device: where the slots live (a CPU device works too, for tests).
     """
 
@@ -58,7 +59,8 @@ class VramExpertCache:
         self.block_bytes = block_bytes
         self.slots = torch.empty(n_slots, block_bytes, dtype=torch.uint8, device=self.device)
         self.ws2 = torch.zeros(n_slots, 3, dtype=torch.float32, device=self.device)
-        self.scales = scales.to(self.device, torch.float32)
+        self._ws2 = HostMirror(self.ws2)  # each copy batch sets its slots' rows on the host, then one upload
+        self._scales = scales.to("cpu", torch.float32)  # [L, E, 3]
         self.lru: dict[Key, int] = {}  # resident key -> slot (the bank reads it); eviction order: self.policy
         self.policy = LfuPolicy()
         self.free = list(range(n_slots - 1, -1, -1))
@@ -174,13 +176,9 @@ class VramExpertCache:
         return events if speculative else None
 
     def _set_scales(self, slots: list[int], keys: list[tuple[int, int]]) -> None:
-        # one upload of the slot and (layer, expert) indices, one gather and scatter on the compute stream
-        if not slots:
-            return
-        n_experts = self.scales.shape[1]
-        idx = torch.tensor(slots + [layer * n_experts + e for layer, e in keys], dtype=torch.int64)
-        idx = idx.to(self.device, non_blocking=True)
-        self.ws2.index_copy_(0, idx[: len(slots)], self.scales.view(-1, 3).index_select(0, idx[len(slots) :]))
+        if slots:
+            self._ws2.host[slots] = self._scales[[layer for layer, _ in keys], [e for _, e in keys]]
+            self._ws2.push()
 
     def prefetch(self, blocks: list[tuple[tuple[int, int], object]]) -> list[tuple[int, int]]:
         """Copy guessed blocks already in host RAM ((key, handle) pairs) into spare slots ahead of demand.
