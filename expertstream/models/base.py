@@ -151,7 +151,7 @@ def upload(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.T
     t = t.to(dtype)
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return t.to(device, non_blocking=True)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:

@@ -133,6 +133,9 @@ class DecodeGraphs:
         self._states: weakref.WeakKeyDictionary[State, _StateGraphs] = weakref.WeakKeyDictionary()
         self._stream = torch.cuda.Stream(model.device) if capture else None
         self.captures = 0  # (state, KV bucket) programs captured so far (stats)
+        # host work a bank starts once the device work before it is queued (the next layer's guesses)
+        banks = {id(layer.mlp.bank): layer.mlp.bank for layer in model.layers}.values()
+        self._launched = [b.decode_launched for b in banks if hasattr(b, "decode_launched")]
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, st: State) -> torch.Tensor:
@@ -144,8 +147,10 @@ class DecodeGraphs:
         step, kv_len = _Step(ids, st), kv_bucket(st.pos + 1, st.max_model_len)
         if not self.capture or not self.warm:
             env: dict = {}
-            for _, fns in decode_program(self.model, st, kv_len):
+            for graphable, fns in decode_program(self.model, st, kv_len):
                 env.update(_run(fns, env, step))
+                if graphable:
+                    self._after_launch()
             h = env["h"]
             self.warm = True
         else:
@@ -177,6 +182,7 @@ class DecodeGraphs:
                 graphs.pool = graphs.pool or g.pool()  # the state's graphs share the first one's pool
                 torch.cuda.current_stream(self.model.device).wait_stream(self._stream)
                 g.replay()
+                self._after_launch()
                 cap.segments.append(("graph", g))
                 env.update(out)
             else:
@@ -194,11 +200,15 @@ class DecodeGraphs:
         )
         return cap
 
-    @staticmethod
-    def _replay(cap: _Captured, step: _Step) -> None:
+    def _after_launch(self) -> None:
+        for fn in self._launched:
+            fn()
+
+    def _replay(self, cap: _Captured, step: _Step) -> None:
         for seg in cap.segments:
             if seg[0] == "graph":
                 seg[1].replay()
+                self._after_launch()
             else:
                 _, fns, env, static = seg
                 for name, value in _run(fns, env, step).items():

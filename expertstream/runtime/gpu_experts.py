@@ -106,6 +106,7 @@ class GpuExperts:
         self.decode_seconds = self.sync_seconds = 0.0
         self.prefill_passes = 0  # expert groups run by prefill (one fetch + one grouped launch each)
         self._launch_pending = False  # a prepared decode whose kernel has not been marked used yet
+        self._guess: tuple[int, list[int]] | None = None  # (next layer, its guesses), issued once launched
 
     def warm_up(self, dtype: torch.dtype) -> None:
         """Compile the kernels before the first request: one decode, and one prefill in each tile-size bucket
@@ -145,6 +146,7 @@ class GpuExperts:
         if x.shape[0] == 1:
             return self._decode(layer, x, expert_ids, weights)
         self._mark_launched()
+        self._guess = None
         experts = torch.unique(expert_ids).tolist()
         self.host_syncs += 1
         if self.spec is not None:
@@ -165,13 +167,14 @@ class GpuExperts:
         self.decode_prepare(layer, self.decode_want(layer, x, expert_ids), expert_ids.shape[1])
         t0 = time.perf_counter()
         y = self.decode_compute(layer, x, expert_ids, weights)
-        self._mark_launched()
         self.decode_seconds += time.perf_counter() - t0  # eager launches count as bank host time too
+        self.decode_launched()
         return y
 
     # One-token decode in three stages, so the CUDA-graph decode (runtime/decode_graphs.py) captures the
     # device work and only the host work stays eager: want (graphable) -> prepare (eager, the layer's one
-    # host sync) -> compute (graphable: reads the slots and the expert->slot map through fixed addresses).
+    # host sync) -> compute (graphable: reads the slots and the expert->slot map through fixed addresses),
+    # then decode_launched() once compute is queued: the next layer's guesses start behind it.
 
     def decode_want(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """int64 [K + G] device tensor: the routed experts of x [1, H], then the next layer's G guesses."""
@@ -179,11 +182,13 @@ class GpuExperts:
         return expert_ids[0] if guess is None else torch.cat((expert_ids[0], guess))
 
     def decode_prepare(self, layer: int, want: torch.Tensor, k: int) -> None:
-        """Read `want` back (the host sync), make the K experts resident and mapped, start the guesses."""
+        """Read `want` back (the host sync), make the K experts resident and mapped; keep the guesses for
+        decode_launched()."""
         if self.control == "no-experts":
             return
         t0 = time.perf_counter()
         self._mark_launched()  # the previous layer's kernel is queued by now: copies into its slots wait
+        self._guess = None  # a guess never issued (no decode_launched call) is too late now
         ids = want.tolist()
         t1 = time.perf_counter()
         self.sync_seconds += t1 - t0
@@ -192,10 +197,21 @@ class GpuExperts:
         if self.spec is not None:
             self.spec.score(layer, experts)
         self._map(experts, self.cache.fetch(layer, experts))
-        # the guesses' copies start now, on their own stream: they overlap this layer's kernel
         if len(ids) > k:
-            self._speculate(layer + 1, ids[k:])
+            self._guess = (layer + 1, ids[k:])
         self._launch_pending = True
+        self.decode_seconds += time.perf_counter() - t0
+
+    def decode_launched(self) -> None:
+        """Call once the last prepare's compute is queued (its graph replayed, or launched eagerly): marks its
+        slots used, then starts the next layer's guessed copies and reads, which now overlap that compute
+        instead of delaying its launch."""
+        t0 = time.perf_counter()
+        self._mark_launched()
+        if self._guess is not None:
+            layer, guessed = self._guess
+            self._guess = None
+            self._speculate(layer, guessed)
         self.decode_seconds += time.perf_counter() - t0
 
     def decode_compute(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
@@ -219,7 +235,7 @@ class GpuExperts:
 
     def _speculate(self, layer: int, guessed: list[int]) -> None:
         # runs after this layer's launch and after its demand reads landed (fetch waited for them), so the
-        # early copies overlap its kernel and the disk reads fill the gap before the next layer's demand
+        # early copies overlap its compute and the disk reads fill the gap before the next layer's demand
         keys = [(layer, e) for e in guessed if (layer, e) not in self.cache.lru]
         handles = self._wrap(self.store.peek(keys))
         copied = self.cache.prefetch([(key, h) for key, h in zip(keys, handles) if h is not None])
