@@ -84,6 +84,18 @@ def test_decode_table_bound_efficiency_and_token_check():
     assert "| 75% | 2.0 | 4.0 | 9.5 | 6.25 | yes |" in rows[2] and "| NO |" in rows[3]
 
 
+def test_decode_table_hardware_bound_from_the_profile():
+    busy = {"kernel_ms_per_token": 2.0, "copy_ms_per_token": 0.0}
+    results = {
+        "vram": decode_result(10.0, [1, 2], profiled=busy),
+        "ram": decode_result(8.0, [1, 2], pcie_bytes_per_token=110e6, profiled=busy),
+    }
+    table = decode_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4)
+    assert results["vram"]["hw_efficiency"] == pytest.approx(0.2)  # 2 ms of kernels in a 10 ms token
+    assert results["ram"]["hw_bound_ms"] == pytest.approx(2.0) and results["ram"]["hw_efficiency"] == 0.25
+    assert "vram 2.00 / 0.00 ms, 0.20; ram 2.00 / 0.00 ms, 0.25." in table
+
+
 def test_prefill_table_and_oom_row():
     plan = {"piece": 4096, "max_passes_per_layer": 112}
     ok = dict(
