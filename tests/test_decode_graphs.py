@@ -75,6 +75,16 @@ def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_devic
     assert torch.equal(got, want)
     assert bank.host_syncs - syncs == syncs  # one per layer and token in both
     assert bank.spec.stats.issued > 0
+    # the next layer's guesses start only once this layer's compute is queued (decode_launched)
+    calls = []
+    for name in ("decode_compute", "_speculate"):
+        real = getattr(bank, name)
+        setattr(bank, name, lambda *a, _n=name, _f=real, **k: calls.append((_n, a[0])) or _f(*a, **k))
+    st = eng.new_state()
+    eng.forward(st, prompt)
+    program.step(torch.tensor([5]), st)
+    spec = [i for i, (n, _) in enumerate(calls) if n == "_speculate"]
+    assert spec and all(calls[i - 1] == ("decode_compute", calls[i][1] - 1) for i in spec)
     bank.close()
     eng.close()
 
