@@ -1,9 +1,11 @@
-"""Host cost of the GPU expert bank's one-token call when every expert already sits in a slot (the bench's
-`vram` regime), measured on the CPU device with the expert kernel stubbed: slot bookkeeping, the cache
-policy, the expert -> slot map and (with `spec`) speculation. What it leaves out on a GPU: kernel launches,
-the id read-back's wait, and the router product, which is asynchronous there.
+"""Host cost of the GPU expert bank's one-token call, measured on the CPU device with the expert kernel
+stubbed: slot bookkeeping, the cache policy, the expert -> slot map and (with `spec`) speculation. Default:
+every expert already sits in a slot (the bench's `vram` regime); `--ram`: only the plan's minimum of 3 x K
+slots, every block in the RAM cache, so each call copies its misses and guesses (the `ram` regime). What it
+leaves out on a GPU: the CUDA calls (copies, events, kernel launches), the id read-back's wait, and the
+router product, which is asynchronous there.
 
-    python scripts/bank_host_cost.py WORKDIR [spec|nospec] [--profile]
+    python scripts/bank_host_cost.py WORKDIR [spec|nospec] [--ram] [--profile]
 """
 
 import cProfile
@@ -19,7 +21,7 @@ from expertstream.store import ExpertStore
 from expertstream.workdir import Workdir
 
 
-def main(workdir: str, mode: str = "spec", profile: bool = False) -> None:
+def main(workdir: str, mode: str = "spec", profile: bool = False, ram: bool = False) -> None:
     torch.set_num_threads(1)
     wd = Workdir(workdir)
     ge.nvfp4_moe.nvfp4_moe_decode = lambda x, *a, **k: torch.zeros_like(x)  # bookkeeping only
@@ -27,13 +29,18 @@ def main(workdir: str, mode: str = "spec", profile: bool = False) -> None:
         wd.text_config["num_experts_per_tok"], wd.layout.hidden_size, wd.num_layers, wd.num_experts
     )  # fmt: skip
     store = ExpertStore(wd, n_layers * n_experts * wd.layout.block_bytes + 1, io_threads=4)
-    bank = GpuExperts(wd, store, n_layers * n_experts, "cpu", speculate=mode == "spec")
+    bank = GpuExperts(wd, store, 3 * k if ram else n_layers * n_experts, "cpu", speculate=mode == "spec")
     g = torch.Generator().manual_seed(0)
     routers = {layer: torch.randn(n_experts, h, generator=g) for layer in range(n_layers)}
     bank.set_router_weights(routers)
-    for layer in range(n_layers):  # every block into a slot first: the timed calls are all hits
+    for layer in range(n_layers):  # every block into a slot (or, --ram, into RAM) first
         for i in range(0, n_experts, 16):
-            bank.cache.fetch(layer, list(range(i, min(i + 16, n_experts))))
+            if ram:
+                for handle in store.request([(layer, e) for e in range(i, min(i + 16, n_experts))]):
+                    handle.wait()
+                    handle.release()
+            else:
+                bank.cache.fetch(layer, list(range(i, min(i + 16, n_experts))))
     xs = [[torch.randn(1, h, generator=g) for _ in range(n_layers)] for _ in range(300)]
     ids = [[torch.topk(x @ routers[layer].T, k).indices for layer, x in enumerate(row)] for row in xs]
     w = torch.full((1, k), 1.0 / k)
@@ -44,9 +51,12 @@ def main(workdir: str, mode: str = "spec", profile: bool = False) -> None:
                 bank(layer, xs[t][layer], ids[t][layer], w)
 
     run(20)
-    t0 = time.perf_counter()
+    c0, t0 = bank.cache.stats.copies, time.perf_counter()
     run(300)
-    print(f"{mode}: {(time.perf_counter() - t0) / (300 * n_layers) * 1e6:.0f} us per layer call")
+    per_call = (time.perf_counter() - t0) / (300 * n_layers) * 1e6
+    copies = (bank.cache.stats.copies - c0) / (300 * n_layers)
+    label = f"{mode} ram" if ram else mode
+    print(f"{label}: {per_call:.0f} us per layer call, {copies:.1f} block copies per call")
     if profile:
         prof = cProfile.Profile()
         prof.runcall(run, 100)
@@ -57,4 +67,4 @@ def main(workdir: str, mode: str = "spec", profile: bool = False) -> None:
 
 if __name__ == "__main__":
     modes = [a for a in sys.argv[2:] if not a.startswith("--")]
-    main(sys.argv[1], modes[0] if modes else "spec", profile="--profile" in sys.argv)
+    main(sys.argv[1], modes[0] if modes else "spec", profile="--profile" in sys.argv, ram="--ram" in sys.argv)

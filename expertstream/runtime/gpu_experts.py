@@ -99,6 +99,7 @@ class GpuExperts:
         )
         self.expert_to_slot = torch.zeros(self.num_experts, dtype=torch.int32, device=self.cache.device)
         self._slot_map = HostMirror(self.expert_to_slot)  # set on the host, uploaded without blocking
+        self._slot_map_np = self._slot_map.host.numpy()  # its host copy as numpy: cheap small writes
         self.spec = Speculator(self.layout.block_bytes, speculation_width) if speculate else None
         self.host_syncs = 0  # device -> host reads the bank waits on (decode: one per layer)
         # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
@@ -157,10 +158,9 @@ class GpuExperts:
         """Point `expert_to_slot` at `slots` with one non-blocking upload of the whole map (2 KB for 512
         experts, `HostMirror`). Other experts' entries go stale (kernels look up only the experts just
         fetched), or are set to `others` (-1: a prefill pass skips their pairs)."""
-        host = self._slot_map.host
         if others is not None:
-            host.fill_(others)
-        host[experts] = torch.tensor(slots, dtype=torch.int32)
+            self._slot_map_np.fill(others)
+        self._slot_map_np[experts] = slots
         self._slot_map.push()
 
     def _decode(self, layer, x, expert_ids, weights) -> torch.Tensor:
