@@ -49,6 +49,17 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--prompts", type=int, nargs="+", help="prefill: prompt lengths in tokens (default: 2451 32768)"
     )
     p.add_argument(
+        "--prefill-piece",
+        type=int,
+        help="prefill: prompt piece in tokens (default: the 48-layer model's plan under the same budget)",
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=120.0,
+        help="prefill: skip (and estimate) a regime and prompt whose expert bytes alone would take longer",
+    )
+    p.add_argument(
         "--no-speculation", action="store_true", help="decode, prefill: run the engine without speculation"
     )
     p.add_argument(

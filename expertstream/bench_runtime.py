@@ -263,8 +263,9 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
     return "\n".join(rows) + "\n"
 
 
-def real_model_cache_share(wd, budget_gb: float, max_model_len: int) -> float:
-    """VRAM cache blocks per layer that the 48-layer model's plan leaves under the same budget."""
+def real_model_plan(wd, budget_gb: float, max_model_len: int):
+    """The 48-layer model's memory plan under the same budget and context (the bench model has fewer
+    layers, so its own plan leaves far more room than the real model's would)."""
     from expertstream.inventory import resident_spec
     from expertstream.memory_plan import plan_memory
 
@@ -273,8 +274,12 @@ def real_model_cache_share(wd, budget_gb: float, max_model_len: int) -> float:
     types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(REAL_LAYERS)]
     tc.update(num_hidden_layers=REAL_LAYERS, layer_types=types, vocab_size=REAL_VOCAB)
     inventory = {name: (shape, dtype) for name, (dtype, shape) in resident_spec(tc).items()}
-    plan = plan_memory(tc, inventory, wd.layout.block_bytes, int(budget_gb * GiB * 0.9), max_model_len)
-    return plan.vram_cache_blocks / REAL_LAYERS
+    return plan_memory(tc, inventory, wd.layout.block_bytes, int(budget_gb * GiB * 0.9), max_model_len)
+
+
+def real_model_cache_share(wd, budget_gb: float, max_model_len: int) -> float:
+    """VRAM cache blocks per layer that the 48-layer model's plan leaves under the same budget."""
+    return real_model_plan(wd, budget_gb, max_model_len).vram_cache_blocks / REAL_LAYERS
 
 
 def bench_model(args, what: str, max_model_len: int):

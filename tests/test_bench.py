@@ -117,8 +117,11 @@ def test_prefill_table_and_oom_row():
         "disk/32768": ok,
         "ram/32768": fast_ram,
         "ram/2451": {"prompt": 2451, "oom": True, "plan": plan},
-    }
+        "disk/2451": {"prompt": 2451, "oom": False, "skipped": True, "estimate_s": 741.0,
+                      "plan": plan | {"pieces": 20, "max_expert_bytes_per_layer": 26e9}},
+    }  # fmt: skip
     table = prefill_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4, budget_gib=7.2)
+    assert "not run: 20 pieces fetch up to 26 GB of experts per layer, >= 741 s" in table
     assert ok["bound_s"] == pytest.approx(4.0) and ok["efficiency"] == pytest.approx(1.0)  # disk-bound
     assert fast_ram["bound_s"] == pytest.approx(2.5) and fast_ram["efficiency"] == pytest.approx(2.5 / 3)
     assert floor["efficiency"] == pytest.approx(1.0)
@@ -152,3 +155,24 @@ def test_profile_writes_the_op_table_and_a_trace(tmp_path):
 def test_busy_time_counts_overlaps_once():
     assert busy_ms([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
     assert busy_ms([]) == 0
+
+
+def test_the_real_plans_prefill_piece_is_what_the_bench_uses():
+    """The 48-layer model under 8 GiB with a 32k context leaves room for 128-token pieces only (the bench's
+    4-layer model would allow far more), and each piece fetches its experts again."""
+    import collections
+    from types import SimpleNamespace
+
+    from expertstream.bench_prefill import plan_prefill
+    from expertstream.bench_runtime import real_model_plan
+    from expertstream.formats.expert_block import ExpertLayout
+    from expertstream.synth import build_config
+
+    tc = build_config("full-shape", None, None, 1024, collections.defaultdict(lambda: 7))["text_config"]
+    wd = SimpleNamespace(text_config=tc, layout=ExpertLayout.for_dims(2560, 640))
+    plan = real_model_plan(wd, 8.0, 32768)
+    assert plan.prefill_piece == 128
+    assert real_model_plan(wd, 8.0, 4096).prefill_piece > plan.prefill_piece
+    block = wd.layout.block_bytes
+    one = plan_prefill(2451, 4096, 2, 512, 10, block).max_expert_bytes_per_layer
+    assert plan_prefill(2451, 128, 2, 512, 10, block).max_expert_bytes_per_layer > 15 * one
