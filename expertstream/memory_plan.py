@@ -14,6 +14,9 @@ MiB = 1024**2
 
 # Largest first: the biggest prompt piece whose activations fit is used (fewer expert passes per prompt).
 PREFILL_PIECES = (4096, 2048, 1024, 512, 256, 128)
+# Each piece fetches its experts again (a piece of 128+ tokens routes to most of them), so matrices go FP8
+# until a piece of this size fits before any are kept in BF16: a 4k prompt then moves <= 4x one pass's bytes
+PREFILL_TARGET = 1024
 # Resident matrices the plan may store FP8 row-scaled, in the order it gives them up (largest savings first).
 FP8_CANDIDATES = (
     "linear_attn.in_proj_qkv.weight",
@@ -177,13 +180,14 @@ def plan_memory(
     reserve = int(budget_bytes * RESERVE_FRACTION)
     fixed = state + kv + idx + slots + DECODE_WORKSPACE + reserve
 
-    def minimum(weight_bytes: int) -> int:
-        return weight_bytes + fixed + prefill_ws(PREFILL_PIECES[-1])
+    def minimum(weight_bytes: int, piece: int = PREFILL_PIECES[-1]) -> int:
+        return weight_bytes + fixed + prefill_ws(piece)
 
     notes: list[str] = []
-    # Give up BF16 for the largest matrices, family by family, until the minimum fits.
+    # Give up BF16 for the largest matrices, family by family, until a PREFILL_TARGET piece fits (at least
+    # the minimum; the smallest piece is the floor when even all-FP8 leaves no more room).
     for suffix in FP8_CANDIDATES:
-        if minimum(base) <= budget_bytes:
+        if minimum(base, PREFILL_TARGET) <= budget_bytes:
             break
         for name, (shape, dtype) in weights.items():
             if name.endswith(suffix) and dtype in ("BF16", "F16") and len(shape) == 2:
@@ -196,8 +200,20 @@ def plan_memory(
             f"indexer keys {(kv + idx) / GiB:.2f} GiB); raise --gpu-memory-gb or lower --max-model-len"
         )
     left = budget_bytes - base - fixed
-    piece = next(p for p in PREFILL_PIECES if prefill_ws(p) <= left // 2 or p == PREFILL_PIECES[-1])
+
+    # the largest piece taking at most half of what is left (the rest is the VRAM cache), and at least the
+    # largest piece up to PREFILL_TARGET that fits at all
+    def affordable(p: int) -> bool:
+        return prefill_ws(p) <= left // 2 or (p <= PREFILL_TARGET and prefill_ws(p) <= left)
+
+    piece = max(p for p in PREFILL_PIECES if affordable(p) or p == PREFILL_PIECES[-1])
     left -= prefill_ws(piece)
+    if piece < PREFILL_PIECES[0]:  # every piece routes to most experts and fetches them again
+        notes.append(
+            f"prompts run in {piece}-token pieces and each piece fetches its experts again: a 4,096-token "
+            f"prompt moves ~{-(-4096 // piece)}x the expert bytes of one pass; a shorter --max-model-len "
+            "leaves room for longer pieces"
+        )
     if embed is not None:
         embed_gib = _tensor_bytes(*embed) / GiB
         notes.append(f"token embedding ({embed_gib:.2f} GiB) stays in host RAM; rows gathered per step")

@@ -158,21 +158,22 @@ def test_busy_time_counts_overlaps_once():
 
 
 def test_the_real_plans_prefill_piece_is_what_the_bench_uses():
-    """The 48-layer model under 8 GiB with a 32k context leaves room for 128-token pieces only (the bench's
-    4-layer model would allow far more), and each piece fetches its experts again."""
+    """The 48-layer model under 8 GiB with a 32k context leaves room for 1,024-token pieces (the bench's
+    4-layer model would allow 4,096), and each piece fetches its experts again."""
     import collections
     from types import SimpleNamespace
 
     from expertstream.bench_prefill import plan_prefill
     from expertstream.bench_runtime import real_model_plan
     from expertstream.formats.expert_block import ExpertLayout
+    from expertstream.memory_plan import PREFILL_TARGET
     from expertstream.synth import build_config
 
     tc = build_config("full-shape", None, None, 1024, collections.defaultdict(lambda: 7))["text_config"]
     wd = SimpleNamespace(text_config=tc, layout=ExpertLayout.for_dims(2560, 640))
-    plan = real_model_plan(wd, 8.0, 32768)
-    assert plan.prefill_piece == 128
-    assert real_model_plan(wd, 8.0, 4096).prefill_piece > plan.prefill_piece
+    assert real_model_plan(wd, 8.0, 32768).prefill_piece == PREFILL_TARGET
+    assert real_model_plan(wd, 24.0, 32768).prefill_piece == 4096
     block = wd.layout.block_bytes
     one = plan_prefill(2451, 4096, 2, 512, 10, block).max_expert_bytes_per_layer
-    assert plan_prefill(2451, 128, 2, 512, 10, block).max_expert_bytes_per_layer > 15 * one
+    assert plan_prefill(2451, 1024, 2, 512, 10, block).max_expert_bytes_per_layer == 3 * one
+    assert plan_prefill(32768, 1024, 2, 512, 10, block).max_expert_bytes_per_layer == 32 * one

@@ -1,7 +1,7 @@
 import pytest
 
 from expertstream.inventory import resident_spec
-from expertstream.memory_plan import GiB, MemoryPlanError, plan_memory
+from expertstream.memory_plan import PREFILL_TARGET, GiB, MemoryPlanError, plan_memory
 
 BLOCK = 2_764_800
 
@@ -64,6 +64,19 @@ def test_8gib_plan_holds_the_real_model_with_32k_context():
     )
     assert total <= plan.budget
     assert "VRAM plan" in plan.describe()
+    # each prompt piece fetches its experts again: matrices go FP8 until a 1,024-token piece fits, and the
+    # plan says what pieces cost
+    assert plan.prefill_piece == PREFILL_TARGET and "~4x the expert bytes of one pass" in plan.describe()
+
+
+def test_fp8_buys_the_target_prefill_piece_before_bf16_is_kept():
+    # the default utilization (0.9 x 8 GiB): the DeltaNet matrices alone would leave 128-token pieces
+    tight = plan_memory(real_text_config(), real_resident(), BLOCK, int(7.2 * GiB), 32768)
+    assert tight.prefill_piece == PREFILL_TARGET and "lm_head.weight" not in tight.fp8
+    assert any("self_attn.o_proj" in n for n in tight.fp8)
+    # a 4k context at 8 GiB converts fewer matrices, still to the same piece
+    short = plan_memory(real_text_config(), real_resident(), BLOCK, 8 * GiB, 4096)
+    assert short.prefill_piece >= PREFILL_TARGET and len(short.fp8) < len(tight.fp8)
 
 
 def test_larger_budget_keeps_bf16_and_grows_the_cache():
