@@ -126,3 +126,16 @@ def test_host_mirror_pushes_the_host_copy():
     m.host[1] = 0
     m.push()
     assert dev.abs().sum() == 0
+
+
+def test_a_failed_read_hands_every_buffer_back():
+    cache, log = make(8)
+
+    class Broken(FakeHandle):
+        def wait(self):
+            raise OSError("read failed")
+
+    cache.fetch_host = lambda keys: [(Broken if k[1] == 4 else FakeHandle)(k, log) for k in keys]
+    with pytest.raises(OSError, match="read failed"):
+        cache.fetch(0, [2, 4, 6])
+    assert sorted(k for what, k in log if what == "release") == [(0, 2), (0, 4), (0, 6)]

@@ -146,36 +146,46 @@ class VramExpertCache:
         """Queue the copies of host blocks [(slot, key, handle)] (on the speculative stream for guesses) and
         set their slots' global scales. Returns one event per block for guesses (a demand hit on one waits
         for that block only), else None: demand copies are awaited as a whole."""
-        events = []
+        events, queued = [], []  # queued: handles whose copy is on the stream (released once it ran)
         stream = self.spec_stream if speculative else self.copy_stream
         waited: set[int] = set()  # slot_events share one event per kernel launch: wait for each once
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for slot, _, h in blocks:
-                t0 = time.perf_counter()
-                block = h.wait()  # blocks on the RAM/disk tiers; each block goes up the moment it arrives
-                self.stats.wait_seconds += time.perf_counter() - t0
-                self.stats.copies += 1
-                self.stats.bytes_copied += self.block_bytes
-                if stream is None:
-                    self._slot_rows[slot].copy_(block)
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for slot, _, h in blocks:
+                    t0 = time.perf_counter()
+                    block = h.wait()  # blocks on the RAM/disk tiers; each block goes up the moment it lands
+                    self.stats.wait_seconds += time.perf_counter() - t0
+                    self.stats.copies += 1
+                    self.stats.bytes_copied += self.block_bytes
+                    if stream is None:
+                        self._slot_rows[slot].copy_(block)
+                        queued.append(h)
+                        continue
+                    earlier = self.early_copies.pop(slot, None)  # an unused guess still landing here
+                    if earlier is not None and not speculative:
+                        stream.wait_event(earlier)  # the other stream's write must finish before this one
+                    last_use = self.slot_events.pop(slot, None)
+                    if (
+                        last_use is not None and id(last_use) not in waited
+                    ):  # never overwrite what a kernel reads
+                        stream.wait_event(last_use)
+                        waited.add(id(last_use))
+                    self._slot_rows[slot].copy_(block, non_blocking=True)
+                    queued.append(h)
+                    if speculative:
+                        events.append(torch.cuda.Event())
+                        events[-1].record(stream)
+        finally:  # also after a failed read: copies already queued keep their buffers until they ran
+            if stream is None:
+                for h in queued:
                     h.release()
-                    continue
-                earlier = self.early_copies.pop(slot, None)  # an unused guess still landing in this slot
-                if earlier is not None and not speculative:
-                    stream.wait_event(earlier)  # the other stream's write must finish before this one
-                last_use = self.slot_events.pop(slot, None)
-                if last_use is not None and id(last_use) not in waited:  # never overwrite what a kernel reads
-                    stream.wait_event(last_use)
-                    waited.add(id(last_use))
-                self._slot_rows[slot].copy_(block, non_blocking=True)
-                if speculative:
-                    events.append(torch.cuda.Event())
-                    events[-1].record(stream)
-            if stream is not None and blocks:
+            elif queued:
                 done = events[-1] if events else torch.cuda.Event()
                 if not events:
                     done.record(stream)
-                self.in_flight.append((done, [h for _, _, h in blocks]))  # host buffers go back once it ran
+                self.in_flight.append((done, queued))
+            for _, _, h in blocks[len(queued) :]:  # the failed block and those after it
+                h.release()
         self._set_scales([slot for slot, _, _ in blocks], [key for _, key, _ in blocks])
         return events if speculative else None
 
