@@ -48,6 +48,7 @@ class EngineStats:
     host_syncs: int  # device -> host reads the expert bank waited on (decode: one per MoE layer)
     bank_decode_seconds: float  # decode thread inside the bank's one-token calls (GPU bank; 0 otherwise)
     bank_sync_seconds: float  # ... of which waiting in the routing-id read-back for the GPU to catch up
+    bank_spec_seconds: float  # ... of which issuing the next layer's guessed copies and reads
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -241,6 +242,7 @@ class Engine:
             host_syncs=self.bank.host_syncs,
             bank_decode_seconds=getattr(self.bank, "decode_seconds", 0.0),
             bank_sync_seconds=getattr(self.bank, "sync_seconds", 0.0),
+            bank_spec_seconds=getattr(self.bank, "spec_seconds", 0.0),
         )
 
     def close(self) -> None:

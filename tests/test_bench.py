@@ -61,6 +61,7 @@ def decode_result(ms, tokens, **kw):
         stall_ms_per_token=0.0,
         sync_ms_per_token=1.5,
         bank_host_ms_per_token=0.25,
+        guess_host_ms_per_token=0.1,
         outside_bank_ms_per_token=3.0,
         spec_hit_rate=0.75,
         spec_wasted_bytes_per_token=2e6,
@@ -80,7 +81,7 @@ def test_decode_table_bound_efficiency_and_token_check():
     assert results["disk"]["bound_ms"] == pytest.approx(30.0) and results["disk"]["efficiency"] == 0.75
     rows = table.strip().splitlines()
     assert len(rows) == 4 and "guess hit" in rows[0] and "bank syncs/token" in rows[0]
-    assert "| 0.00 | 1.50 | 0.25 | 3.00 |" in rows[2]  # stall, sync wait, bank host, outside bank
+    assert "| 0.00 | 1.50 | 0.25 | 0.10 | 3.00 |" in rows[2]  # stall, sync wait, bank host, guesses, outside
     assert "| 75% | 2.0 | 4.0 | 9.5 | 6.25 | yes |" in rows[2] and "| NO |" in rows[3]
 
 

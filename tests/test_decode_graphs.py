@@ -75,6 +75,7 @@ def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_devic
     assert torch.equal(got, want)
     assert bank.host_syncs - syncs == syncs  # one per layer and token in both
     assert bank.spec.stats.issued > 0
+    assert 0 < bank.spec_seconds < bank.decode_seconds  # the guesses' host time, part of the bank's
     # the next layer's guesses start only once this layer's compute is queued (decode_launched)
     calls = []
     for name in ("decode_compute", "_speculate"):

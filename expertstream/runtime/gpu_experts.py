@@ -105,6 +105,7 @@ class GpuExperts:
         # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
         # for the GPU to finish everything queued before: earlier layers, copies, the router)
         self.decode_seconds = self.sync_seconds = 0.0
+        self.spec_seconds = 0.0  # ... of which issuing the next layer's guessed copies and reads
         self.prefill_passes = 0  # expert groups run by prefill (one fetch + one grouped launch each)
         self._launch_pending = False  # a prepared decode whose kernel has not been marked used yet
         self._guess: tuple[int, list[int]] | None = None  # (next layer, its guesses), issued once launched
@@ -211,7 +212,9 @@ class GpuExperts:
         if self._guess is not None:
             layer, guessed = self._guess
             self._guess = None
+            t1 = time.perf_counter()
             self._speculate(layer, guessed)
+            self.spec_seconds += time.perf_counter() - t1
         self.decode_seconds += time.perf_counter() - t0
 
     def decode_compute(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
