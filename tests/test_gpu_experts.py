@@ -90,3 +90,25 @@ def test_warm_up_compiles_without_touching_the_cache(banks, kernel_device):
     bank.warm_up(torch.float32)
     assert bank.cache.stats.requests == 0 and not bank.cache.lru and bank.host_syncs == 0
     bank.close()
+
+
+def test_prompt_passes_reuse_their_read_buffers(tiny_workdir, kernel_device):
+    """Uncached prompt reads go to transient buffers: the bank keeps enough spares that a many-pass prompt
+    allocates (and pins, on a GPU) about three groups' worth once, not a buffer per block."""
+    from expertstream.store.reader import alloc_aligned
+
+    wd = Workdir(tiny_workdir)
+    allocs = []
+
+    def alloc(n):
+        allocs.append(n)
+        return alloc_aligned(n)
+
+    with ExpertStore(wd, 0, io_threads=2, alloc=alloc) as store:
+        bank = GpuExperts(wd, store, 4, kernel_device)  # groups of 2 experts
+        for layer in range(wd.num_layers):
+            x, ids, w = routing(wd, 12, seed=layer)
+            bank(layer, *(v.to(kernel_device) for v in (x, ids, w)))
+        assert bank.prefill_passes >= 4 * wd.num_layers
+        assert len(allocs) <= 3 * 2 + 2 < store.stats.misses
+        bank.close()

@@ -107,6 +107,9 @@ class GpuExperts:
         self.decode_seconds = self.sync_seconds = 0.0
         self.spec_seconds = 0.0  # ... of which issuing the next layer's guessed copies and reads
         self.prefill_passes = 0  # expert groups run by prefill (one fetch + one grouped launch each)
+        # prompt passes read one group ahead, and a group's buffers wait for its copies: three groups' worth
+        if hasattr(store, "keep_spare"):
+            store.keep_spare(3 * max(1, n_slots // 2))
         self._launch_pending = False  # a prepared decode whose kernel has not been marked used yet
         self._guess: tuple[int, list[int]] | None = None  # (next layer, its guesses), issued once launched
 

@@ -192,6 +192,13 @@ class ExpertStore:
             self._pool.submit(self._read, entry)
             return entry
 
+    def keep_spare(self, blocks: int) -> None:
+        """Keep up to `blocks` transient buffers for reuse (default: one per reader). A GPU bank's prompt
+        passes hold about two groups of blocks at once; without enough spares every pass maps and pins
+        fresh buffers (cudaHostRegister) and drops as many."""
+        with self._lock:
+            self._max_spare = max(self._max_spare, blocks)
+
     def _count_prefetch_hit(self, key: Key) -> None:
         if key in self._prefetched:
             self._prefetched.discard(key)
