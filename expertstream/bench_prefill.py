@@ -167,7 +167,7 @@ def run(args) -> int:
     for name, (cfg, blocks) in regimes.items():
         rate = {"vram": 0.0, "ram": pcie, "disk": disk}[name]  # GB/s the expert bytes come at, at best
         for prompt in prompts:
-            plan = plan_prefill(prompt, piece, 2, wd.num_experts, k, block)
+            plan = plan_prefill(prompt, piece, 2, wd.num_experts, k, block)  # bytes do not depend on slots
             estimate = plan.max_expert_bytes_per_layer * wd.num_layers / 1e9 / rate if rate else 0.0
             if estimate > args.max_seconds:  # pieces re-fetch their experts: say what a run would take
                 results[f"{name}/{prompt}"] = {"prompt": prompt, "skipped": True, "estimate_s": estimate,

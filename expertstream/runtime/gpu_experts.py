@@ -108,8 +108,7 @@ class GpuExperts:
         self.spec_seconds = 0.0  # ... of which issuing the next layer's guessed copies and reads
         self.prefill_passes = 0  # expert groups run by prefill (one fetch + one grouped launch each)
         # prompt passes read one group ahead, and a group's buffers wait for its copies: three groups' worth
-        if hasattr(store, "keep_spare"):
-            store.keep_spare(3 * max(1, n_slots // 2))
+        store.keep_spare(3 * max(1, n_slots // 2))
         self._launch_pending = False  # a prepared decode whose kernel has not been marked used yet
         self._guess: tuple[int, list[int]] | None = None  # (next layer, its guesses), issued once launched
 
@@ -259,24 +258,13 @@ class GpuExperts:
         group = max(1, self.cache.n_slots // 2)
         groups = [experts[i : i + group] for i in range(0, len(experts), group)]
         self.prefill_passes += len(groups)
-        if len(groups) == 1:  # every routed expert fits at once: one fetch, one grouped launch
-            self._map(experts, self.cache.fetch(layer, experts))
-            y = nvfp4_moe.nvfp4_moe_prefill(
-                x,
-                self.cache.slots,
-                expert_ids,
-                self.expert_to_slot,
-                self.cache.ws2,
-                weights.float(),
-                self.layout,
-            )
-            self.cache.mark_used()
-            return y
         # one row per (token, k) pair, filled group by group: the kernel skips pairs whose expert is not in
         # the group (mapped to -1), so no pass reads the routing back or gathers its tokens
         y = torch.empty(expert_ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+        weights = weights.float()
         # reads run one group ahead: group g+1's disk reads proceed while group g is copied and computed
-        pending = [self._read_ahead(layer, groups[0])]
+        # (with one group its fetch is the only request)
+        pending = [self._read_ahead(layer, groups[0]) if len(groups) > 1 else []]
         try:
             for g, members in enumerate(groups):
                 pending.append(self._read_ahead(layer, groups[g + 1]) if g + 1 < len(groups) else [])
@@ -284,7 +272,7 @@ class GpuExperts:
                 for h in pending.pop(0):
                     h.release()
                 nvfp4_moe.nvfp4_moe_prefill_pairs(
-                    x, self.cache.slots, expert_ids, self.expert_to_slot, self.cache.ws2, weights.float(),
+                    x, self.cache.slots, expert_ids, self.expert_to_slot, self.cache.ws2, weights,
                     self.layout, y, distinct=len(experts),
                 )  # fmt: skip
                 self.cache.mark_used()
