@@ -90,11 +90,22 @@ def run_benchmarks() -> tuple[list[Row], dict]:
     flop_per_pair = 2 * 3 * HIDDEN * INTER
 
     ids, w = route(1)
-    sid = ids[0].to(torch.int32)
     x = torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
-    ms = do_bench(lambda: nvfp4_moe_decode(x, slots, sid, ws2, w[0], layout))
+    loc = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")  # expert i in slot i
+    ms = do_bench(lambda: nvfp4_moe_decode(x, ids[0], loc, ws2, w[0], layout, slots))
     nbytes = TOPK * (payload + 12) + 2 * 2 * HIDDEN  # blocks, ws2, x in and y out
     rows.append(_row("nvfp4_moe_decode", f"k={TOPK}", ms, nbytes, TOPK * flop_per_pair, bw, tf, ">= 50% HBM"))
+    # the same call with the k blocks in pinned host RAM, read over the bus (the engine's RAM-cache path)
+    host = slots[ids[0]].cpu().pin_memory()
+    host_loc = torch.full((EXPERTS,), 0, dtype=torch.int32, device="cuda")
+    host_loc[ids[0]] = -1 - torch.arange(TOPK, dtype=torch.int32, device="cuda")
+    src = torch.empty(2**28, dtype=torch.uint8).pin_memory()
+    h2d = src.numel() / do_bench(lambda: src.to("cuda", non_blocking=True)) / 1e6
+    ms = do_bench(lambda: nvfp4_moe_decode(x, ids[0], host_loc, ws2, w[0], layout, slots, host))
+    bus = f"{100 * nbytes / ms / 1e6 / h2d:.0f}% of H2D copy ({h2d:.1f} GB/s)"
+    rows.append(
+        _row("nvfp4_moe_decode", f"k={TOPK}, in host RAM", ms, nbytes, TOPK * flop_per_pair, bw, tf, bus)
+    )
 
     e2s = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
     for t in PREFILL_T:
@@ -229,9 +240,10 @@ def sweep_configs(path: str, kernels: tuple[str, ...] = SWEPT) -> dict:
     layout, slots, ws2 = random_bank(EXPERTS)
     if "nvfp4_decode" in kernels:
         ids, w = route(1)
-        sid, x = ids[0].to(torch.int32), torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
+        loc = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
         pick("nvfp4_decode", f"{HIDDEN}x{INTER}", f"decode k={TOPK}", DECODE_SWEEP,
-             lambda cfg: nvfp4_moe_decode(x, slots, sid, ws2, w[0], layout, config=cfg))  # fmt: skip
+             lambda cfg: nvfp4_moe_decode(x, ids[0], loc, ws2, w[0], layout, slots, config=cfg))  # fmt: skip
     if "nvfp4_prefill" in kernels:
         e2s = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
         for t in (512, 2451, 8192):

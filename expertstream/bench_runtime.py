@@ -184,6 +184,10 @@ def decode_regime(
     s1, c1 = eng.stats(), eng.bank.cache.stats
     last = generated[-1]
     stall_ms = (c1.wait_seconds - c0.wait_seconds) / tokens * 1e3
+    resident, resident_ram = (
+        s1.resident_reads - s0.resident_reads,
+        s1.resident_ram_reads - s0.resident_ram_reads,
+    )
     sync_ms = (s1.bank_sync_seconds - s0.bank_sync_seconds) / tokens * 1e3
     bank_ms = (s1.bank_decode_seconds - s0.bank_decode_seconds) / tokens * 1e3
     all_syncs = count_cuda_syncs(lambda: [eng.forward(state, [last]).argmax() for _ in range(2)]) / 2
@@ -192,9 +196,13 @@ def decode_regime(
         "tokens": generated,
         "ms_per_token": dt * 1e3,
         "disk_bytes_per_token": (s1.bytes_read - s0.bytes_read) / tokens,
-        "pcie_bytes_per_token": (c1.bytes_copied - c0.bytes_copied) / tokens,
-        "vram_hit_rate": (c1.hits - c0.hits) / max(1, c1.requests - c0.requests),
-        "ram_hit_rate": (s1.hits - s0.hits) / max(1, s1.requests - s0.requests),
+        # copies, and blocks the decode kernel read from RAM in place
+        "pcie_bytes_per_token": (c1.bytes_copied - c0.bytes_copied + s1.bus_read_bytes - s0.bus_read_bytes)
+        / tokens,
+        # blocks found through the full location table count as hits of the tier they sit in
+        "vram_hit_rate": (c1.hits - c0.hits + resident - resident_ram)
+        / max(1, c1.requests - c0.requests + resident),
+        "ram_hit_rate": (s1.hits - s0.hits + resident_ram) / max(1, s1.requests - s0.requests + resident_ram),
         "stall_ms_per_token": stall_ms,
         # where a token's time goes: the bank's id read-back waiting for the GPU, the bank's own host work
         # (stall excluded), and everything outside the bank (graph replays, QSA, PLE, embedding, lm_head)

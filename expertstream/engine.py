@@ -49,6 +49,9 @@ class EngineStats:
     bank_decode_seconds: float  # decode thread inside the bank's one-token calls (GPU bank; 0 otherwise)
     bank_sync_seconds: float  # ... of which waiting in the routing-id read-back for the GPU to catch up
     bank_spec_seconds: float  # ... of which issuing the next layer's guessed copies and reads
+    bus_read_bytes: int  # expert bytes decode kernels read from the pinned RAM cache in place (no copy)
+    resident_reads: int  # decode blocks found through the full location table, without a lookup
+    resident_ram_reads: int  # ... of which read from RAM (the rest from VRAM)
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -243,6 +246,9 @@ class Engine:
             bank_decode_seconds=getattr(self.bank, "decode_seconds", 0.0),
             bank_sync_seconds=getattr(self.bank, "sync_seconds", 0.0),
             bank_spec_seconds=getattr(self.bank, "spec_seconds", 0.0),
+            bus_read_bytes=getattr(self.bank, "bytes_in_place", 0),
+            resident_reads=getattr(self.bank, "resident_reads", 0),
+            resident_ram_reads=getattr(self.bank, "resident_ram_reads", 0),
         )
 
     def close(self) -> None:

@@ -51,12 +51,19 @@ def main() -> int:
 
     ids, w = route(1, seed=1)
     x = torch.randn(HIDDEN, device="cuda").bfloat16()
-    sid = e2s[ids[0]].to(torch.int32)
-    got = nvfp4_moe_decode(x, slots, sid, ws2, w[0], layout)
+    loc, scales = e2s, ws2[e2s.long()].contiguous()  # expert e's block in slot e2s[e]
+    got = nvfp4_moe_decode(x, ids[0], loc, scales, w[0], layout, slots)
     ok &= compare(
-        f"nvfp4_moe_decode k={TOPK}", got, nvfp4_moe_decode_ref(x.float(), slots, sid, ws2, w[0], layout)
+        f"nvfp4_moe_decode k={TOPK}", got,
+        nvfp4_moe_decode_ref(x.float(), ids[0], loc, scales, w[0], layout, slots),
+    )  # fmt: skip
+    # the same experts read from pinned host RAM over the bus
+    host = slots.cpu().pin_memory()
+    got_host = nvfp4_moe_decode(x, ids[0], -1 - loc, scales, w[0], layout, slots, host)
+    ok &= compare(f"nvfp4_moe_decode k={TOPK}, blocks in host RAM", got_host, got.float())
+    same = all(
+        torch.equal(got, nvfp4_moe_decode(x, ids[0], loc, scales, w[0], layout, slots)) for _ in range(5)
     )
-    same = all(torch.equal(got, nvfp4_moe_decode(x, slots, sid, ws2, w[0], layout)) for _ in range(5))
     print(
         f"{'ok  ' if same else 'FAIL'} nvfp4_moe_decode bitwise equal over 6 calls (no atomics)", flush=True
     )

@@ -8,6 +8,7 @@ import torch
 from expertstream.config import EngineConfig
 from expertstream.engine import Engine
 from expertstream.runtime.decode_graphs import DecodeGraphs, decode_program
+from expertstream.store import ExpertStore
 
 
 def continue_greedy(eng, prompt, n, step=None, st=None):
@@ -55,7 +56,9 @@ def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_devic
     eng = Engine(
         EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
     )
-    bank = GpuExperts(eng.workdir, eng.store, 64, eng.device)
+    # half the blocks fit in RAM, fewer in VRAM: every layer reads its ids back (never resident)
+    store = ExpertStore(eng.workdir, 32 * eng.workdir.layout.block_bytes, io_threads=2)
+    bank = GpuExperts(eng.workdir, store, 40, eng.device)
     bank.set_router_weights({i: layer.mlp.gate.weight for i, layer in enumerate(eng.model.layers)})
     for layer in eng.model.layers:
         layer.mlp.bank = bank
@@ -87,6 +90,7 @@ def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_devic
     spec = [i for i, (n, _) in enumerate(calls) if n == "_speculate"]
     assert spec and all(calls[i - 1] == ("decode_compute", calls[i][1] - 1) for i in spec)
     bank.close()
+    store.close()
     eng.close()
 
 

@@ -51,6 +51,33 @@ def test_decode_and_prefill_match_the_torch_bank(banks, n_slots, kernel_device):
     bank.close()
 
 
+@pytest.mark.parametrize("n_slots", [8, 64])  # 8: every block pinned in RAM; 64: every block in a slot
+def test_decode_reads_nothing_back_once_every_block_has_a_place(tiny_workdir, n_slots, kernel_device):
+    wd = Workdir(tiny_workdir)
+    n_layers, n_experts, k = wd.num_layers, wd.num_experts, wd.text_config["num_experts_per_tok"]
+    with ExpertStore(wd, n_layers * n_experts * wd.layout.block_bytes, io_threads=2) as store:
+        ref = StreamedExperts(wd, store, torch.float32)
+        bank = GpuExperts(wd, store, n_slots, kernel_device)
+        x, _, w = routing(wd, 1, seed=0)
+        for layer in range(n_layers):  # every block once through decode: the caches fill up
+            for e0 in range(0, n_experts, k):
+                ids = (torch.arange(e0, e0 + k) % n_experts)[None]
+                assert not bank.resident
+                bank(layer, *(v.to(kernel_device) for v in (x, ids, w)))
+        assert bank.resident
+        syncs = bank.host_syncs
+        for seed in range(3):
+            for layer in range(n_layers):
+                x, ids, w = routing(wd, 1, seed=seed * 10 + layer)
+                want = ref(layer, x, ids, w)
+                got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
+                torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+        assert bank.host_syncs == syncs  # the location table answers every lookup on the device
+        in_ram = 3 * n_layers * k if n_slots == 8 else 0
+        assert bank.resident_ram_reads == in_ram
+        bank.close()
+
+
 def test_controls_break_the_output(banks, kernel_device):
     wd, store, ref = banks
     x, ids, w = routing(wd, 1, seed=7)

@@ -52,6 +52,17 @@ def close(got, want, dtype):
     )
 
 
+def decode(x, slots, slot_ids, ws2, w, layout, **kw):
+    """nvfp4_moe_decode with every block in a VRAM slot: expert i is slot i."""
+    loc = torch.arange(slots.shape[0], dtype=torch.int32, device=slots.device)
+    return nvfp4_moe_decode(x, slot_ids, loc, ws2, w, layout, slots, **kw)
+
+
+def decode_ref(x, slots, slot_ids, ws2, w, layout):
+    loc = torch.arange(slots.shape[0], dtype=torch.int32, device=slots.device)
+    return nvfp4_moe_decode_ref(x, slot_ids, loc, ws2, w, layout, slots)
+
+
 @pytest.fixture(scope="module", params=[(64, 32), (96, 48)], ids=["h64i32", "h96i48"])
 def bank(request):
     h, i = request.param
@@ -75,9 +86,33 @@ def test_decode_matches_ref(bank, dtype, slot_ids):
     ids = torch.tensor(slot_ids, dtype=torch.int32, device=DEV)
     w = torch.rand(len(slot_ids), device=DEV)
     # block sizes chosen so H/16 and I/16 groups are not multiples of BLOCK_G, nor rows of BLOCK_N
-    got = nvfp4_moe_decode(x[None], slots, ids, ws2, w, layout, config=cfg(16, 4, 32, 4))
+    got = decode(x[None], slots, ids, ws2, w, layout, config=cfg(16, 4, 32, 4))
     assert got.shape == (1, layout.hidden_size) and got.dtype == dtype
-    close(got, nvfp4_moe_decode_ref(x[None], slots, ids, ws2, w, layout), dtype)
+    close(got, decode_ref(x[None], slots, ids, ws2, w, layout), dtype)
+
+
+def test_decode_reads_host_rows_like_slots(bank):
+    # experts 0-2 in VRAM slots, 3-5 in (pinned) host rows, listed in another order: the kernel and its
+    # twin follow the location table, and the sum equals the all-slots one bit for bit
+    layout, slots, ws2 = bank
+    x = torch.randn(layout.hidden_size, generator=torch.Generator().manual_seed(2)).to(DEV)
+    ids = torch.tensor([5, 0, 3, 3, 2], device=DEV)
+    w = torch.rand(5, device=DEV)
+    host = slots[3:].flip(0).cpu()  # expert 3 -> host row 2, 4 -> 1, 5 -> 0
+    host = host.pin_memory() if DEV == "cuda" else host
+    loc = torch.tensor([0, 1, 2, -3, -2, -1], dtype=torch.int32, device=DEV)
+    vram = slots[:3].contiguous()
+    got = nvfp4_moe_decode(x, ids, loc, ws2, w, layout, vram, host, config=cfg(8, 2, 4, 2))
+    assert torch.equal(got, decode(x, slots, ids, ws2, w, layout, config=cfg(8, 2, 4, 2)))
+    ref = nvfp4_moe_decode_ref(x, ids, loc, ws2, w, layout, vram, host)
+    assert torch.equal(ref, decode_ref(x, slots, ids, ws2, w, layout))
+    # must-fail control: one expert pointed at the wrong host row changes the sum
+    loc[4] = -3
+    bad = nvfp4_moe_decode(x, ids, loc, ws2, w, layout, vram, host, config=cfg(8, 2, 4, 2))
+    assert torch.equal(bad, got)  # expert 4 is not routed: its entry is never read
+    loc[3] = -2
+    bad = nvfp4_moe_decode(x, ids, loc, ws2, w, layout, vram, host, config=cfg(8, 2, 4, 2))
+    assert not torch.allclose(bad, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -109,7 +144,7 @@ def test_prefill_one_token_equals_decode(bank):
     w = torch.rand(1, 3, device=DEV)
     e2s = torch.arange(6, dtype=torch.int32, device=DEV)
     a = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout)
-    b = nvfp4_moe_decode(x, slots, ids[0].int(), ws2, w[0], layout)
+    b = decode(x, slots, ids[0].int(), ws2, w[0], layout)
     close(a, b, torch.float32)
 
 
@@ -127,7 +162,7 @@ def test_refs_equal_float64_dequantize_then_matmul(bank):
     e2s = torch.arange(6, device=DEV)
     pre = nvfp4_moe_prefill_ref(x.float(), slots, ids, e2s, ws2, w.float(), layout)
     torch.testing.assert_close(pre.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    dec = nvfp4_moe_decode_ref(x[2].float(), slots, ids[2].int(), ws2, w[2].float(), layout)
+    dec = decode_ref(x[2].float(), slots, ids[2].int(), ws2, w[2].float(), layout)
     torch.testing.assert_close(dec.double(), want[2], rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -140,9 +175,9 @@ def test_swapped_nibbles_fail(bank):
     swapped = slots.clone()
     codes = layout.part("down_proj.weight").offset
     swapped[:, :codes] = (slots[:, :codes] << 4) | (slots[:, :codes] >> 4)
-    got = nvfp4_moe_decode(x, swapped, ids, ws2, w, layout)
+    got = decode(x, swapped, ids, ws2, w, layout)
     with pytest.raises(AssertionError):
-        close(got, nvfp4_moe_decode_ref(x, slots, ids, ws2, w, layout), torch.float32)
+        close(got, decode_ref(x, slots, ids, ws2, w, layout), torch.float32)
 
 
 def test_sort_pairs_groups_every_pair_once():
@@ -306,8 +341,8 @@ def test_decode_is_deterministic(bank):
     x = torch.randn(layout.hidden_size, device=DEV)
     ids = torch.tensor([3, 1, 3, 0], dtype=torch.int32, device=DEV)
     w = torch.rand(4, device=DEV)
-    a = nvfp4_moe_decode(x, slots, ids, ws2, w, layout, config=cfg(8, 2, 4, 2))
-    b = nvfp4_moe_decode(x, slots, ids, ws2, w, layout, config=cfg(8, 2, 4, 2))
+    a = decode(x, slots, ids, ws2, w, layout, config=cfg(8, 2, 4, 2))
+    b = decode(x, slots, ids, ws2, w, layout, config=cfg(8, 2, 4, 2))
     assert torch.equal(a, b)
 
 

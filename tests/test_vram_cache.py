@@ -7,6 +7,8 @@ BLOCK = 64
 
 
 class FakeHandle:
+    row = None  # not a RAM cache row (a transient read)
+
     def __init__(self, key, log):
         self.key, self.log = key, log
 
@@ -73,45 +75,38 @@ def test_each_block_is_copied_once_while_it_fits():
     assert cache.stats.hits == 4 * 2 * 4
 
 
-def guesses(keys, log):
-    return [(k, FakeHandle(k, log)) for k in keys]
+def test_in_place_reads_fill_free_slots_then_leave_blocks_in_ram_until_the_kernel_ran():
+    cache, log = make(3)
+    rows = {}
+
+    def fetch_host(keys):  # RAM-cache handles: each block has a row in the RAM cache
+        out = []
+        for k in keys:
+            h = FakeHandle(k, log)
+            h.row = rows.setdefault(k, len(rows))
+            out.append(h)
+        return out
+
+    cache.fetch_host = fetch_host
+    first = cache.fetch(0, [0, 1], in_place=True)  # free slots: copied, cached
+    assert all(p >= 0 for p in first) and cache.stats.copies == 2
+    places = cache.fetch(1, [2, 3], in_place=True)  # one free slot left: one copy, one read in place
+    assert places[0] >= 0 and places[1] == -1 - rows[(1, 3)]
+    assert cache.stats.copies == 3 and cache.stats.in_place == 1
+    assert ("release", (1, 3)) not in log  # pinned until the kernel that reads it ran
+    assert (1, 3) not in cache.lru and cache.protected == {places[0]}
+    cache.mark_used()
+    assert ("release", (1, 3)) in log
+    again = cache.fetch(0, [0, 4], in_place=True)  # VRAM hits stay hits; no slot free, nothing evicted
+    assert again[0] == first[0] and again[1] == -1 - rows[(0, 4)] and len(cache.lru) == 3
 
 
-def test_prefetch_never_evicts_the_current_or_the_next_layers_blocks():
-    cache, log = make(6)
-    cache.fetch(3, [7])  # an older block of layer 3: the layer being guessed
-    cache.fetch(0, [0, 1])  # old blocks of another layer
-    current = cache.fetch(2, [2, 3])  # layer 2 runs now (protected)
-    copied = cache.prefetch(guesses([(3, 4), (3, 5), (3, 6), (3, 1)], log))
-    # one free slot, then layer 0's two blocks; (3, 7) and layer 2 are never candidates, so (3, 1) has no slot
-    assert copied == [(3, 4), (3, 5), (3, 6)]
-    assert (0, 0) not in cache.lru and (0, 1) not in cache.lru and (3, 7) in cache.lru
-    assert [cache.lru[(2, e)] for e in (2, 3)] == current
-    assert ("release", (3, 1)) in log  # the guess that found no slot hands its host buffer back
-    for key in copied:
-        assert torch.all(cache.slots[cache.lru[key]] == key[0] * 16 + key[1])
-
-
-def test_prefetched_blocks_are_hits_and_wrong_guesses_are_evicted_first():
-    cache, log = make(6)
-    cache.fetch(3, [7])
+def test_blocks_outside_the_ram_cache_are_copied_even_in_place():
+    cache, log = make(3)
     cache.fetch(0, [0, 1])
-    cache.fetch(2, [2, 3])
-    cache.prefetch(guesses([(3, 4), (3, 5), (3, 6)], log))
-    copies = cache.stats.copies
-    cache.fetch(3, [4, 0])  # (3, 4) was guessed right; (3, 0) needs a slot
-    assert cache.stats.copies == copies + 1 and cache.stats.hits == 1
-    # the slot came from the coldest wrong guess, not from the proven (3, 7)
-    assert (3, 6) not in cache.lru and (3, 7) in cache.lru and (3, 5) in cache.lru
-
-
-def test_prefetch_skips_resident_keys_and_keeps_protection():
-    cache, log = make(4)
-    cache.fetch(1, [0, 1])
-    protected = set(cache.protected)
-    assert cache.prefetch(guesses([(1, 0), (2, 0)], log)) == [(2, 0)]
-    assert cache.protected == protected and cache.last_layer == 1
-    assert ("release", (1, 0)) in log
+    cache.fetch(0, [2])  # no free slot now: only a transient block is copied (evicting)
+    transient = cache.fetch(1, [5], in_place=True)  # FakeHandle.row is None: a transient buffer
+    assert transient[0] >= 0 and (1, 5) in cache.lru and cache.stats.in_place == 0
 
 
 def test_host_mirror_pushes_the_host_copy():

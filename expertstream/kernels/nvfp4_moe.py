@@ -1,10 +1,11 @@
-"""Routed-expert SwiGLU straight from repacked NVFP4 blocks in GPU slot memory (W4A16, FP32 accumulation).
+"""Routed-expert SwiGLU straight from repacked NVFP4 blocks (W4A16, FP32 accumulation).
 
 Shapes: T tokens, H hidden, I expert width, K experts per token, S slots, B = layout.block_bytes.
-Each slot row is one `ExpertLayout` block; ws2 [S, 3] holds its FP32 weight_scale_2 (gate, up, down).
+Each slot row is one `ExpertLayout` block; its FP32 weight_scale_2 (gate, up, down) come beside it.
 y[t] = sum_k w[t, k] * down_k(silu(gate_k x[t]) * up_k x[t]).
 - decode (one token): two launches per layer, gate+up over (expert, row block), then down over row blocks
-  looping over the K experts (deterministic, no atomics).
+  looping over the K experts (deterministic, no atomics). Each expert's block is found through a location
+  table: a VRAM slot, or a row of pinned host RAM that the kernel reads over the bus without a copy.
 - prefill (many tokens): (token, k) pairs sorted by slot and padded to BLOCK_M tiles; each tile dequantises
   weight tiles to the activation dtype in registers and runs tl.dot; per-pair outputs [T*K, H] are summed.
 """
@@ -35,13 +36,12 @@ def _offsets(layout: ExpertLayout) -> dict[str, int]:
     return {f"{k}_off": layout.part(v).offset for k, v in names.items()}
 
 
-def _check_common(x, slots, ws2, layout: ExpertLayout) -> None:
-    require_triton(x, slots, ws2)
+def _check_common(x, slots, layout: ExpertLayout) -> None:
+    require_triton(x, slots)
     assert x.shape[-1] == layout.hidden_size and x.is_contiguous(), f"x {tuple(x.shape)}"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
     assert slots.dtype == torch.uint8 and slots.dim() == 2, f"slots {slots.dtype} {tuple(slots.shape)}"
     assert slots.shape[1] == layout.block_bytes and slots.is_contiguous(), f"slots {tuple(slots.shape)}"
-    assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
 
 
 # ---------------------------------------------------------------- decode
@@ -51,35 +51,55 @@ def _check_common(x, slots, ws2, layout: ExpertLayout) -> None:
 DECODE_DEFAULT = dict(block_n_gu=4, block_g_gu=32, block_n_down=4, block_g_down=8, num_warps=2)
 
 
-def nvfp4_moe_decode_ref(x, slots, slot_ids, ws2, weights, layout: ExpertLayout) -> torch.Tensor:
+_PINNED: set[int] = set()  # host block memory already checked (the check queries the driver)
+
+
+def _pinned(host: torch.Tensor) -> bool:
+    if host.data_ptr() not in _PINNED and host.is_pinned():
+        _PINNED.add(host.data_ptr())
+    return host.data_ptr() in _PINNED
+
+
+def _block_of(slots, host, loc: int) -> torch.Tensor:
+    return slots[loc] if loc >= 0 else host[-1 - loc]
+
+
+def nvfp4_moe_decode_ref(x, expert_ids, loc, scales, weights, layout: ExpertLayout, slots, host=None):
     """Plain-torch twin of `nvfp4_moe_decode` (FP32 maths, output in x.dtype)."""
     xf = x.reshape(-1).float()  # [H]
     out = torch.zeros_like(xf)
-    for k, s in enumerate(slot_ids.tolist()):
-        gate, up, down = layout.dequantize(slots[s], ws2[s])  # [I, H], [I, H], [H, I] fp32
+    for k, e in enumerate(expert_ids.tolist()):
+        block = _block_of(slots, host, int(loc[e]))
+        gate, up, down = layout.dequantize(block, scales[e])  # [I, H], [I, H], [H, I] fp32
         out += weights[k].float() * (down @ (F.silu(gate @ xf) * (up @ xf)))
     return out.to(x.dtype).reshape(x.shape)
 
 
 def nvfp4_moe_decode(
     x: torch.Tensor,
-    slots: torch.Tensor,
-    slot_ids: torch.Tensor,
-    ws2: torch.Tensor,
+    expert_ids: torch.Tensor,
+    loc: torch.Tensor,
+    scales: torch.Tensor,
     weights: torch.Tensor,
     layout: ExpertLayout,
+    slots: torch.Tensor,
+    host: torch.Tensor | None = None,
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """Routed expert sum for one token, read straight from slot memory.
+    """Routed expert sum for one token, read straight from the blocks wherever they are: VRAM slots, or
+    pinned host RAM read over the bus (no copy; the H200 probe read it at 93 % of the copy engine's rate).
 
     Args:
         x: [H] or [1, H] activations (fp32 / fp16 / bf16).
-        slots: [S, block_bytes] uint8 expert blocks.
-        slot_ids: [K] int32 slot of each routed expert (duplicates allowed).
-        ws2: [S, 3] float32 weight_scale_2 (gate, up, down) of each slot.
+        expert_ids: [K] int32 / int64 routed experts (duplicates allowed).
+        loc: [E] int32 block of each expert: row c >= 0 of `slots`, or row -1 - c of `host` (only the
+            routed experts' entries are read).
+        scales: [E, 3] float32 weight_scale_2 (gate, up, down) of each expert.
         weights: [K] float32 router weights.
         layout: the block layout.
+        slots: [S, block_bytes] uint8 blocks in device memory.
+        host: [C, block_bytes] uint8 blocks in pinned host memory (the RAM cache), or None.
         config: block_n and block_g (rows per program and 16-element groups per step) of the gate+up and
             the down launch, num_warps; default: tuned_configs.json for this device and shape, else
             DECODE_DEFAULT.
@@ -87,15 +107,23 @@ def nvfp4_moe_decode(
     Returns:
         Tensor shaped like x, in x.dtype.
     """
-    _check_common(x, slots, ws2, layout)
-    assert x.numel() == layout.hidden_size, f"decode takes one token, got x {tuple(x.shape)}"
-    assert slot_ids.dtype == torch.int32 and slot_ids.dim() == 1, (
-        f"slot_ids {slot_ids.dtype} {slot_ids.shape}"
+    host = slots if host is None else host  # never read when no loc is negative
+    _check_common(x, slots, layout)
+    assert host.dtype == torch.uint8 and host.dim() == 2 and host.shape[1] == layout.block_bytes
+    assert host.is_contiguous() and (host.device == x.device or _pinned(host)), (
+        f"host blocks on {host.device} must be pinned to be read by the kernel"
     )
-    k, h_size, i_size = slot_ids.numel(), layout.hidden_size, layout.intermediate_size
+    assert x.numel() == layout.hidden_size, f"decode takes one token, got x {tuple(x.shape)}"
+    assert expert_ids.dtype in (torch.int32, torch.int64) and expert_ids.dim() == 1, (
+        f"expert_ids {expert_ids.dtype} {expert_ids.shape}"
+    )
+    assert loc.dtype == torch.int32 and loc.dim() == 1, f"loc {loc.dtype} {loc.shape}"
+    assert scales.dtype == torch.float32 and scales.shape == (loc.numel(), 3) and scales.is_contiguous()
+    k, h_size, i_size = expert_ids.numel(), layout.hidden_size, layout.intermediate_size
     assert weights.dtype == torch.float32 and weights.shape == (k,), (
         f"weights {weights.dtype} {weights.shape}"
     )
+    require_triton(x, expert_ids, loc, scales, weights)
     cfg = config or tuned_config("nvfp4_decode", x.device, f"{h_size}x{i_size}") or DECODE_DEFAULT
     block_n, block_g = (cfg["block_n_gu"], cfg["block_n_down"]), (cfg["block_g_gu"], cfg["block_g_down"])
     off = _offsets(layout)
@@ -104,15 +132,24 @@ def nvfp4_moe_decode(
     common = dict(H=h_size, I=i_size, block_bytes=layout.block_bytes, num_warps=cfg["num_warps"])
     launch_e2m1(
         _decode_gate_up_kernel, (k, cdiv(i_size, block_n[0])), x.device,
-        x, slots, slot_ids, ws2, h, gw_off=off["gw_off"], uw_off=off["uw_off"], gs_off=off["gs_off"],
-        us_off=off["us_off"], BLOCK_N=block_n[0], BLOCK_G=block_g[0], **common,
+        x, expert_ids, loc, scales, slots, host, h, gw_off=off["gw_off"], uw_off=off["uw_off"],
+        gs_off=off["gs_off"], us_off=off["us_off"], BLOCK_N=block_n[0], BLOCK_G=block_g[0], **common,
     )  # fmt: skip
     launch_e2m1(
         _decode_down_kernel, (cdiv(h_size, block_n[1]),), x.device,
-        h, slots, slot_ids, ws2, weights, out, K=k, dw_off=off["dw_off"], ds_off=off["ds_off"],
-        BLOCK_N=block_n[1], BLOCK_G=block_g[1], **common,
+        h, expert_ids, loc, scales, slots, host, weights, out, K=k, dw_off=off["dw_off"],
+        ds_off=off["ds_off"], BLOCK_N=block_n[1], BLOCK_G=block_g[1], **common,
     )  # fmt: skip
     return out
+
+
+@jit
+def _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes):
+    # (block pointer, expert id) of the k-th routed expert: a VRAM slot row, or a pinned host RAM row
+    e = tl.load(ids_ptr + k).to(tl.int64)
+    c = tl.load(loc_ptr + e).to(tl.int64)
+    blk = tl.where(c >= 0, slots_ptr + c * block_bytes, host_ptr + (-1 - c) * block_bytes)
+    return blk, e
 
 
 @jit
@@ -134,14 +171,14 @@ def _group_partial(
 
 @jit
 def _decode_gate_up_kernel(
-    x_ptr, slots_ptr, slot_ids_ptr, ws2_ptr, h_ptr, block_bytes, gw_off, uw_off, gs_off, us_off,
-    H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr,
+    x_ptr, ids_ptr, loc_ptr, scales_ptr, slots_ptr, host_ptr, h_ptr, block_bytes, gw_off, uw_off, gs_off,
+    us_off, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    USE_PTX: tl.constexpr,
 ):  # fmt: skip
     # program (k, n block): h[k, n] = silu(gate[n] . x) * (up[n] . x) for BLOCK_N rows of expert k;
     # H, I, K are constexpr so the loops unroll and every block load is in flight at once
     k = tl.program_id(0)
-    slot = tl.load(slot_ids_ptr + k).to(tl.int64)
-    blk = slots_ptr + slot * block_bytes
+    blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
     j = tl.arange(0, 8)
@@ -156,14 +193,15 @@ def _decode_gate_up_kernel(
         acc_g += _group_partial(blk, gw_off, gs_off, n, gg, j, H // 2, H // 16, nmask, gmask, xe, xo, USE_PTX)
         acc_u += _group_partial(blk, uw_off, us_off, n, gg, j, H // 2, H // 16, nmask, gmask, xe, xo, USE_PTX)
     unit = nvfp4_unit(USE_PTX)
-    g = tl.sum(acc_g, axis=1) * (tl.load(ws2_ptr + slot * 3) * unit)
-    u = tl.sum(acc_u, axis=1) * (tl.load(ws2_ptr + slot * 3 + 1) * unit)
+    g = tl.sum(acc_g, axis=1) * (tl.load(scales_ptr + e * 3) * unit)
+    u = tl.sum(acc_u, axis=1) * (tl.load(scales_ptr + e * 3 + 1) * unit)
     tl.store(h_ptr + k * I + n, g * tl.sigmoid(g) * u, mask=nmask)
 
 
 @jit
 def _decode_down_kernel(
-    h_ptr, slots_ptr, slot_ids_ptr, ws2_ptr, w_ptr, out_ptr, block_bytes, dw_off, ds_off, K: tl.constexpr,
+    h_ptr, ids_ptr, loc_ptr, scales_ptr, slots_ptr, host_ptr, w_ptr, out_ptr, block_bytes, dw_off, ds_off,
+    K: tl.constexpr,
     H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr,
 ):  # fmt: skip
     # program (n block): out[n] = sum_k w[k] * down_k[n] . h[k], the K experts in order
@@ -172,8 +210,7 @@ def _decode_down_kernel(
     j = tl.arange(0, 8)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k in tl.static_range(K):
-        slot = tl.load(slot_ids_ptr + k).to(tl.int64)
-        blk = slots_ptr + slot * block_bytes
+        blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes)
         part = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         for g0 in tl.static_range(0, I // 16, BLOCK_G):
             gg = g0 + tl.arange(0, BLOCK_G)
@@ -184,7 +221,7 @@ def _decode_down_kernel(
             part += _group_partial(
                 blk, dw_off, ds_off, n, gg, j, I // 2, I // 16, nmask, gmask, he, ho, USE_PTX
             )
-        acc += tl.sum(part, axis=1) * (tl.load(ws2_ptr + slot * 3 + 2) * tl.load(w_ptr + k))
+        acc += tl.sum(part, axis=1) * (tl.load(scales_ptr + e * 3 + 2) * tl.load(w_ptr + k))
     acc = acc * nvfp4_unit(USE_PTX)
     tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
@@ -319,7 +356,8 @@ def nvfp4_moe_prefill_pairs(
     Args: as `nvfp4_moe_prefill`, plus out [T*K, H] in x.dtype, and distinct: the prompt's distinct routed
     experts (default min(S, T K)), which sets the mean pairs per slot that picks the tile size.
     """
-    _check_common(x, slots, ws2, layout)
+    _check_common(x, slots, layout)
+    assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
     assert x.dim() == 2 and expert_ids.dim() == 2 and expert_ids.shape[0] == x.shape[0], "x / expert_ids"
     assert expert_ids.dtype in (torch.int32, torch.int64), f"expert_ids dtype {expert_ids.dtype}"
     assert expert_to_slot.dtype in (torch.int32, torch.int64) and expert_to_slot.dim() == 1
@@ -330,7 +368,7 @@ def nvfp4_moe_prefill_pairs(
     assert out.shape == (p, h_size) and out.dtype == x.dtype and out.is_contiguous(), (
         f"out {tuple(out.shape)}"
     )
-    require_triton(x, expert_ids, expert_to_slot, weights, out)
+    require_triton(x, ws2, expert_ids, expert_to_slot, weights, out)
     cfg = config or _prefill_config(p, min(s, distinct or s), layout, x.device)
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     pair_ids, tile_slot = sort_pairs(expert_to_slot[expert_ids.reshape(-1).long()].long(), s, bm)

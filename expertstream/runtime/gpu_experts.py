@@ -1,9 +1,11 @@
 """The expert bank on CUDA: RAM/disk tiers (ExpertStore) -> VRAM slots (VramExpertCache) -> Triton kernels.
 
-Decode: the layer's <= K distinct experts are fetched (VRAM hit, or RAM/disk -> one H2D copy each on the copy
-stream) and one decode launch pair computes the weighted SwiGLU sum straight from the raw blocks. Layer L+1's
-router guess rides on the same host sync; after the launch its blocks in RAM are copied into spare slots and
-the rest are queued to the store's low-priority disk reader (docs/runtime.md).
+Decode: one decode launch pair computes the weighted SwiGLU sum straight from the raw blocks wherever they
+are: VRAM slots, or the pinned RAM cache read over the bus (no copy, no slot, no per-block host work). A
+location table [L, E] tells the kernel where each expert is. While some blocks may be on disk, each layer
+reads its ids back once: misses are read into RAM (the guess for layer L+1, made on the same sync, starts
+their disk reads early). Once every block has a fixed place (all in RAM, or all in VRAM) the table is complete
+and decode runs without reading anything back (docs/runtime.md).
 Prefill: the layer's distinct experts are processed in groups that fit the slots; each group's (token, k)
 pairs run through the grouped tensor-core kernel and are summed into [T, H].
 """
@@ -46,6 +48,8 @@ def pinned_alloc(nbytes: int) -> torch.Tensor:
 
 class _SwappedNibbles:
     """Handle wrapper for the must-break control: each weight byte with its two nibbles exchanged."""
+
+    row = None  # never read in place: the kernel must see the swapped copy
 
     def __init__(self, handle, parts):
         self.handle, self.parts = handle, parts
@@ -97,9 +101,23 @@ class GpuExperts:
         self.cache = VramExpertCache(
             fetch_host, self.layout.block_bytes, n_slots, workdir.expert_scales()[0], device
         )
-        self.expert_to_slot = torch.zeros(self.num_experts, dtype=torch.int32, device=self.cache.device)
-        self._slot_map = HostMirror(self.expert_to_slot)  # set on the host, uploaded without blocking
+        dev = self.cache.device
+        # prefill: expert -> slot of the pass in flight, set on the host and uploaded without blocking
+        self.expert_to_slot = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
+        self._slot_map = HostMirror(self.expert_to_slot)
         self._slot_map_np = self._slot_map.host.numpy()  # its host copy as numpy: cheap small writes
+        # decode: where each expert's block is, [L, E] int32: a slot (>= 0) or -1 - its RAM cache row
+        rows = store.slots
+        pinned = rows is not None and (dev.type != "cuda" or rows.is_pinned())
+        self.host_blocks = rows if pinned else None  # [C, B] the decode kernel may read in place
+        self.loc = torch.zeros(workdir.num_layers, self.num_experts, dtype=torch.int32, device=dev)
+        self._loc = HostMirror(self.loc)
+        self._loc_np = self._loc.host.numpy()
+        self.scales = workdir.expert_scales()[0].to(dev, torch.float32).contiguous()  # [L, E, 3]
+        self.resident = False  # every block has a fixed place and `loc` says where: no read-back needed
+        self._resident_handles: list = []  # the RAM blocks held for that
+        self.resident_reads = 0  # blocks decode found through the full table (no lookup, no request)
+        self.resident_ram_reads = 0  # ... of which read from RAM
         self.spec = Speculator(self.layout.block_bytes, speculation_width) if speculate else None
         self.host_syncs = 0  # device -> host reads the bank waits on (decode: one per layer)
         # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
@@ -117,10 +135,9 @@ class GpuExperts:
         (1 + 8, 40 and 100 pairs on one slot). Slot contents do not matter; nothing is cached."""
         dev, h = self.cache.device, self.layout.hidden_size
         e2s = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
-        slot0 = torch.zeros(1, dtype=torch.int32, device=dev)
         one = torch.ones(1, dtype=torch.float32, device=dev)
-        nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, dtype=dtype, device=dev), self.cache.slots, slot0,
-                                   self.cache.ws2, one, self.layout)  # fmt: skip
+        nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, dtype=dtype, device=dev), e2s[:1], e2s, self.scales[0],
+                                   one, self.layout, self.cache.slots, self.host_blocks)  # fmt: skip
         for t in (8, 40, 100):
             x = torch.zeros(t, h, dtype=dtype, device=dev)
             ids, w = torch.zeros(t, 1, dtype=torch.int64, device=dev), one.expand(t, 1).contiguous()
@@ -157,12 +174,10 @@ class GpuExperts:
             self.spec.score(layer, experts)
         return self._prefill(layer, x, expert_ids, weights, experts)
 
-    def _map(self, experts: list[int], slots: list[int], others: int | None = None) -> None:
-        """Point `expert_to_slot` at `slots` with one non-blocking upload of the whole map (2 KB for 512
-        experts, `HostMirror`). Other experts' entries go stale (kernels look up only the experts just
-        fetched), or are set to `others` (-1: a prefill pass skips their pairs)."""
-        if others is not None:
-            self._slot_map_np.fill(others)
+    def _map_pass(self, experts: list[int], slots: list[int]) -> None:
+        """Point `expert_to_slot` at a prefill pass's slots, every other expert at -1 (the pass skips their
+        pairs), with one non-blocking upload of the whole map (2 KB for 512 experts, `HostMirror`)."""
+        self._slot_map_np.fill(-1)
         self._slot_map_np[experts] = slots
         self._slot_map.push()
 
@@ -185,13 +200,19 @@ class GpuExperts:
         return expert_ids[0] if guess is None else torch.cat((expert_ids[0], guess))
 
     def decode_prepare(self, layer: int, want: torch.Tensor, k: int) -> None:
-        """Read `want` back (the host sync), make the K experts resident and mapped; keep the guesses for
-        decode_launched()."""
+        """Read `want` back (the host sync), give the K experts a place the kernel reads (a slot, or their
+        RAM row) and upload the layer's row of `loc`; keep the guesses for decode_launched(). Nothing at all
+        once every block has a fixed place."""
         if self.control == "no-experts":
             return
         t0 = time.perf_counter()
         self._mark_launched()  # the previous layer's kernel is queued by now: copies into its slots wait
         self._guess = None  # a guess never issued (no decode_launched call) is too late now
+        if self.resident:
+            self.resident_reads += k
+            self.resident_ram_reads += 0 if self._all_in_vram() else k
+            self.decode_seconds += time.perf_counter() - t0
+            return
         ids = want.tolist()
         t1 = time.perf_counter()
         self.sync_seconds += t1 - t0
@@ -199,11 +220,42 @@ class GpuExperts:
         experts = sorted(set(ids[:k]))  # top-k ids are distinct; a set keeps the fetch contract anyway
         if self.spec is not None:
             self.spec.score(layer, experts)
-        self._map(experts, self.cache.fetch(layer, experts))
+        self._loc_np[layer, experts] = self.cache.fetch(layer, experts, in_place=self.host_blocks is not None)
+        self._loc.push(layer)
         if len(ids) > k:
             self._guess = (layer + 1, ids[k:])
         self._launch_pending = True
+        self._adopt_resident()
         self.decode_seconds += time.perf_counter() - t0
+
+    def _all_in_vram(self) -> bool:
+        # slots for every block: the VRAM cache never evicts, so a block's slot never changes
+        return self.cache.n_slots >= self.loc.numel() and len(self.cache.lru) == self.loc.numel()
+
+    def _adopt_resident(self) -> None:
+        """Once every block has a place that cannot change, fill `loc` for all of them and stop reading ids
+        back: all in VRAM (slots for every block), or all in the RAM cache (held here for good)."""
+        n_layers, n_experts = self.loc.shape
+        if self._all_in_vram():
+            for (layer, e), slot in self.cache.lru.items():
+                self._loc_np[layer, e] = slot
+        elif self.host_blocks is not None and self.store.cached_blocks >= self.loc.numel():
+            keys = [(layer, e) for layer in range(n_layers) for e in range(n_experts)]
+            handles = self.store.peek(keys)
+            if any(h is None for h in handles):  # some still being read: try again on a later call
+                for h in handles:
+                    if h is not None:
+                        h.release()
+                return
+            self._resident_handles = handles
+            for (layer, e), h in zip(keys, handles):
+                self._loc_np[layer, e] = -1 - h.row
+        else:
+            return
+        self._loc.push()
+        self.resident = True
+        log.info("every expert block has a fixed place (%s): decode reads no routing back",
+                 "VRAM" if self._all_in_vram() else "pinned RAM")  # fmt: skip
 
     def decode_launched(self) -> None:
         """Call once the last prepare's compute is queued (its graph replayed, or launched eagerly): marks its
@@ -224,13 +276,9 @@ class GpuExperts:
         if self.control == "no-experts":
             return torch.zeros_like(x)
         return nvfp4_moe.nvfp4_moe_decode(
-            x,
-            self.cache.slots,
-            self.expert_to_slot[expert_ids[0]],
-            self.cache.ws2,
-            weights[0].float(),
-            self.layout,
-        )
+            x, expert_ids[0], self.loc[layer], self.scales[layer], weights[0].float(), self.layout,
+            self.cache.slots, self.host_blocks,
+        )  # fmt: skip
 
     def _mark_launched(self) -> None:
         # the kernel reading the last fetch's slots has been queued since its prepare: record that point
@@ -239,13 +287,11 @@ class GpuExperts:
             self.cache.mark_used()
 
     def _speculate(self, layer: int, guessed: list[int]) -> None:
-        # runs after this layer's launch and after its demand reads landed (fetch waited for them), so the
-        # early copies overlap its compute and the disk reads fill the gap before the next layer's demand
+        # runs after this layer's launch and after its demand reads landed (fetch waited for them): guesses
+        # already in RAM need nothing (the kernel reads them in place), the rest are read from disk into the
+        # RAM cache by the low-priority reader, filling the gap before the next layer's demand
         keys = [(layer, e) for e in guessed if (layer, e) not in self.cache.lru]
-        handles = self._wrap(self.store.peek(keys))
-        copied = self.cache.prefetch([(key, h) for key, h in zip(keys, handles) if h is not None])
-        queued = self.store.prefetch([key for key, h in zip(keys, handles) if h is None])
-        self.spec.issue(layer, guessed, [e for _, e in copied], queued)
+        self.spec.issue(layer, guessed, [], self.store.prefetch(keys))
 
     def _read_ahead(self, layer: int, experts: list[int]) -> list:
         """Start the host reads of a later prefill group now; its fetch joins them (the store shares a
@@ -268,7 +314,7 @@ class GpuExperts:
         try:
             for g, members in enumerate(groups):
                 pending.append(self._read_ahead(layer, groups[g + 1]) if g + 1 < len(groups) else [])
-                self._map(members, self.cache.fetch(layer, members), others=-1)
+                self._map_pass(members, self.cache.fetch(layer, members))
                 for h in pending.pop(0):
                     h.release()
                 nvfp4_moe.nvfp4_moe_prefill_pairs(
@@ -281,6 +327,14 @@ class GpuExperts:
                 h.release()
         return y.view(*expert_ids.shape, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
+    @property
+    def bytes_in_place(self) -> int:
+        """Block bytes decode kernels read from the RAM cache over the bus (no copy)."""
+        return (self.cache.stats.in_place + self.resident_ram_reads) * self.layout.block_bytes
+
     def close(self) -> None:
         self._mark_launched()
         self.cache.close()
+        for h in self._resident_handles:
+            h.release()
+        self._resident_handles = []

@@ -22,16 +22,18 @@ class HostMirror:
         self._done: list[torch.cuda.Event | None] = [None, None]
         self.pushes = 0
 
-    def push(self) -> None:
-        """Queue the upload of `host` on the current stream; the host does not wait for the GPU."""
+    def push(self, row: int | None = None) -> None:
+        """Queue the upload of `host` (or of its `row` along dim 0) on the current stream; the host does not
+        wait for the GPU."""
         self.pushes += 1
+        sel = slice(None) if row is None else row
         if not self._cuda:
-            self.device_tensor.copy_(self.host)
+            self.device_tensor[sel].copy_(self.host[sel])
             return
         i = self.pushes % 2
         if self._done[i] is not None:
             self._done[i].synchronize()
-        self._stage[i].copy_(self.host)
-        self.device_tensor.copy_(self._stage[i], non_blocking=True)
+        self._stage[i][sel].copy_(self.host[sel])
+        self.device_tensor[sel].copy_(self._stage[i][sel], non_blocking=True)
         self._done[i] = torch.cuda.Event()
         self._done[i].record(torch.cuda.current_stream(self.device_tensor.device))

@@ -3,7 +3,8 @@
 slots [n_slots, block_bytes] uint8 on the device hold raw repacked blocks (kernels read codes and scales
 straight from them); `ws2` [n_slots, 3] float32 holds each slot's global scales. A call protects the slots it
 returns until the next call, so layer L+1's fetch never evicts what layer L's kernel is still reading.
-prefetch() copies guessed next-layer blocks into spare slots without making the compute stream wait.
+A one-token fetch may instead leave a block in the pinned RAM cache for the kernel to read over the bus
+(`fetch(..., in_place=True)`): no copy, no slot, the block stays pinned until that kernel ran.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class VramStats:
     copies: int = 0
     bytes_copied: int = 0
     wait_seconds: float = 0.0  # time spent waiting for host blocks (disk or RAM tier)
+    in_place: int = 0  # misses left in the RAM cache for the kernel to read over the bus (no copy)
 
     @property
     def hit_rate(self) -> float:
@@ -72,13 +74,11 @@ class VramExpertCache:
         self.last_layer: int | None = None  # layer of the protected slots
         self.stats = VramStats()
         cuda = self.device.type == "cuda"
-        # demand copies and speculative ones on separate streams: a demand block must not queue behind guesses
-        # (one FIFO stream made every layer wait for the last layer's early copies, right or wrong)
         self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
-        self.spec_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.in_flight: list[tuple[torch.cuda.Event, list]] = []  # a batch's last copy, its handles
+        # (a copy batch's or a kernel's event, the host handles it needs until then)
+        self.in_flight: list[tuple[torch.cuda.Event, list]] = []
         self.slot_events: dict[int, torch.cuda.Event] = {}
-        self.early_copies: dict[int, torch.cuda.Event] = {}  # slot -> its prefetch copy, not yet awaited
+        self.read_in_place: list = []  # handles of RAM blocks the next launched kernel reads over the bus
 
     @property
     def n_slots(self) -> int:
@@ -96,12 +96,18 @@ class VramExpertCache:
             "the memory plan must give at least two layers' worth of slots"
         )
 
-    def fetch(self, layer: int, experts: Sequence[int]) -> list[int]:
-        """Make the blocks of `experts` (distinct ids) of `layer` resident; return their slot ids.
+    def fetch(self, layer: int, experts: Sequence[int], in_place: bool = False) -> list[int]:
+        """Make the blocks of `experts` (distinct ids) of `layer` readable by a kernel; return their places.
+
+        Args:
+            in_place: a block missing from VRAM that sits in the host RAM cache is not copied unless a slot
+                is free; its place is -1 - its RAM cache row (the kernel reads it over the bus). It stays
+                pinned until the kernel that reads it ran (`mark_used`). Blocks outside the RAM cache
+                (transient reads) are copied either way.
 
         Returns:
-            slot ids, on the host; the current stream waits for the copies (the host does not: uploading the
-            ids with a blocking copy would make it wait for every queued copy and kernel).
+            slot ids (>= 0) or -1 - RAM rows, on the host; the current stream waits for the copies (the host
+            does not: uploading the ids with a blocking copy would make it wait for every queued kernel).
         """
         keys = [(layer, int(e)) for e in experts]
         if len(set(keys)) != len(keys):
@@ -109,7 +115,7 @@ class VramExpertCache:
         if len(keys) > self.n_slots:
             raise ValueError(f"{len(keys)} experts requested but only {self.n_slots} VRAM slots exist")
         keep = set(self.protected)
-        out, missing = [], []
+        out: list[int | None] = []
         for key in keys:
             self.stats.requests += 1
             slot = self.lru.get(key)
@@ -117,37 +123,54 @@ class VramExpertCache:
                 self.policy.access(key)
                 self.stats.hits += 1
                 keep.add(slot)
-                early = self.early_copies.pop(slot, None)
-                if early is not None:  # a prefetched block: the kernel must not read it before it lands
-                    torch.cuda.current_stream(self.device).wait_event(early)
             out.append(slot)
-        # the previous call's slots stay protected so two consecutive layers never evict each other
-        for i, key in enumerate(keys):
-            if out[i] is None:
+        missing = [(i, key) for i, key in enumerate(keys) if out[i] is None]
+        if missing:
+            self._reap()
+            handles = self.fetch_host([key for _, key in missing])
+            if in_place:
+                missing = self._read_in_place(missing, handles, out)
+                handles = [h for h in handles if h is not None]
+            # the previous call's slots stay protected so two consecutive layers never evict each other
+            for i, _ in missing:
                 out[i] = self._take_slot(keep)
                 keep.add(out[i])
-                missing.append((i, key))
-        if missing:
-            self._copy_in(missing, out)
-        self.protected, self.last_layer = set(out), layer
+            self._copy_in(missing, handles, out)
+        self.protected, self.last_layer = {s for s in out if s >= 0}, layer
         return out
 
-    def _copy_in(self, missing: list[tuple[int, tuple[int, int]]], out: list[int]) -> None:
-        self._reap()
-        handles = self.fetch_host([key for _, key in missing])
+    def _read_in_place(self, missing, handles, out) -> list:
+        """Point the RAM-cache blocks of `missing` at their rows (no slot free: they stay in RAM); returns
+        the (index, key) pairs still to copy. Their handles move to `self.read_in_place`; entries of
+        `handles` whose block stays in RAM are set to None."""
+        copy, free = [], len(self.free)
+        for j, ((i, key), h) in enumerate(zip(missing, handles)):
+            if free or h.row is None:  # a free slot costs no eviction: the block is copied and cached
+                free -= h.row is not None
+                copy.append((i, key))
+                continue
+            t0 = time.perf_counter()
+            h.wait()  # a disk read still landing
+            self.stats.wait_seconds += time.perf_counter() - t0
+            out[i] = -1 - h.row
+            self.read_in_place.append(h)
+            self.stats.in_place += 1
+            handles[j] = None
+        return copy
+
+    def _copy_in(self, missing: list[tuple[int, tuple[int, int]]], handles: list, out: list) -> None:
         self._copy_blocks([(out[i], key, h) for (i, key), h in zip(missing, handles)])
         for i, key in missing:
             self.lru[key] = out[i]
             self.policy.access(key)
-        if self.copy_stream is not None:
+        if self.copy_stream is not None and missing:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
-    def _copy_blocks(self, blocks: list[tuple[int, tuple[int, int], object]], speculative: bool = False):
-        """Queue the copies of host blocks [(slot, key, handle)] (on the speculative stream for guesses) and
-        set their slots' global scales. Returns one event per block for guesses (a demand hit on one waits
-        for that block only), else None: demand copies are awaited as a whole."""
-        events, queued = [], []  # queued: handles whose copy is on the stream (released once it ran)
-        stream = self.spec_stream if speculative else self.copy_stream
+    def _copy_blocks(self, blocks: list[tuple[int, tuple[int, int], object]]) -> None:
+        """Queue the copies of host blocks [(slot, key, handle)] on the copy stream and set their slots'
+        global scales; the handles are released once the copies ran."""
+        queued = []  # handles whose copy is on the stream
+        stream = self.copy_stream
         waited: set[int] = set()  # slot_events share one event per kernel launch: wait for each once
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -161,81 +184,44 @@ class VramExpertCache:
                         self._slot_rows[slot].copy_(block)
                         queued.append(h)
                         continue
-                    earlier = self.early_copies.pop(slot, None)  # an unused guess still landing here
-                    if earlier is not None and not speculative:
-                        stream.wait_event(earlier)  # the other stream's write must finish before this one
                     last_use = self.slot_events.pop(slot, None)
-                    if (
-                        last_use is not None and id(last_use) not in waited
-                    ):  # never overwrite what a kernel reads
+                    if last_use is not None and id(last_use) not in waited:  # a kernel still reads it
                         stream.wait_event(last_use)
                         waited.add(id(last_use))
                     self._slot_rows[slot].copy_(block, non_blocking=True)
                     queued.append(h)
-                    if speculative:
-                        events.append(torch.cuda.Event())
-                        events[-1].record(stream)
         finally:  # also after a failed read: copies already queued keep their buffers until they ran
             if stream is None:
                 for h in queued:
                     h.release()
             elif queued:
-                done = events[-1] if events else torch.cuda.Event()
-                if not events:
-                    done.record(stream)
+                done = torch.cuda.Event()
+                done.record(stream)
                 self.in_flight.append((done, queued))
             for _, _, h in blocks[len(queued) :]:  # the failed block and those after it
                 h.release()
         self._set_scales([slot for slot, _, _ in blocks], [key for _, key, _ in blocks])
-        return events if speculative else None
 
     def _set_scales(self, slots: list[int], keys: list[tuple[int, int]]) -> None:
         if slots:
             self._ws2_rows[slots] = self._scale_rows[[layer * self._num_experts + e for layer, e in keys]]
             self._ws2.push()
 
-    def prefetch(self, blocks: list[tuple[tuple[int, int], object]]) -> list[tuple[int, int]]:
-        """Copy guessed blocks already in host RAM ((key, handle) pairs) into spare slots ahead of demand.
-
-        Never evicts the last fetch's slots, nor any block of the last fetch's layer or of a guessed key's
-        layer (the current and next layers' demand); copies enter uncounted at the cold end, so a wrong
-        guess is the next block evicted. The compute stream does not wait for them: a later fetch that hits
-        one does. Returns the keys copied; the other handles are released.
-        """
-        self._reap()
-        skip = {key[0] for key, _ in blocks} | {self.last_layer}
-        chosen, copied = [], []
-        for key, h in blocks:
-            slot = None if key in self.lru else self._spare_slot(skip)
-            if slot is None:
-                h.release()
-                continue
-            chosen.append((slot, key, h))
-            self.lru[key] = slot
-            self.policy.add_cold(key)
-            copied.append(key)
-        events = self._copy_blocks(chosen, speculative=True)
-        for (slot, _, _), ev in zip(chosen, events or ()):
-            self.early_copies[slot] = ev
-        return copied
-
-    def _spare_slot(self, skip_layers: set[int | None]) -> int | None:
-        if self.free:
-            return self.free.pop()
-        for key in self.policy.victims():
-            if self.lru[key] not in self.protected and key[0] not in skip_layers:
-                self.policy.remove(key)
-                return self.lru.pop(key)
-        return None
-
     def mark_used(self) -> None:
-        """Call after launching the kernel that reads the last fetch's slots: copies into them wait for it."""
+        """Call after launching the kernel that reads the last fetch's blocks: copies into its slots wait for
+        it, and the RAM blocks it reads in place are handed back once it ran."""
         if self.copy_stream is None:
+            for h in self.read_in_place:  # no GPU: the kernel already ran
+                h.release()
+            self.read_in_place = []
             return
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         for s in self.protected:
             self.slot_events[s] = ev
+        if self.read_in_place:
+            self.in_flight.append((ev, self.read_in_place))
+            self.read_in_place = []
 
     def _reap(self) -> None:
         pending = []
@@ -249,6 +235,7 @@ class VramExpertCache:
 
     def close(self) -> None:
         """Finish in-flight copies, hand host buffers back and free the slots (the budget's largest part)."""
+        self.mark_used()  # hands back in-place blocks not yet launched on (they join in_flight)
         for ev, handles in self.in_flight:
             ev.synchronize()
             for h in handles:

@@ -56,6 +56,11 @@ class ExpertHandle:
     def key(self) -> Key:
         return self._entry.key
 
+    @property
+    def row(self) -> int | None:
+        """The block's row in the RAM cache's slot memory (`ExpertStore.slots`), None for a transient read."""
+        return self._entry.slot
+
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         """Block until read; returns torch.uint8 [block_bytes]. Raises StoreError if the read failed."""
         if self._released:
@@ -123,6 +128,11 @@ class ExpertStore:
     def capacity(self) -> int:
         """Blocks the RAM cache holds."""
         return self._cache.capacity
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks in the RAM cache now, read or still being read (a cheap, unlocked count)."""
+        return len(self._cache)
 
     @property
     def slots(self) -> torch.Tensor | None:
