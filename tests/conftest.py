@@ -17,6 +17,16 @@ def kernel_device():
 
 
 @pytest.fixture(scope="session")
+def host_alloc(kernel_device):
+    """The RAM cache's allocator as the engine picks it: pinned (readable by kernels) on CUDA."""
+    if kernel_device == "cuda":
+        from expertstream.runtime.gpu_experts import pinned_alloc
+
+        return {"alloc": pinned_alloc}
+    return {}
+
+
+@pytest.fixture(scope="session")
 def tiny_snapshot(tmp_path_factory):
     from expertstream.synth import write_synthetic
 

@@ -12,9 +12,9 @@ pytest.importorskip("triton")  # conftest runs it through the interpreter when t
 
 
 @pytest.fixture(scope="module")
-def banks(tiny_workdir):
+def banks(tiny_workdir, host_alloc):
     wd = Workdir(tiny_workdir)
-    store = ExpertStore(wd, 1 << 20, io_threads=2)
+    store = ExpertStore(wd, 1 << 20, io_threads=2, **host_alloc)
     ref = StreamedExperts(wd, store, torch.float32)
     yield wd, store, ref
     store.close()
@@ -52,10 +52,12 @@ def test_decode_and_prefill_match_the_torch_bank(banks, n_slots, kernel_device):
 
 
 @pytest.mark.parametrize("n_slots", [8, 64])  # 8: every block pinned in RAM; 64: every block in a slot
-def test_decode_reads_nothing_back_once_every_block_has_a_place(tiny_workdir, n_slots, kernel_device):
+def test_decode_reads_nothing_back_once_every_block_has_a_place(
+    tiny_workdir, n_slots, kernel_device, host_alloc
+):
     wd = Workdir(tiny_workdir)
     n_layers, n_experts, k = wd.num_layers, wd.num_experts, wd.text_config["num_experts_per_tok"]
-    with ExpertStore(wd, n_layers * n_experts * wd.layout.block_bytes, io_threads=2) as store:
+    with ExpertStore(wd, n_layers * n_experts * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
         ref = StreamedExperts(wd, store, torch.float32)
         bank = GpuExperts(wd, store, n_slots, kernel_device)
         x, _, w = routing(wd, 1, seed=0)

@@ -40,9 +40,11 @@ def routers_for(wd, seed=0, dev="cpu"):
 
 
 @pytest.fixture
-def store(tiny_workdir):
+def store(tiny_workdir, host_alloc):
     wd = Workdir(tiny_workdir)
-    with ExpertStore(wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2) as s:
+    with ExpertStore(
+        wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2, **host_alloc
+    ) as s:
         yield wd, s
 
 

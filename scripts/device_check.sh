@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Device run for correctness: the GPU runtime's tests (failures listed), `check` of the tiny model with the
+# engine on CUDA (bf16, graphs, --long), then `check` of the 4-layer full-shape model. Needs .whl/ carried;
+# writes under $OUT.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider -rf --durations=8 tests/test_kernels.py \
+  tests/test_gpu_experts.py tests/test_decode_graphs.py tests/test_speculation.py tests/test_vram_cache.py \
+  tests/test_decode_path.py 2>&1 | tail -30 | tee $OUT/gpu_tests.txt
+python3 -m expertstream synth /tmp/tiny --preset tiny >/dev/null 2>&1
+python3 -m expertstream setup /tmp/tiny /tmp/tiny-wd >/dev/null 2>&1
+timeout ${TINY_S:-90} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda \
+  --long 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_tiny_cuda.txt
+W=/tmp/expertstream-bench
+python3 -c "from pathlib import Path; from expertstream.bench_runtime import ensure_model; ensure_model(Path('$W'), 4)" \
+  >/dev/null 2>&1
+timeout ${CHECK_S:-200} python3 -m expertstream check $W/full-4-wd --snapshot $W/full-4 --dtype bfloat16 --device cuda \
+  --prompts 2 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_full4_cuda.txt
