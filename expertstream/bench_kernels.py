@@ -179,7 +179,8 @@ DECODE_SWEEP = [
     dict(block_n_gu=ngu, block_g_gu=ggu, block_n_down=nd, block_g_down=gd, num_warps=nw)
     for ngu, ggu, nd, gd, nw in [
         (4, 32, 4, 8, 2), (8, 32, 8, 8, 4), (16, 16, 16, 8, 4), (8, 16, 16, 8, 4), (4, 32, 16, 8, 4),
-        (16, 32, 32, 8, 8), (2, 64, 8, 8, 2), (8, 64, 8, 8, 4), (32, 8, 32, 8, 8),
+        (16, 32, 32, 8, 8), (2, 64, 8, 8, 2), (8, 64, 8, 8, 4), (32, 8, 32, 8, 8), (4, 32, 16, 64, 4),
+        (8, 32, 32, 64, 8),
     ]
 ]  # fmt: skip
 PREFILL_SWEEP = [
@@ -244,6 +245,12 @@ def sweep_configs(path: str, kernels: tuple[str, ...] = SWEPT) -> dict:
         loc = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
         pick("nvfp4_decode", f"{HIDDEN}x{INTER}", f"decode k={TOPK}", DECODE_SWEEP,
              lambda cfg: nvfp4_moe_decode(x, ids[0], loc, ws2, w[0], layout, slots, config=cfg))  # fmt: skip
+        host = slots[:TOPK].cpu().pin_memory()  # the same call with the k blocks in pinned host RAM
+        host_loc = torch.zeros(EXPERTS, dtype=torch.int32, device="cuda")
+        host_loc[ids[0]] = -1 - torch.arange(TOPK, dtype=torch.int32, device="cuda")
+        on_host = (x, ids[0], host_loc, ws2, w[0], layout, slots, host)
+        pick("nvfp4_decode", f"{HIDDEN}x{INTER}-host", f"decode k={TOPK} in host RAM", DECODE_SWEEP,
+             lambda cfg: nvfp4_moe_decode(*on_host, config=cfg))  # fmt: skip
     if "nvfp4_prefill" in kernels:
         e2s = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
         for t in (512, 2451, 8192):

@@ -69,7 +69,7 @@ def nvfp4_moe_decode_ref(x, expert_ids, loc, scales, weights, layout: ExpertLayo
     xf = x.reshape(-1).float()  # [H]
     out = torch.zeros_like(xf)
     for k, e in enumerate(expert_ids.tolist()):
-        block = _block_of(slots, host, int(loc[e]))
+        block = _block_of(slots, host, int(loc[e])).to(xf.device)
         gate, up, down = layout.dequantize(block, scales[e])  # [I, H], [I, H], [H, I] fp32
         out += weights[k].float() * (down @ (F.silu(gate @ xf) * (up @ xf)))
     return out.to(x.dtype).reshape(x.shape)
@@ -124,7 +124,9 @@ def nvfp4_moe_decode(
         f"weights {weights.dtype} {weights.shape}"
     )
     require_triton(x, expert_ids, loc, scales, weights)
-    cfg = config or tuned_config("nvfp4_decode", x.device, f"{h_size}x{i_size}") or DECODE_DEFAULT
+    # blocks read over the bus want more bytes in flight than blocks in HBM: tuned apart ("-host")
+    key = f"{h_size}x{i_size}" + ("-host" if host.device != x.device else "")
+    cfg = config or tuned_config("nvfp4_decode", x.device, key) or DECODE_DEFAULT
     block_n, block_g = (cfg["block_n_gu"], cfg["block_n_down"]), (cfg["block_g_gu"], cfg["block_g_down"])
     off = _offsets(layout)
     h = torch.empty(k, i_size, dtype=torch.float32, device=x.device)  # silu(g) * u, [K, I]
