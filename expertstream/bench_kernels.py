@@ -195,10 +195,12 @@ PREFILL_SWEEP = [
 SWEPT = ("fp8_gemv", "nvfp4_decode", "nvfp4_prefill")
 
 
-def sweep_configs(path: str, kernels: tuple[str, ...] = SWEPT) -> dict:
+def sweep_configs(
+    path: str, kernels: tuple[str, ...] = SWEPT, places: tuple[str, ...] = ("vram", "host")
+) -> dict:
     """Time each candidate config of `kernels` on the real shapes and merge the best per shape into the
     tuned_configs.json data at `path` ({device name: {kernel: {key: cfg}}}; other entries are kept);
-    prints one line per candidate."""
+    prints one line per candidate. `places`: where the decode kernel's blocks are (VRAM, pinned host RAM)."""
     import json
     import os
 
@@ -243,14 +245,17 @@ def sweep_configs(path: str, kernels: tuple[str, ...] = SWEPT) -> dict:
         ids, w = route(1)
         x = torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
         loc = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
-        pick("nvfp4_decode", f"{HIDDEN}x{INTER}", f"decode k={TOPK}", DECODE_SWEEP,
-             lambda cfg: nvfp4_moe_decode(x, ids[0], loc, ws2, w[0], layout, slots, config=cfg))  # fmt: skip
-        host = slots[:TOPK].cpu().pin_memory()  # the same call with the k blocks in pinned host RAM
-        host_loc = torch.zeros(EXPERTS, dtype=torch.int32, device="cuda")
-        host_loc[ids[0]] = -1 - torch.arange(TOPK, dtype=torch.int32, device="cuda")
-        on_host = (x, ids[0], host_loc, ws2, w[0], layout, slots, host)
-        pick("nvfp4_decode", f"{HIDDEN}x{INTER}-host", f"decode k={TOPK} in host RAM", DECODE_SWEEP,
-             lambda cfg: nvfp4_moe_decode(*on_host, config=cfg))  # fmt: skip
+        if "vram" in places:
+            in_vram = (x, ids[0], loc, ws2, w[0], layout, slots)
+            pick("nvfp4_decode", f"{HIDDEN}x{INTER}", f"decode k={TOPK}", DECODE_SWEEP,
+                 lambda cfg: nvfp4_moe_decode(*in_vram, config=cfg))  # fmt: skip
+        if "host" in places:  # the same call with the k blocks in pinned host RAM
+            host = slots[:TOPK].cpu().pin_memory()
+            host_loc = torch.zeros(EXPERTS, dtype=torch.int32, device="cuda")
+            host_loc[ids[0]] = -1 - torch.arange(TOPK, dtype=torch.int32, device="cuda")
+            on_host = (x, ids[0], host_loc, ws2, w[0], layout, slots, host)
+            pick("nvfp4_decode", f"{HIDDEN}x{INTER}-host", f"decode k={TOPK} in host RAM", DECODE_SWEEP,
+                 lambda cfg: nvfp4_moe_decode(*on_host, config=cfg))  # fmt: skip
     if "nvfp4_prefill" in kernels:
         e2s = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
         for t in (512, 2451, 8192):

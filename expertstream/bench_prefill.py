@@ -67,7 +67,8 @@ def prefill_regime(cfg: EngineConfig, vram_cache_blocks: int, prompt: int, piece
         warm_caches(eng, vram=vram_cache_blocks >= eng.workdir.num_layers * eng.workdir.num_experts)
         gen = torch.Generator().manual_seed(prompt)
         ids = torch.randint(0, eng.args.vocab_size, (prompt,), generator=gen)
-        eng.forward(eng.new_state(), ids[:64])  # compiles the prefill kernels
+        # one piece first: kernels of every shape a piece meets are compiled (and autotuned) before timing
+        eng.forward(eng.new_state(), ids[: min(prompt, piece)])
         wd = eng.workdir
         plan = plan_prefill(
             prompt,
