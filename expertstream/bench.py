@@ -54,6 +54,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="prefill: prompt piece in tokens (default: the 48-layer model's plan under the same budget)",
     )
     p.add_argument(
+        "--prefill-span",
+        type=int,
+        help="prefill: tokens per layer-major span (default: the 48-layer model's plan, same budget)",
+    )
+    p.add_argument(
         "--max-seconds",
         type=float,
         default=120.0,

@@ -4,7 +4,7 @@ On the full-shape synthetic model of `bench decode`, under --gpu-memory-gb, it p
 --prompts tokens (default 2,451 and 32,768) in three regimes: `vram` (every expert resident in VRAM, the
 budget raised by the expert bytes: the engine's compute floor for that prompt), `ram` (every expert in the
 pinned RAM cache) and `disk` (RAM cache = 25 % of the expert bytes; prompt misses bypass it). It reports
-time, expert bytes from disk and over PCIe, expert passes per layer (one fetch + one grouped launch each),
+time, expert bytes from disk and over PCIe, expert passes per layer (one fetch + grouped launches each),
 peak VRAM against the budget, and the bound max(disk bytes / disk rate, PCIe bytes / PCIe rate, the `vram`
 time of the same prompt); efficiency = bound / actual.
 """
@@ -36,43 +36,48 @@ PROMPTS = (2451, 32768)
 @dataclass(slots=True)
 class PrefillPlan:
     prompt: int  # tokens
-    piece: int  # tokens per forward call (the memory plan's prefill piece)
-    pieces: int
+    piece: int  # tokens per attention call and per MoE launch (the memory plan's prefill piece)
+    span: int  # tokens per layer-major span (the memory plan's prefill span)
+    spans: int
     group: int  # experts per pass: half the VRAM slots
-    max_passes_per_layer: int  # every piece routes to min(E, tokens x K) distinct experts
-    max_expert_bytes_per_layer: int  # each distinct expert fetched once per piece
+    max_passes_per_layer: int  # every span routes to min(E, tokens x K) distinct experts
+    max_expert_bytes_per_layer: int  # each distinct expert fetched once per span
 
 
-def plan_prefill(prompt: int, piece: int, n_slots: int, num_experts: int, k: int, block_bytes: int):
+def plan_prefill(
+    prompt: int, piece: int, span: int, n_slots: int, num_experts: int, k: int, block_bytes: int
+):
     """What a prefill of `prompt` tokens does at most, per layer, with GpuExperts' grouping."""
     group = max(1, n_slots // 2)
-    sizes = [min(piece, prompt - i) for i in range(0, prompt, piece)]
+    sizes = [min(span, prompt - i) for i in range(0, prompt, span)]
     distinct = [min(num_experts, t * k) for t in sizes]
     return PrefillPlan(
         prompt=prompt,
         piece=piece,
-        pieces=len(sizes),
+        span=span,
+        spans=len(sizes),
         group=group,
         max_passes_per_layer=sum(-(-d // group) for d in distinct),
         max_expert_bytes_per_layer=sum(distinct) * block_bytes,
     )
 
 
-def prefill_regime(cfg: EngineConfig, vram_cache_blocks: int, prompt: int, piece: int) -> dict:
+def prefill_regime(cfg: EngineConfig, vram_cache_blocks: int, prompt: int, piece: int, span: int) -> dict:
     from expertstream.engine import Engine
 
     eng = Engine(cfg, vram_cache_blocks=vram_cache_blocks)
-    eng.prefill_piece = piece  # the 48-layer plan's piece: each piece fetches its distinct experts again
+    eng.set_prefill(piece, span)  # the 48-layer plan's: each span fetches its distinct experts again
     try:
         warm_caches(eng, vram=vram_cache_blocks >= eng.workdir.num_layers * eng.workdir.num_experts)
         gen = torch.Generator().manual_seed(prompt)
         ids = torch.randint(0, eng.args.vocab_size, (prompt,), generator=gen)
         # one piece first: kernels of every shape a piece meets are compiled (and autotuned) before timing
-        eng.forward(eng.new_state(), ids[: min(prompt, piece)])
+        eng.forward(eng.new_state(), ids[: min(prompt, 2 * piece)])
         wd = eng.workdir
         plan = plan_prefill(
             prompt,
             eng.prefill_piece,
+            eng.prefill_span,
             eng.bank.cache.n_slots,
             wd.num_experts,
             eng.args.num_experts_per_tok,
@@ -110,22 +115,22 @@ def prefill_regime(cfg: EngineConfig, vram_cache_blocks: int, prompt: int, piece
 def prefill_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, layers: int, budget_gib):
     """Markdown rows, one per (regime, prompt); sets each result's bound_s and efficiency."""
     rows = [
-        "| regime | prompt tokens | piece | s (bench layers) | s x48 | tok/s x48 | disk GB | PCIe GB "
+        "| regime | prompt tokens | span / piece | s (bench layers) | s x48 | tok/s x48 | disk GB | PCIe GB "
         "| passes/layer (max) | stall s | peak GiB (budget) | bound s | efficiency |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
         regime, plan = name.split("/")[0], r["plan"]
+        lead = f"| {regime} | {r['prompt']} | {plan['span']} / {plan['piece']} |"
         if r.get("skipped"):
             gb = plan["max_expert_bytes_per_layer"] / 1e9
-            what = f"{plan['pieces']} pieces fetch up to {gb:.0f} GB of experts per layer"
+            what = f"{plan['spans']} spans fetch up to {gb:.0f} GB of experts per layer"
             rows.append(
-                f"| {regime} | {r['prompt']} | {plan['piece']} | not run: {what}, >= {r['estimate_s']:.0f} s "
-                "at the measured rate |" + " |" * 9
+                f"{lead} not run: {what}, >= {r['estimate_s']:.0f} s at the measured rate |" + " |" * 9
             )
             continue
         if r["oom"]:
-            rows.append(f"| {regime} | {r['prompt']} | {plan['piece']} | out of VRAM budget |" + " |" * 9)
+            rows.append(f"{lead} out of VRAM budget |" + " |" * 9)
             continue
         floor = results.get(f"vram/{r['prompt']}", {})  # the compute floor: same prompt, experts in VRAM
         gpu_s = 0.0 if floor.get("oom", True) else floor["seconds"]
@@ -133,7 +138,7 @@ def prefill_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, 
         r["bound_s"], r["efficiency"] = bound, bound / r["seconds"]
         scale = REAL_LAYERS / layers
         rows.append(
-            f"| {regime} | {r['prompt']} | {plan['piece']} | {r['seconds']:.2f} | {r['seconds'] * scale:.1f} "
+            f"{lead} {r['seconds']:.2f} | {r['seconds'] * scale:.1f} "
             f"| {r['prompt'] / (r['seconds'] * scale):.0f} | {r['disk_bytes'] / 1e9:.2f} "
             f"| {r['pcie_bytes'] / 1e9:.2f} | {r['passes_per_layer']:.0f} ({plan['max_passes_per_layer']}) "
             f"| {r['stall_seconds']:.2f} | {r['peak_gib']:.2f} ({budget_gib:.2f}) | {bound:.2f} "
@@ -153,6 +158,7 @@ def run(args) -> int:
     real = real_model_plan(wd, args.gpu_memory_gb, base.max_model_len)
     vram_blocks = int(real.vram_cache_blocks / REAL_LAYERS * wd.num_layers)
     piece = args.prefill_piece or real.prefill_piece
+    span = max(piece, args.prefill_span or real.prefill_span)
     all_in_ram = dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1)
     regimes = {
         # the floor, not an 8 GiB claim: the budget grows by the expert bytes so that every expert fits
@@ -168,21 +174,26 @@ def run(args) -> int:
     for name, (cfg, blocks) in regimes.items():
         rate = {"vram": 0.0, "ram": pcie, "disk": disk}[name]  # GB/s the expert bytes come at, at best
         for prompt in prompts:
-            plan = plan_prefill(prompt, piece, 2, wd.num_experts, k, block)  # bytes do not depend on slots
+            plan = plan_prefill(prompt, piece, span, 2, wd.num_experts, k, block)  # bytes: not slot-dependent
             estimate = plan.max_expert_bytes_per_layer * wd.num_layers / 1e9 / rate if rate else 0.0
-            if estimate > args.max_seconds:  # pieces re-fetch their experts: say what a run would take
+            if estimate > args.max_seconds:  # spans re-fetch their experts: say what a run would take
                 results[f"{name}/{prompt}"] = {"prompt": prompt, "skipped": True, "estimate_s": estimate,
                                                "oom": False, "plan": dataclasses.asdict(plan)}  # fmt: skip
             else:
-                results[f"{name}/{prompt}"] = prefill_regime(cfg, blocks, prompt, piece)
+                results[f"{name}/{prompt}"] = prefill_regime(cfg, blocks, prompt, piece, span)
             log.info("%s/%d: %s", name, prompt, results[f"{name}/{prompt}"])
     budget = args.gpu_memory_gb * base.gpu_memory_utilization
-    origin = "set by --prefill-piece" if args.prefill_piece else "the 48-layer plan's"
+    origin = (
+        "set by --prefill-piece/--prefill-span"
+        if args.prefill_piece or args.prefill_span
+        else "the 48-layer plan's"
+    )
     head = (
         f"Full-shape synthetic model, {wd.num_layers} layers x {wd.num_experts} experts ({block:,} B "
         f"blocks), --gpu-memory-gb {args.gpu_memory_gb}, max_model_len {base.max_model_len}; measured in "
         f"this run: O_DIRECT {disk:.2f} GB/s, pinned H2D {pcie:.1f} GB/s; VRAM cache {vram_blocks} blocks "
-        f"and {piece}-token prompt pieces ({origin}, which fetch each piece's distinct experts again). "
+        f"and {span}-token spans of {piece}-token pieces ({origin}; each span fetches its experts once per "
+        "layer). "
         "Bound = max(disk, PCIe, the `vram` time of the same prompt); the `vram` rows ran with the budget "
         "raised by the expert bytes.\n\n"
     )

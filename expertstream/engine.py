@@ -27,7 +27,7 @@ from expertstream.workdir import Workdir
 log = get_logger(__name__)
 
 # prompt tokens per forward call: activations grow linearly with it ([T, N*H] streams, GDN chunks), while
-# attention memory is bounded inside the model; each layer's experts are fetched once per piece
+# without a VRAM plan (CPU): attention pieces of this many tokens, spans of the whole context
 PREFILL_PIECE = 8192
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -92,7 +92,6 @@ class Engine:
         self.device, self.dtype = resolve_device_dtype(config)
         gpu = self.device.type == "cuda" and config.kernels != "torch"
         self.plan = self._plan_gpu_memory() if self.device.type == "cuda" else None
-        self.prefill_piece = self.plan.prefill_piece if self.plan else PREFILL_PIECE
         alloc = {}
         if gpu:
             from expertstream.runtime.gpu_experts import GpuExperts, pinned_alloc
@@ -131,6 +130,10 @@ class Engine:
                 self.workdir, self.store, self.dtype, control, speculate, config.speculation_width
             )
         base.use_triton(gpu)
+        if self.plan:
+            self.set_prefill(self.plan.prefill_piece, self.plan.prefill_span)
+        else:
+            self.set_prefill(min(PREFILL_PIECE, config.max_model_len), config.max_model_len)
         self.ple = None
         if self.args.ple_layer_ids:
             if self.workdir.ple is None:
@@ -196,6 +199,15 @@ class Engine:
             self._tokenizer = Tokenizer.from_dir(self.workdir.path)
         return self._tokenizer
 
+    def set_prefill(self, piece: int, span: int) -> None:
+        """Prompts run layer by layer in spans of `span` tokens (each layer's experts once per span), each
+        layer's attention in pieces of `piece` tokens (the MoE kernels take as many at a time)."""
+        if piece <= 0 or span < piece:
+            raise ValueError(f"prefill needs 0 < piece <= span, got piece {piece}, span {span}")
+        self.prefill_piece, self.prefill_span = piece, span
+        if hasattr(self.bank, "prefill_chunk"):
+            self.bank.prefill_chunk = piece
+
     def new_state(self) -> State:
         """An empty conversation with KV and indexer keys preallocated for max_model_len."""
         return State(self.args, self.config.max_model_len, self.dtype, self.device)
@@ -221,9 +233,9 @@ class Engine:
         if ids.numel() == 1 and self.decode is not None:
             logits = self.model.logits(self.decode.step(ids, state))
             return logits if all_logits else logits[0]
-        rows = []
-        for i in range(0, ids.numel(), self.prefill_piece):
-            h = self.model(ids[i : i + self.prefill_piece], state)
+        rows, span = [], self.prefill_span
+        for i in range(0, ids.numel(), span):
+            h = self.model(ids[i : i + span], state, piece=self.prefill_piece)
             rows.append(self.model.logits(h if all_logits else h[-1:]))
         return torch.cat(rows) if all_logits else rows[-1][0]
 

@@ -20,7 +20,8 @@ from expertstream.sampling import make_generator, sample, token_logprobs
 
 log = get_logger(__name__)
 
-# prompt pieces between two on_progress calls (and should_stop checks) during prefill, in tokens
+# prompt pieces between two on_progress calls (and should_stop checks) during prefill, in tokens, for an
+# engine without spans; an engine's prefill span is its unit (a shorter call would fetch every expert again)
 PREFILL_CHUNK = 512
 
 
@@ -163,7 +164,8 @@ def stream_generate(
         params: sampling and stopping; defaults to greedy with 256 tokens.
         state: a state from `engine.new_state()` to continue; when it already consumed a prefix of the prompt,
             only the rest runs (`cached_tokens`); when its history differs it is reset. None: a fresh state.
-        on_progress: called as on_progress(done, total) between prefill pieces of PREFILL_CHUNK tokens.
+        on_progress: called as on_progress(done, total) between prefill spans (`engine.prefill_span` tokens,
+            else PREFILL_CHUNK).
         should_stop: polled between prefill pieces and after every token; True cancels the request.
 
     Yields:
@@ -188,7 +190,7 @@ def stream_generate(
 
     t0 = time.perf_counter()
     tail = ids[cached:]
-    step = PREFILL_CHUNK if on_progress or should_stop else len(tail)
+    step = getattr(engine, "prefill_span", PREFILL_CHUNK) if on_progress or should_stop else len(tail)
     for start in range(0, len(tail), step):
         logits = engine.forward(state, tail[start : start + step])
         if on_progress:

@@ -12,11 +12,16 @@ from dataclasses import dataclass, field
 GiB = 1024**3
 MiB = 1024**2
 
-# Largest first: the biggest prompt piece whose activations fit is used (fewer expert passes per prompt).
+# Largest first: prompt pieces (the tokens one layer's attention, DeltaNet and router take at a time).
 PREFILL_PIECES = (4096, 2048, 1024, 512, 256, 128)
-# Each piece fetches its experts again (a piece of 128+ tokens routes to most of them), so matrices go FP8
-# until a piece of this size fits before any are kept in BF16: a 4k prompt then moves <= 4x one pass's bytes
+# The prefill budget: matrices go FP8 until a piece-major workspace for this many tokens fits, before any are
+# kept in BF16; it is then split into a smaller piece and a span (below)
 PREFILL_TARGET = 1024
+# Prompts run layer by layer in spans: every piece of a span goes through a layer's attention, then the
+# layer's experts run once over the whole span, so a prompt fetches each expert once per span. The span's
+# streams and MoE rows cost far less per token than a piece's attention workspace, so the plan trades piece
+# length (down to this) for span length.
+SPAN_MIN_PIECE = 256
 # Resident matrices the plan may store FP8 row-scaled, in the order it gives them up (largest savings first).
 FP8_CANDIDATES = (
     "linear_attn.in_proj_qkv.weight",
@@ -49,6 +54,7 @@ class MemoryPlan:
     slots: int  # expert slot banks (double-buffered) + speculation bank
     decode_workspace: int
     prefill_piece: int
+    prefill_span: int  # tokens per layer-major span (a multiple of the piece)
     prefill_workspace: int
     reserve: int
     vram_cache_blocks: int
@@ -71,7 +77,10 @@ class MemoryPlan:
             ("indexer keys", self.indexer_keys),
             ("expert slots", self.slots),
             ("decode workspace", self.decode_workspace),
-            (f"prefill workspace ({self.prefill_piece}-token pieces)", self.prefill_workspace),
+            (
+                f"prefill ({self.prefill_span}-token spans, {self.prefill_piece}-token pieces)",
+                self.prefill_workspace,
+            ),
             ("reserve", self.reserve),
             (f"VRAM expert cache ({self.vram_cache_blocks} experts)", self.vram_cache),
         ]
@@ -173,6 +182,10 @@ def plan_memory(
         scores = piece * (max_model_len // max(1, c.get("indexer_compress_ratio") or 1)) * 4
         return piece * per_tok + mask + scores
 
+    # Per token of a span, held across a layer: the old and new streams and an injection temporary, the MoE
+    # input, shared and routed outputs, the FP32 routed sum, the routing
+    per_span_tok = act_bytes * (3 * hc * h + 3 * h) + 4 * h + 16 * k
+
     embed = resident.get("embed_tokens.weight")
     weights = {n: v for n, v in resident.items() if n != "embed_tokens.weight"}
     fp8 = sorted(n for n, (_, dt) in weights.items() if dt == "F8_E4M3")
@@ -206,13 +219,25 @@ def plan_memory(
     def affordable(p: int) -> bool:
         return prefill_ws(p) <= left // 2 or (p <= PREFILL_TARGET and prefill_ws(p) <= left)
 
-    piece = max(p for p in PREFILL_PIECES if affordable(p) or p == PREFILL_PIECES[-1])
-    left -= prefill_ws(piece)
-    if piece < PREFILL_PIECES[0]:  # every piece routes to most experts and fetches them again
+    budget_piece = max(p for p in PREFILL_PIECES if affordable(p) or p == PREFILL_PIECES[-1])
+    workspace = prefill_ws(budget_piece)
+    left -= workspace
+
+    # split that workspace into the piece and the span that make the span longest (ties: the longer piece)
+    def span_of(p: int) -> int:
+        extra = (workspace - prefill_ws(p)) // per_span_tok
+        return max(p, min(max_model_len, p + extra) // p * p)
+
+    pieces = [p for p in PREFILL_PIECES if SPAN_MIN_PIECE <= p <= budget_piece] or [budget_piece]
+    piece = max(pieces, key=lambda p: (span_of(p), p))
+    span = span_of(piece)
+    workspace_used = prefill_ws(piece) + (span - piece) * per_span_tok
+    left += workspace - workspace_used  # what rounding the span left goes to the cache
+    if span < max_model_len:  # a longer prompt fetches each expert once per span
         notes.append(
-            f"prompts run in {piece}-token pieces and each piece fetches its experts again: a 4,096-token "
-            f"prompt moves ~{-(-4096 // piece)}x the expert bytes of one pass; a shorter --max-model-len "
-            "leaves room for longer pieces"
+            f"prompts run layer by layer in {span}-token spans ({piece}-token pieces) and each span fetches "
+            f"its experts once per layer: a {max_model_len}-token prompt moves ~{-(-max_model_len // span)}x "
+            "the expert bytes of one pass; a shorter --max-model-len leaves room for longer spans"
         )
     if embed is not None:
         embed_gib = _tensor_bytes(*embed) / GiB
@@ -228,7 +253,8 @@ def plan_memory(
         slots=slots,
         decode_workspace=DECODE_WORKSPACE,
         prefill_piece=piece,
-        prefill_workspace=prefill_ws(piece),
+        prefill_span=span,
+        prefill_workspace=workspace_used,
         reserve=reserve,
         vram_cache_blocks=max(0, left // block_bytes),
         block_bytes=block_bytes,

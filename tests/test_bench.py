@@ -1,6 +1,7 @@
 """The CPU-testable parts of `expertstream bench decode|prefill`: plans, tables, arguments, clear refusals."""
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -39,15 +40,17 @@ def test_without_cuda_the_gpu_benches_refuse_clearly(what, tmp_path):
     assert not any(tmp_path.iterdir())  # refused before synthesising anything
 
 
-def test_prefill_plan_counts_pieces_passes_and_bytes():
-    # 32768 tokens in 4096-token pieces, 76 slots (38 per pass), 512 experts, top-10
-    p = plan_prefill(32768, 4096, 76, 512, 10, 100)
-    assert (p.pieces, p.group, p.max_passes_per_layer) == (8, 38, 8 * 14)
+def test_prefill_plan_counts_spans_passes_and_bytes():
+    # 32768 tokens in 4096-token spans (256-token pieces: they do not change the bytes), 76 slots (38 per
+    # pass), 512 experts, top-10
+    p = plan_prefill(32768, 256, 4096, 76, 512, 10, 100)
+    assert (p.spans, p.group, p.max_passes_per_layer) == (8, 38, 8 * 14)
     assert p.max_expert_bytes_per_layer == 8 * 512 * 100
-    # a short last piece routes to fewer distinct experts: 2451 = 2048 + 403; 10 tokens -> 100 experts
-    q = plan_prefill(2451, 2048, 76, 512, 10, 1)
-    assert q.pieces == 2 and q.max_passes_per_layer == 28
-    assert plan_prefill(10, 4096, 76, 512, 10, 1).max_passes_per_layer == 3
+    assert plan_prefill(32768, 4096, 4096, 76, 512, 10, 100) == dataclasses.replace(p, piece=4096)
+    # a short last span routes to fewer distinct experts: 2451 = 2048 + 403; 10 tokens -> 100 experts
+    q = plan_prefill(2451, 256, 2048, 76, 512, 10, 1)
+    assert q.spans == 2 and q.max_passes_per_layer == 28
+    assert plan_prefill(10, 256, 4096, 76, 512, 10, 1).max_passes_per_layer == 3
 
 
 def decode_result(ms, tokens, **kw):
@@ -98,7 +101,7 @@ def test_decode_table_hardware_bound_from_the_profile():
 
 
 def test_prefill_table_and_oom_row():
-    plan = {"piece": 4096, "max_passes_per_layer": 112}
+    plan = {"piece": 256, "span": 4096, "max_passes_per_layer": 112}
     ok = dict(
         prompt=32768,
         oom=False,
@@ -119,10 +122,10 @@ def test_prefill_table_and_oom_row():
         "ram/32768": fast_ram,
         "ram/2451": {"prompt": 2451, "oom": True, "plan": plan},
         "disk/2451": {"prompt": 2451, "oom": False, "skipped": True, "estimate_s": 741.0,
-                      "plan": plan | {"pieces": 20, "max_expert_bytes_per_layer": 26e9}},
+                      "plan": plan | {"spans": 20, "max_expert_bytes_per_layer": 26e9}},
     }  # fmt: skip
     table = prefill_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4, budget_gib=7.2)
-    assert "not run: 20 pieces fetch up to 26 GB of experts per layer, >= 741 s" in table
+    assert "not run: 20 spans fetch up to 26 GB of experts per layer, >= 741 s" in table
     assert ok["bound_s"] == pytest.approx(4.0) and ok["efficiency"] == pytest.approx(1.0)  # disk-bound
     assert fast_ram["bound_s"] == pytest.approx(2.5) and fast_ram["efficiency"] == pytest.approx(2.5 / 3)
     assert floor["efficiency"] == pytest.approx(1.0)
@@ -158,23 +161,24 @@ def test_busy_time_counts_overlaps_once():
     assert busy_ms([]) == 0
 
 
-def test_the_real_plans_prefill_piece_is_what_the_bench_uses():
-    """The 48-layer model under 8 GiB with a 32k context leaves room for 1,024-token pieces (the bench's
-    4-layer model would allow 4,096), and each piece fetches its experts again."""
+def test_the_real_plans_prefill_span_is_what_the_bench_uses():
+    """The 48-layer model under 8 GiB with a 32k context runs prompts in 2,560-token spans of 256-token
+    pieces (the bench's 4-layer model would allow far longer), and each span fetches its experts once."""
     import collections
     from types import SimpleNamespace
 
     from expertstream.bench_prefill import plan_prefill
     from expertstream.bench_runtime import real_model_plan
     from expertstream.formats.expert_block import ExpertLayout
-    from expertstream.memory_plan import PREFILL_TARGET
     from expertstream.synth import build_config
 
     tc = build_config("full-shape", None, None, 1024, collections.defaultdict(lambda: 7))["text_config"]
     wd = SimpleNamespace(text_config=tc, layout=ExpertLayout.for_dims(2560, 640))
-    assert real_model_plan(wd, 8.0, 32768).prefill_piece == PREFILL_TARGET
-    assert real_model_plan(wd, 24.0, 32768).prefill_piece == 4096
+    small, big = real_model_plan(wd, 8.0, 32768), real_model_plan(wd, 24.0, 32768)
+    assert (small.prefill_piece, small.prefill_span) == (256, 2560)
+    assert big.prefill_span > 4 * small.prefill_span
     block = wd.layout.block_bytes
-    one = plan_prefill(2451, 4096, 2, 512, 10, block).max_expert_bytes_per_layer
-    assert plan_prefill(2451, 1024, 2, 512, 10, block).max_expert_bytes_per_layer == 3 * one
-    assert plan_prefill(32768, 1024, 2, 512, 10, block).max_expert_bytes_per_layer == 32 * one
+    one = plan_prefill(2451, 4096, 4096, 2, 512, 10, block).max_expert_bytes_per_layer
+    # a 2,451-token prompt fits one span: each expert once per layer (three times with 1,024-token pieces)
+    assert plan_prefill(2451, 256, 2560, 2, 512, 10, block).max_expert_bytes_per_layer == one
+    assert plan_prefill(32768, 256, 2560, 2, 512, 10, block).max_expert_bytes_per_layer == 13 * one

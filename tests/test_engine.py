@@ -146,3 +146,43 @@ def test_max_model_len_is_clamped_to_the_config(tiny_workdir):
     assert big.config.max_model_len == big.args.max_position_embeddings
     assert big.dtype == torch.float32
     big.close()
+
+
+def test_layer_major_spans_equal_the_piece_by_piece_forward(engine):
+    """A span of several pieces runs layer by layer (each layer's experts once over the span) and equals the
+    same prompt fed piece by piece, logits and state; the bank sees one call per layer and span."""
+    ids = prompt(engine)  # PROMPT tokens, two EOS inside
+    calls = []
+
+    def counting(layer, x, *a):
+        calls.append((layer, x.shape[0]))
+        return engine.bank(layer, x, *a)
+
+    try:
+        engine.set_prefill(9, 9)  # piece-major: every 9-token piece through every layer
+        st_a = engine.new_state()
+        want = engine.forward(st_a, ids, all_logits=True)
+        engine.set_prefill(9, 45)  # layer-major: spans of 45 tokens, attention in 9-token pieces
+        st_b = engine.new_state()
+        for layer in engine.model.layers:
+            layer.mlp.bank = counting
+        got = engine.forward(st_b, ids, all_logits=True)
+    finally:
+        for layer in engine.model.layers:
+            layer.mlp.bank = engine.bank
+        engine.set_prefill(min(8192, engine.config.max_model_len), engine.config.max_model_len)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert st_a.pos == st_b.pos == PROMPT and st_a.tokens == st_b.tokens
+    assert torch.equal(st_a.ple_ctx, st_b.ple_ctx)
+    for name, (t, _) in st_a._named().items():
+        torch.testing.assert_close(st_b._named()[name][0], t, rtol=1e-4, atol=1e-4, msg=name)
+    spans = -(-PROMPT // 45)
+    assert len(calls) == spans * engine.args.num_hidden_layers
+    assert sorted({n for _, n in calls}) == sorted({min(45, PROMPT - a) for a in range(0, PROMPT, 45)})
+    # decoding on from either state gives the same next logits
+    torch.testing.assert_close(engine.forward(st_b, [5]), engine.forward(st_a, [5]), rtol=1e-4, atol=1e-4)
+
+
+def test_set_prefill_refuses_a_span_shorter_than_its_piece(engine):
+    with pytest.raises(ValueError, match="piece <= span"):
+        engine.set_prefill(64, 32)

@@ -234,6 +234,18 @@ def test_prefill_progress_in_pieces(tok):
     assert seen == [(512, len(prompt)), (1024, len(prompt)), (len(prompt), len(prompt))]
 
 
+def test_prefill_progress_follows_the_engines_span(tok):
+    # an engine's span is its prefill unit: a shorter call would fetch every expert again
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 45
+    engine, prompt, _ = scripted(tok, "ok", prompt=long_prompt)
+    engine.prefill_span = 700
+    seen = []
+    list(
+        stream_generate(engine, prompt, SamplingParams(max_tokens=2), on_progress=lambda d, t: seen.append(d))
+    )
+    assert [len(f) for f in engine.fed[:2]] == [700, len(prompt) - 700] and seen == [700, len(prompt)]
+
+
 def test_prefix_reuse_runs_only_the_tail(tok):
     engine, prompt, script = scripted(tok, "Hello world", end=None, prompt="Hi there, how are you")
     state = engine.new_state()

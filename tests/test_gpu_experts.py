@@ -141,3 +141,20 @@ def test_prompt_passes_reuse_their_read_buffers(tiny_workdir, kernel_device):
         assert bank.prefill_passes >= 4 * wd.num_layers
         assert len(allocs) <= 3 * 2 + 2 < store.stats.misses
         bank.close()
+
+
+def test_a_span_in_chunks_fetches_each_group_once(banks, kernel_device):
+    # 30 tokens in 7-token chunks: the groups stay outer (each block fetched once), the chunks inner
+    wd, store, ref = banks
+    x, ids, w = routing(wd, 30, seed=3)
+    args = [v.to(kernel_device) for v in (x, ids, w)]
+    whole, chunked = GpuExperts(wd, store, 8, kernel_device), GpuExperts(wd, store, 8, kernel_device)
+    chunked.prefill_chunk = 7
+    a, b = whole(1, *args).cpu(), chunked(1, *args).cpu()
+    want = ref(1, x, ids, w)
+    for got in (a, b):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+    assert chunked.prefill_passes == whole.prefill_passes > 1
+    assert chunked.cache.stats.copies == whole.cache.stats.copies
+    whole.close()
+    chunked.close()

@@ -64,26 +64,35 @@ def test_8gib_plan_holds_the_real_model_with_32k_context():
     )
     assert total <= plan.budget
     assert "VRAM plan" in plan.describe()
-    # each prompt piece fetches its experts again: matrices go FP8 until a 1,024-token piece fits, and the
-    # plan says what pieces cost
-    assert plan.prefill_piece == PREFILL_TARGET and "~4x the expert bytes of one pass" in plan.describe()
+    # prompts run layer by layer in spans, each fetching its experts once per layer: the budget of a
+    # 1,024-token piece-major workspace buys 256-token pieces in 2,560-token spans, and the plan says what a
+    # full-context prompt costs
+    assert (plan.prefill_piece, plan.prefill_span) == (256, 2560)
+    assert "~13x the expert bytes of one pass" in plan.describe()
 
 
 def test_fp8_buys_the_target_prefill_piece_before_bf16_is_kept():
     # the default utilization (0.9 x 8 GiB): the DeltaNet matrices alone would leave 128-token pieces
     tight = plan_memory(real_text_config(), real_resident(), BLOCK, int(7.2 * GiB), 32768)
-    assert tight.prefill_piece == PREFILL_TARGET and "lm_head.weight" not in tight.fp8
-    assert any("self_attn.o_proj" in n for n in tight.fp8)
-    # a 4k context at 8 GiB converts fewer matrices, still to the same piece
+    assert "lm_head.weight" not in tight.fp8 and any("self_attn.o_proj" in n for n in tight.fp8)
+    # that budget (a 1,024-token piece-major workspace) is split into the longest span: 2,560 tokens
+    assert tight.prefill_span == 2560 and tight.prefill_span % tight.prefill_piece == 0
+    assert tight.prefill_span > PREFILL_TARGET
+    # a 4k context at 8 GiB converts fewer matrices
     short = plan_memory(real_text_config(), real_resident(), BLOCK, 8 * GiB, 4096)
-    assert short.prefill_piece >= PREFILL_TARGET and len(short.fp8) < len(tight.fp8)
+    assert short.prefill_span >= 2048 and len(short.fp8) < len(tight.fp8)
+
+
+def test_a_roomy_plan_runs_whole_contexts_in_one_span():
+    plan = plan_memory(real_text_config(), real_resident(), BLOCK, 24 * GiB, 4096)
+    assert plan.prefill_span == 4096 and "spans" not in " ".join(plan.notes)
 
 
 def test_larger_budget_keeps_bf16_and_grows_the_cache():
     small = plan_memory(real_text_config(), real_resident(), BLOCK, 8 * GiB, 32768)
     big = plan_memory(real_text_config(), real_resident(), BLOCK, 24 * GiB, 32768)
     assert big.fp8 == [] and big.vram_cache_blocks > small.vram_cache_blocks + 3000
-    assert big.prefill_piece >= small.prefill_piece
+    assert big.prefill_span >= small.prefill_span
 
 
 def test_budget_too_small_names_what_is_needed():

@@ -532,11 +532,15 @@ class DecoderLayer(nn.Module):
     def moe_out(x, c, routed, shared_gate, shared) -> torch.Tensor:
         return inject(x, torch.addcmul(routed, shared_gate, shared), c)
 
-    def forward(self, x, ids, st: State, rope: Rope) -> torch.Tensor:
+    def pre_moe(self, x, ids, st: State, rope: Rope) -> tuple[torch.Tensor, ...]:
+        """PLE, attention and router: (x, u, c, top_i, top_w, shared gate, shared), all per token."""
         if self.ple is not None:
             x = x + self.ple(x, ids, st)
         u, c = self.attn_hc(x)
-        x, u, c, top_i, top_w, shared_gate, shared = self.moe_in(x, self.attention(u, st, rope), c)
+        return self.moe_in(x, self.attention(u, st, rope), c)
+
+    def forward(self, x, ids, st: State, rope: Rope) -> torch.Tensor:
+        x, u, c, top_i, top_w, shared_gate, shared = self.pre_moe(x, ids, st, rope)
         return self.moe_out(x, c, self.mlp.bank(self.mlp.layer, u, top_i, top_w), shared_gate, shared)
 
 
@@ -589,17 +593,51 @@ class Qwen4ExpModel(nn.Module):
         return Rope(positions, *rope_cos_sin(self.inv_freq, positions, self.dtype), self.inv_freq)
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, st: State) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, st: State, piece: int | None = None) -> torch.Tensor:
+        """ids [T] -> final mixer output [T, H]. With `piece` < T the tokens run layer by layer: each layer's
+        PLE, attention and router take `piece` tokens at a time (their state carries from piece to piece),
+        then the layer's experts run once over all T tokens, so the bank fetches each block once per layer
+        instead of once per piece."""
         t = ids.shape[0]
         st.check_room(t)
         # ids stay on the host (embedding rows, PLE hashing, the state's token list): nothing is read back
         ids = ids.cpu()
         x = self.embed_rows(ids)
-        rope = self.rope(st, t)
-        for layer in self.layers:
-            x = layer(x, ids, st, rope)
+        if piece is None or t <= piece:
+            rope = self.rope(st, t)
+            for layer in self.layers:
+                x = layer(x, ids, st, rope)
+        else:
+            x = self._layer_major(x, ids, st, piece)
         st.advance(ids)
         return self.mixer(x)[0]
+
+    def _layer_major(self, x: torch.Tensor, ids: torch.Tensor, st: State, piece: int) -> torch.Tensor:
+        t, pos0, ctx0 = ids.shape[0], st.pos, st.ple_ctx
+        bounds = [(a, min(a + piece, t)) for a in range(0, t, piece)]
+        # each piece sees the state as if the pieces before it had gone through every layer: its position
+        # and the n-gram context of the tokens before it (KV and recurrent state are per layer already)
+        before = torch.cat((ctx0, ids))
+        views = []
+        for a, b in bounds:
+            st.pos = pos0 + a
+            views.append((a, b, before[a : a + ctx0.shape[0]].clone(), self.rope(st, b - a)))
+        try:
+            for layer in self.layers:
+                whole = None  # (x, u, c, top_i, top_w, shared gate, shared) for all t tokens
+                for a, b, ctx, rope in views:
+                    st.pos, st.ple_ctx = pos0 + a, ctx
+                    part = layer.pre_moe(x[a:b], ids[a:b], st, rope)
+                    if whole is None:
+                        whole = [v.new_empty((t, *v.shape[1:])) for v in part]
+                    for w, v in zip(whole, part):
+                        w[a:b] = v
+                x, u, c, top_i, top_w, shared_gate, shared = whole
+                routed = layer.mlp.bank(layer.mlp.layer, u, top_i, top_w)
+                x = layer.moe_out(x, c, routed, shared_gate, shared)
+        finally:
+            st.pos, st.ple_ctx = pos0, ctx0
+        return x
 
     @torch.no_grad()
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -124,7 +124,8 @@ class GpuExperts:
         # for the GPU to finish everything queued before: earlier layers, copies, the router)
         self.decode_seconds = self.sync_seconds = 0.0
         self.spec_seconds = 0.0  # ... of which issuing the next layer's guessed copies and reads
-        self.prefill_passes = 0  # expert groups run by prefill (one fetch + one grouped launch each)
+        self.prefill_passes = 0  # expert groups run by prefill (one fetch + grouped launches each)
+        self.prefill_chunk: int | None = None  # tokens per prefill launch (the plan's piece); None: all
         # prompt passes read one group ahead, and a group's buffers wait for its copies: three groups' worth
         store.keep_spare(3 * max(1, n_slots // 2))
         self._launch_pending = False  # a prepared decode whose kernel has not been marked used yet
@@ -304,9 +305,15 @@ class GpuExperts:
         group = max(1, self.cache.n_slots // 2)
         groups = [experts[i : i + group] for i in range(0, len(experts), group)]
         self.prefill_passes += len(groups)
-        # one row per (token, k) pair, filled group by group: the kernel skips pairs whose expert is not in
-        # the group (mapped to -1), so no pass reads the routing back or gathers its tokens
-        y = torch.empty(expert_ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+        t, k = expert_ids.shape
+        chunk = min(t, self.prefill_chunk or t)
+        bounds = [(a, min(a + chunk, t)) for a in range(0, t, chunk)]
+        # one row per (token, k) pair of a chunk, filled group by group: the kernel skips pairs whose expert
+        # is not in the group (mapped to -1), so no pass reads the routing back or gathers its tokens. A span
+        # of several chunks keeps the groups outer (each block fetched once) and adds each (group, chunk)'s
+        # rows into an FP32 sum, zeroing them first
+        y = torch.empty(chunk * k, x.shape[1], dtype=x.dtype, device=x.device)
+        total = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device) if len(bounds) > 1 else None
         weights = weights.float()
         # reads run one group ahead: group g+1's disk reads proceed while group g is copied and computed
         # (with one group its fetch is the only request)
@@ -317,15 +324,23 @@ class GpuExperts:
                 self._map_pass(members, self.cache.fetch(layer, members))
                 for h in pending.pop(0):
                     h.release()
-                nvfp4_moe.nvfp4_moe_prefill_pairs(
-                    x, self.cache.slots, expert_ids, self.expert_to_slot, self.cache.ws2, weights,
-                    self.layout, y, distinct=len(experts),
-                )  # fmt: skip
+                for a, b in bounds:
+                    rows = y[: (b - a) * k]
+                    if total is not None:
+                        rows.zero_()
+                    nvfp4_moe.nvfp4_moe_prefill_pairs(
+                        x[a:b], self.cache.slots, expert_ids[a:b], self.expert_to_slot, self.cache.ws2,
+                        weights[a:b], self.layout, rows, distinct=len(experts),
+                    )  # fmt: skip
+                    if total is not None:
+                        total[a:b] += rows.view(b - a, k, -1).sum(dim=1, dtype=torch.float32)
                 self.cache.mark_used()
         finally:
             for h in (h for hs in pending for h in hs):
                 h.release()
-        return y.view(*expert_ids.shape, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+        if total is None:
+            total = y.view(t, k, -1).sum(dim=1, dtype=torch.float32)
+        return total.to(x.dtype)
 
     @property
     def bytes_in_place(self) -> int:
