@@ -299,6 +299,8 @@ def run_check(
     control: str = "none",
     texts: list[str] | None = None,
     continuation: int = 16,
+    prefill_piece: int | None = None,
+    prefill_span: int | None = None,
 ) -> dict:
     """Compare engine and reference; returns the report (its "pass" key decides the exit code)."""
     if dtype not in THRESHOLDS:
@@ -313,7 +315,10 @@ def run_check(
     prompts = make_prompts(Tokenizer.from_dir(workdir), text, n_prompts, long, texts or [])
     # size the engine's caches to the longest prompt plus the rollout
     max_len = max(len(p.ids) for p in prompts) + continuation
-    config = EngineConfig(model=str(workdir), device=device, dtype=dtype, max_model_len=max_len)
+    config = EngineConfig(
+        model=str(workdir), device=device, dtype=dtype, max_model_len=max_len, prefill_piece=prefill_piece,
+        prefill_span=prefill_span,
+    )  # fmt: skip
     engine = Engine(config, control=control)
     try:
         results = [compare_prompt(engine, reference, p, continuation) for p in prompts]
@@ -352,6 +357,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--control", choices=CONTROLS, default="none", help="a deliberately broken engine (must fail)"
     )
     p.add_argument("--continuation", type=int, default=16, help="greedy tokens compared after each prompt")
+    p.add_argument(
+        "--prefill-piece", type=int, help="the engine's prompt piece (e.g. short, to check layer-major spans)"
+    )
+    p.add_argument("--prefill-span", type=int, help="the engine's prompt span (see `serve --help`)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
@@ -366,6 +375,8 @@ def main(args: argparse.Namespace) -> int:
         control=args.control,
         texts=args.text,
         continuation=args.continuation,
+        prefill_piece=args.prefill_piece,
+        prefill_span=args.prefill_span,
     )
     if args.json:
         print(json.dumps(report))

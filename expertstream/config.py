@@ -57,6 +57,21 @@ class EngineConfig:
             "help": "decode without CUDA graphs: launch every kernel from Python each token (vLLM's name)"
         },
     )
+    prefill_piece: int | None = field(
+        default=None,
+        metadata={
+            "help": "prompt tokens a layer's attention and expert kernels take at a time (default: the VRAM "
+            "plan's; on the CPU 8192; llama.cpp's closest word: --ubatch-size)"
+        },
+    )
+    prefill_span: int | None = field(
+        default=None,
+        metadata={
+            "help": "prompt tokens that go through a layer together; each expert is fetched once per layer "
+            "and span (default: the VRAM plan's; on the CPU the whole context; llama.cpp: --batch-size). "
+            "Larger than the plan's may not fit the VRAM budget"
+        },
+    )
     cpu_affinity: str | None = field(
         default=None,
         metadata={
@@ -88,6 +103,13 @@ class EngineConfig:
             )
         if self.cpu_affinity is not None:
             parse_cpu_list(self.cpu_affinity)
+        for name in ("prefill_piece", "prefill_span"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.prefill_piece and self.prefill_span and self.prefill_span < self.prefill_piece:
+            raise ValueError(
+                f"prefill_span {self.prefill_span} is shorter than prefill_piece {self.prefill_piece}"
+            )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = True) -> None:

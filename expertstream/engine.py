@@ -131,9 +131,11 @@ class Engine:
             )
         base.use_triton(gpu)
         if self.plan:
-            self.set_prefill(self.plan.prefill_piece, self.plan.prefill_span)
+            piece, span = self.plan.prefill_piece, self.plan.prefill_span
         else:
-            self.set_prefill(min(PREFILL_PIECE, config.max_model_len), config.max_model_len)
+            piece, span = min(PREFILL_PIECE, config.max_model_len), config.max_model_len
+        piece = config.prefill_piece or min(piece, config.prefill_span or piece)
+        self.set_prefill(piece, config.prefill_span or max(span, piece))
         self.ple = None
         if self.args.ple_layer_ids:
             if self.workdir.ple is None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device run for correctness: the GPU runtime's tests (failures listed), `check` of the tiny model with the
-# engine on CUDA (bf16, graphs, --long), then `check` of the 4-layer full-shape model. Needs .whl/ carried;
-# writes under $OUT.
+# engine on CUDA (bf16, graphs, --long; then with layer-major spans of several pieces), then `check` of the
+# 4-layer full-shape model with spans. Needs .whl/ carried; writes under $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -12,8 +12,11 @@ python3 -m expertstream synth /tmp/tiny --preset tiny >/dev/null 2>&1
 python3 -m expertstream setup /tmp/tiny /tmp/tiny-wd >/dev/null 2>&1
 timeout ${TINY_S:-90} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda \
   --long 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_tiny_cuda.txt
+# layer-major prefill: spans of several pieces (each layer's experts once per span)
+timeout ${TINY_S:-90} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda \
+  --long --prefill-piece 8 --prefill-span 32 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_tiny_spans_cuda.txt
 W=/tmp/expertstream-bench
 python3 -c "from pathlib import Path; from expertstream.bench_runtime import ensure_model; ensure_model(Path('$W'), 4)" \
   >/dev/null 2>&1
 timeout ${CHECK_S:-200} python3 -m expertstream check $W/full-4-wd --snapshot $W/full-4 --dtype bfloat16 --device cuda \
-  --prompts 2 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_full4_cuda.txt
+  --prompts 2 --prefill-piece 16 --prefill-span 64 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_full4_cuda.txt

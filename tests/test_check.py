@@ -37,8 +37,12 @@ def test_reference_builder_matches_transformers_own_loader(tiny_snapshot, tmp_pa
         assert torch.equal(t, want[name]), name
 
 
-def test_check_passes_on_the_tiny_model(capsys, tiny_workdir, tiny_snapshot):
-    rc, report = run_check(capsys, tiny_workdir, tiny_snapshot, "--prompts", "1", "--long")
+@pytest.mark.parametrize(
+    "spans", [(), ("--prefill-piece", "8", "--prefill-span", "32")], ids=["one-span", "layer-major"]
+)
+def test_check_passes_on_the_tiny_model(capsys, tiny_workdir, tiny_snapshot, spans):
+    # layer-major: prompts in 32-token spans of 8-token pieces (each layer's experts once per span)
+    rc, report = run_check(capsys, tiny_workdir, tiny_snapshot, "--prompts", "1", "--long", *spans)
     assert rc == 0 and report["pass"]
     assert report["argmax_agreement"] == 1.0 and report["positions"] >= 64
     assert report["mean_abs_dlogit"] <= 1e-3

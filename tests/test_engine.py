@@ -186,3 +186,16 @@ def test_layer_major_spans_equal_the_piece_by_piece_forward(engine):
 def test_set_prefill_refuses_a_span_shorter_than_its_piece(engine):
     with pytest.raises(ValueError, match="piece <= span"):
         engine.set_prefill(64, 32)
+
+
+def test_prefill_flags_override_the_plan_and_are_checked(tiny_workdir):
+    with pytest.raises(ValueError, match="shorter than prefill_piece"):
+        EngineConfig(model=str(tiny_workdir), prefill_piece=64, prefill_span=32)
+    with pytest.raises(ValueError, match="prefill_piece must be positive"):
+        EngineConfig(model=str(tiny_workdir), prefill_piece=0)
+    eng = engine_for(tiny_workdir, prefill_span=48)  # the piece follows a span shorter than it
+    assert (eng.prefill_piece, eng.prefill_span) == (48, 48)
+    eng.close()
+    eng = engine_for(tiny_workdir, prefill_piece=16)
+    assert (eng.prefill_piece, eng.prefill_span) == (16, 256)  # the CPU span: the whole context
+    eng.close()
