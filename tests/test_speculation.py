@@ -64,25 +64,31 @@ def test_a_perfect_router_is_used_every_time(store, kernel_device):
     bank.close()
 
 
-def test_random_routing_counts_used_guesses(tiny_workdir, kernel_device):
+@pytest.fixture
+def half_in_ram(tiny_workdir, kernel_device):
+    """(workdir, store, routers, bank): half the blocks fit in RAM, so the bank keeps reading ids back."""
     wd = Workdir(tiny_workdir)
-    # half the blocks fit in RAM: the bank keeps reading ids back (never resident) and scores every guess
     with ExpertStore(wd, 32 * wd.layout.block_bytes, io_threads=2) as s:
         routers = routers_for(wd, dev=kernel_device)
         bank = GpuExperts(wd, s, 64, kernel_device)
         bank.set_router_weights(routers)
-        used = 0
-        steps = one_token(wd, seed=5, dev=kernel_device)
-        for layer, (x, ids, w) in enumerate(steps):
-            bank(layer, x, ids, w)
-            if layer + 1 < wd.num_layers:
-                guess = set(torch.topk(F.linear(x[0], routers[layer + 1]), len(ids[0])).indices.tolist())
-                used += len(guess & set(steps[layer + 1][1][0].tolist()))
-        st = bank.spec.stats
-        assert (st.used, st.issued, st.copies) == (used, (wd.num_layers - 1) * len(ids[0]), 0)
-        assert st.used < st.issued  # random routing: some guesses miss
-        assert not bank.resident and bank.host_syncs == wd.num_layers
+        yield wd, s, routers, bank
         bank.close()
+
+
+def test_random_routing_counts_used_guesses(half_in_ram, kernel_device):
+    wd, _, routers, bank = half_in_ram  # never resident: every guess is scored
+    used = 0
+    steps = one_token(wd, seed=5, dev=kernel_device)
+    for layer, (x, ids, w) in enumerate(steps):
+        bank(layer, x, ids, w)
+        if layer + 1 < wd.num_layers:
+            guess = set(torch.topk(F.linear(x[0], routers[layer + 1]), len(ids[0])).indices.tolist())
+            used += len(guess & set(steps[layer + 1][1][0].tolist()))
+    st = bank.spec.stats
+    assert (st.used, st.issued, st.copies) == (used, (wd.num_layers - 1) * len(ids[0]), 0)
+    assert st.used < st.issued  # random routing: some guesses miss
+    assert not bank.resident and bank.host_syncs == wd.num_layers
 
 
 @pytest.mark.parametrize("n_slots", [9])
@@ -104,25 +110,20 @@ def test_speculation_never_changes_the_output(store, n_slots, kernel_device):
     off.close()
 
 
-def test_guesses_not_in_ram_go_to_the_prefetch_reader(tiny_workdir, kernel_device):
-    wd = Workdir(tiny_workdir)
-    with ExpertStore(wd, 32 * wd.layout.block_bytes, io_threads=2) as s:
-        routers = routers_for(wd, dev=kernel_device)
-        bank = GpuExperts(wd, s, 64, kernel_device)
-        bank.set_router_weights(routers)
-        steps = one_token(wd, 0, routers, follow=True, dev=kernel_device)
-        x, ids, w = steps[0]
-        bank(0, x, ids, w)
-        assert bank.spec.stats.prefetches == len(ids[0]) and bank.spec.stats.copies == 0
-        deadline = time.monotonic() + 10
-        while s.stats.prefetches + s.stats.prefetch_dropped < len(ids[0]) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert s.stats.prefetches == len(ids[0])
-        # routes exactly to the guess: served by the prefetched blocks (its own guesses for layer 2 may be
-        # read meanwhile: they are queued before its kernel runs)
-        bank(1, *steps[1])
-        assert s.stats.prefetch_hits == len(ids[0]) and s.stats.prefetch_dropped == 0
-        bank.close()
+def test_guesses_not_in_ram_go_to_the_prefetch_reader(half_in_ram, kernel_device):
+    wd, s, routers, bank = half_in_ram
+    steps = one_token(wd, 0, routers, follow=True, dev=kernel_device)
+    x, ids, w = steps[0]
+    bank(0, x, ids, w)
+    assert bank.spec.stats.prefetches == len(ids[0]) and bank.spec.stats.copies == 0
+    deadline = time.monotonic() + 10
+    while s.stats.prefetches + s.stats.prefetch_dropped < len(ids[0]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.stats.prefetches == len(ids[0])
+    # routes exactly to the guess: served by the prefetched blocks (its own guesses for layer 2 may be
+    # read meanwhile: they are queued before its kernel runs)
+    bank(1, *steps[1])
+    assert s.stats.prefetch_hits == len(ids[0]) and s.stats.prefetch_dropped == 0
 
 
 def slow_reads(store, monkeypatch, seconds):
