@@ -62,17 +62,20 @@ def plan_prefill(
     )
 
 
-def prefill_regime(cfg: EngineConfig, vram_cache_blocks: int, prompt: int, piece: int, span: int) -> dict:
+def prefill_regime(
+    cfg: EngineConfig, vram_cache_blocks: int, prompt: int, split: tuple[int, int, int]
+) -> dict:
+    """One prompt in one regime; `split`: (piece, span, chunk) as the 48-layer plan has them."""
     from expertstream.engine import Engine
 
     eng = Engine(cfg, vram_cache_blocks=vram_cache_blocks)
-    eng.set_prefill(piece, span)  # the 48-layer plan's: each span fetches its distinct experts again
+    eng.set_prefill(*split)  # each span fetches its distinct experts again
     try:
         warm_caches(eng, vram=vram_cache_blocks >= eng.workdir.num_layers * eng.workdir.num_experts)
         gen = torch.Generator().manual_seed(prompt)
         ids = torch.randint(0, eng.args.vocab_size, (prompt,), generator=gen)
         # one piece first: kernels of every shape a piece meets are compiled (and autotuned) before timing
-        eng.forward(eng.new_state(), ids[: min(prompt, 2 * piece)])
+        eng.forward(eng.new_state(), ids[: min(prompt, 2 * split[0])])
         wd = eng.workdir
         plan = plan_prefill(
             prompt,
@@ -159,6 +162,7 @@ def run(args) -> int:
     vram_blocks = int(real.vram_cache_blocks / REAL_LAYERS * wd.num_layers)
     piece = args.prefill_piece or real.prefill_piece
     span = max(piece, args.prefill_span or real.prefill_span)
+    chunk = piece if args.prefill_piece or args.prefill_span else real.prefill_chunk
     all_in_ram = dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1)
     regimes = {
         # the floor, not an 8 GiB claim: the budget grows by the expert bytes so that every expert fits
@@ -180,7 +184,7 @@ def run(args) -> int:
                 results[f"{name}/{prompt}"] = {"prompt": prompt, "skipped": True, "estimate_s": estimate,
                                                "oom": False, "plan": dataclasses.asdict(plan)}  # fmt: skip
             else:
-                results[f"{name}/{prompt}"] = prefill_regime(cfg, blocks, prompt, piece, span)
+                results[f"{name}/{prompt}"] = prefill_regime(cfg, blocks, prompt, (piece, span, chunk))
             log.info("%s/%d: %s", name, prompt, results[f"{name}/{prompt}"])
     budget = args.gpu_memory_gb * base.gpu_memory_utilization
     origin = (

@@ -131,11 +131,13 @@ class Engine:
             )
         base.use_triton(gpu)
         if self.plan:
-            piece, span = self.plan.prefill_piece, self.plan.prefill_span
+            piece, span, chunk = self.plan.prefill_piece, self.plan.prefill_span, self.plan.prefill_chunk
         else:
-            piece, span = min(PREFILL_PIECE, config.max_model_len), config.max_model_len
-        piece = config.prefill_piece or min(piece, config.prefill_span or piece)
-        self.set_prefill(piece, config.prefill_span or max(span, piece))
+            piece, span, chunk = min(PREFILL_PIECE, config.max_model_len), config.max_model_len, None
+        if config.prefill_piece or config.prefill_span:  # overrides: the kernels take a piece at a time
+            piece = config.prefill_piece or min(piece, config.prefill_span or piece)
+            span, chunk = config.prefill_span or max(span, piece), None
+        self.set_prefill(piece, span, chunk)
         self.ple = None
         if self.args.ple_layer_ids:
             if self.workdir.ple is None:
@@ -201,14 +203,15 @@ class Engine:
             self._tokenizer = Tokenizer.from_dir(self.workdir.path)
         return self._tokenizer
 
-    def set_prefill(self, piece: int, span: int) -> None:
+    def set_prefill(self, piece: int, span: int, chunk: int | None = None) -> None:
         """Prompts run layer by layer in spans of `span` tokens (each layer's experts once per span), each
-        layer's attention in pieces of `piece` tokens (the MoE kernels take as many at a time)."""
+        layer's attention in pieces of `piece` tokens, its expert kernels `chunk` tokens at a time (default:
+        a piece)."""
         if piece <= 0 or span < piece:
             raise ValueError(f"prefill needs 0 < piece <= span, got piece {piece}, span {span}")
         self.prefill_piece, self.prefill_span = piece, span
         if hasattr(self.bank, "prefill_chunk"):
-            self.bank.prefill_chunk = piece
+            self.bank.prefill_chunk = chunk or piece
 
     def new_state(self) -> State:
         """An empty conversation with KV and indexer keys preallocated for max_model_len."""

@@ -55,6 +55,7 @@ class MemoryPlan:
     decode_workspace: int
     prefill_piece: int
     prefill_span: int  # tokens per layer-major span (a multiple of the piece)
+    prefill_chunk: int  # tokens per expert-kernel launch in a span (the piece's workspace holds their rows)
     prefill_workspace: int
     reserve: int
     vram_cache_blocks: int
@@ -182,6 +183,10 @@ def plan_memory(
         scores = piece * (max_model_len // max(1, c.get("indexer_compress_ratio") or 1)) * 4
         return piece * per_tok + mask + scores
 
+    # Per token of an expert-kernel launch: its (token, k) pairs' rows of h and of the output. A span's
+    # experts run after its attention, so their launches may take the piece's whole workspace
+    per_moe_tok = act_bytes * k * (2 * i_moe + h)
+
     # Per token of a span, held across a layer: the old and new streams and an injection temporary, the MoE
     # input, shared and routed outputs, the FP32 routed sum, the routing
     per_span_tok = act_bytes * (3 * hc * h + 3 * h) + 4 * h + 16 * k
@@ -231,6 +236,7 @@ def plan_memory(
     pieces = [p for p in PREFILL_PIECES if SPAN_MIN_PIECE <= p <= budget_piece] or [budget_piece]
     piece = max(pieces, key=lambda p: (span_of(p), p))
     span = span_of(piece)
+    chunk = min(span, max(piece, prefill_ws(piece) // per_moe_tok // piece * piece))
     workspace_used = prefill_ws(piece) + (span - piece) * per_span_tok
     left += workspace - workspace_used  # what rounding the span left goes to the cache
     if span < max_model_len:  # a longer prompt fetches each expert once per span
@@ -254,6 +260,7 @@ def plan_memory(
         decode_workspace=DECODE_WORKSPACE,
         prefill_piece=piece,
         prefill_span=span,
+        prefill_chunk=chunk,
         prefill_workspace=workspace_used,
         reserve=reserve,
         vram_cache_blocks=max(0, left // block_bytes),

@@ -77,6 +77,8 @@ def test_fp8_buys_the_target_prefill_piece_before_bf16_is_kept():
     assert "lm_head.weight" not in tight.fp8 and any("self_attn.o_proj" in n for n in tight.fp8)
     # that budget (a 1,024-token piece-major workspace) is split into the longest span: 2,560 tokens
     assert tight.prefill_span == 2560 and tight.prefill_span % tight.prefill_piece == 0
+    # the expert kernels of a span run after its attention, in the piece's workspace: 768 tokens a launch
+    assert tight.prefill_chunk == 768 and tight.prefill_chunk % tight.prefill_piece == 0
     assert tight.prefill_span > PREFILL_TARGET
     # a 4k context at 8 GiB converts fewer matrices
     short = plan_memory(real_text_config(), real_resident(), BLOCK, 8 * GiB, 4096)
