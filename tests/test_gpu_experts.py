@@ -78,6 +78,16 @@ def test_decode_reads_nothing_back_once_every_block_has_a_place(
         in_ram = 3 * n_layers * k if n_slots == 8 else 0
         assert bank.resident_ram_reads == in_ram
         bank.close()
+        # the must-break control never reads RAM rows in place (its swapped blocks exist only as copies)
+        control = GpuExperts(wd, store, n_slots, kernel_device, control="swap-nibbles")
+        for layer in range(n_layers):
+            for e0 in range(0, n_experts, k):
+                ids = (torch.arange(e0, e0 + k) % n_experts)[None]
+                got = control(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
+        want = ref(n_layers - 1, x, ids, w)
+        assert (got - want).abs().max() > 0.1 * want.abs().max()
+        assert not control.resident or n_slots == 64  # 64 slots: every (swapped) copy has its own slot
+        control.close()
 
 
 def test_controls_break_the_output(banks, kernel_device):

@@ -240,7 +240,11 @@ class GpuExperts:
         if self._all_in_vram():
             for (layer, e), slot in self.cache.lru.items():
                 self._loc_np[layer, e] = slot
-        elif self.host_blocks is not None and self.store.cached_blocks >= self.loc.numel():
+        elif (
+            self.host_blocks is not None
+            and self.control == "none"  # a control's altered blocks exist only as copies
+            and self.store.cached_blocks >= self.loc.numel()
+        ):
             keys = [(layer, e) for layer in range(n_layers) for e in range(n_experts)]
             handles = self.store.peek(keys)
             if any(h is None for h in handles):  # some still being read: try again on a later call
