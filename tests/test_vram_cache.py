@@ -134,3 +134,25 @@ def test_a_failed_read_hands_every_buffer_back():
     with pytest.raises(OSError, match="read failed"):
         cache.fetch(0, [2, 4, 6])
     assert sorted(k for what, k in log if what == "release") == [(0, 2), (0, 4), (0, 6)]
+
+
+def test_a_failed_read_in_place_hands_every_buffer_back():
+    cache, log = make(4)
+    cache.fetch(1, [0, 1, 2, 3])  # no free slot left: RAM blocks are read in place
+
+    class Broken(FakeHandle):
+        def wait(self):
+            raise OSError("read failed")
+
+    def fetch_host(keys):
+        out = [(Broken if k[1] == 4 else FakeHandle)(k, log) for k in keys]
+        for i, h in enumerate(out):
+            h.row = i
+        return out
+
+    cache.fetch_host = fetch_host
+    log.clear()
+    with pytest.raises(OSError, match="read failed"):
+        cache.fetch(0, [2, 4, 6], in_place=True)
+    cache.mark_used()  # the block already pointed at is handed back once its kernel would have run
+    assert sorted(k for what, k in log if what == "release") == [(0, 2), (0, 4), (0, 6)]

@@ -129,7 +129,13 @@ class VramExpertCache:
             self._reap()
             handles = self.fetch_host([key for _, key in missing])
             if in_place:
-                missing = self._read_in_place(missing, handles, out)
+                try:
+                    missing = self._read_in_place(missing, handles, out)
+                except BaseException:  # a failed read: the blocks not yet pointed at go back
+                    for h in handles:
+                        if h is not None:
+                            h.release()
+                    raise
                 handles = [h for h in handles if h is not None]
             # the previous call's slots stay protected so two consecutive layers never evict each other
             for i, _ in missing:
