@@ -107,7 +107,7 @@ def prefill_regime(
             "disk_bytes": s1.bytes_read - s0.bytes_read,
             "pcie_bytes": c1.bytes_copied - c0.bytes_copied,
             "passes_per_layer": (eng.bank.prefill_passes - p0) / layers,
-            "stall_seconds": c1.wait_seconds - c0.wait_seconds,
+            "stall_seconds": s1.stall_seconds - s0.stall_seconds,
             "peak_gib": torch.cuda.max_memory_allocated() / GiB,
             "plan": dataclasses.asdict(plan),
         }

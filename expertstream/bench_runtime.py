@@ -183,7 +183,7 @@ def decode_regime(
     dt = (time.perf_counter() - t0) / tokens
     s1, c1 = eng.stats(), eng.bank.cache.stats
     last = generated[-1]
-    stall_ms = (c1.wait_seconds - c0.wait_seconds) / tokens * 1e3
+    stall_ms = (s1.stall_seconds - s0.stall_seconds) / tokens * 1e3
     resident, resident_ram = (
         s1.resident_reads - s0.resident_reads,
         s1.resident_ram_reads - s0.resident_ram_reads,

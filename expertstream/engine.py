@@ -39,7 +39,7 @@ class EngineStats:
     misses: int  # expert blocks read from disk
     bytes_read: int  # expert bytes read from disk
     read_seconds: float  # summed over reader threads
-    stall_seconds: float  # compute thread waiting for expert blocks
+    stall_seconds: float  # compute thread waiting for expert blocks (reads, or a full RAM cache's slot)
     ple_bytes_read: int
     spec_issued: int  # next-layer experts guessed (decode)
     spec_used: int  # guesses the next layer really routed to
@@ -253,7 +253,7 @@ class Engine:
             misses=s.misses,
             bytes_read=s.bytes_read,
             read_seconds=s.read_seconds,
-            stall_seconds=self.bank.stall_seconds,
+            stall_seconds=self.bank.stall_seconds + s.evict_wait_seconds,
             ple_bytes_read=self.ple.bytes_read if self.ple is not None else 0,
             spec_issued=spec.issued,
             spec_used=spec.used,

@@ -171,6 +171,20 @@ def test_request_joins_a_read_in_flight(tiny_workdir, expected, monkeypatch):
             first[0].wait()
 
 
+def test_a_full_cache_waits_for_a_landing_read_and_counts_it(tiny_workdir, monkeypatch):
+    wd = Workdir(tiny_workdir)
+    with ExpertStore(wd, 2 * wd.layout.block_bytes, io_threads=2) as store:
+        gate, real = threading.Event(), store._reader.read_into
+        monkeypatch.setattr(store._reader, "read_into", lambda buf, off: gate.wait(10) and real(buf, off))
+        for h in store.request([(0, 0), (0, 1)]):
+            h.release()  # unpinned but still reading: the only eviction candidates
+        threading.Timer(0.2, gate.set).start()
+        (h,) = store.request([(0, 2)])  # waits until one of them lands
+        h.wait()
+        h.release()
+        assert store.stats.evict_wait_seconds >= 0.1
+
+
 def test_direct_io_exactly_where_the_filesystem_allows_it(tiny_workdir, tmp_path, expected):
     wd = Workdir(shutil.copytree(tiny_workdir, tmp_path / "wd"))
     works = _o_direct_works(tmp_path)

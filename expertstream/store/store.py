@@ -42,6 +42,7 @@ class StoreStats:
     prefetches: int = 0  # blocks read by the low-priority prefetch reader (also in bytes_read)
     prefetch_hits: int = 0  # prefetched blocks later served to a request or a peek
     prefetch_dropped: int = 0  # queued prefetches never read (superseded, already cached, no free slot)
+    evict_wait_seconds: float = 0.0  # request() waiting for a landing read to free a full cache's slot
 
 
 class ExpertHandle:
@@ -186,7 +187,9 @@ class ExpertStore:
                 entry = self._cache.insert(key)
                 if entry is None and self._cache.reading_unpinned():
                     # the only candidates are unpinned blocks still being read: evictable once they land
+                    t0 = time.perf_counter()
                     self._landed.wait()
+                    self._stats.evict_wait_seconds += time.perf_counter() - t0
                     continue
                 if entry is None:
                     raise StoreError(
