@@ -85,7 +85,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--profile",
         type=Path,
         help="decode: also profile 3 tokens per regime with torch.profiler into this folder "
-        "(REGIME.txt: ops by device time; REGIME.json: Chrome trace)",
+        "(REGIME.txt: ops by device time; REGIME.json: Chrome trace); prefill: the shortest prompt once "
+        "more per regime (REGIME_PROMPT.txt / .json)",
     )
 
 

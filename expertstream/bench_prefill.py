@@ -22,6 +22,7 @@ from expertstream.bench_runtime import (
     bench_model,
     disk_rate,
     pcie_rate,
+    profile_tokens,
     real_model_plan,
     warm_caches,
 )
@@ -63,9 +64,10 @@ def plan_prefill(
 
 
 def prefill_regime(
-    cfg: EngineConfig, vram_cache_blocks: int, prompt: int, split: tuple[int, int, int]
+    cfg: EngineConfig, vram_cache_blocks: int, prompt: int, split: tuple[int, int, int], profile_to=None
 ) -> dict:
-    """One prompt in one regime; `split`: (piece, span, chunk) as the 48-layer plan has them."""
+    """One prompt in one regime; `split`: (piece, span, chunk) as the 48-layer plan has them. With
+    `profile_to` (a path without suffix) the prompt runs once more under torch.profiler."""
     from expertstream.engine import Engine
 
     eng = Engine(cfg, vram_cache_blocks=vram_cache_blocks)
@@ -100,7 +102,11 @@ def prefill_regime(
         dt = time.perf_counter() - t0
         s1, c1 = eng.stats(), eng.bank.cache.stats
         layers = eng.workdir.num_layers
+        profiled = None
+        if profile_to is not None:  # GPU busy time of the same prompt: the floor that wall time hides
+            profiled = profile_tokens(lambda: eng.forward(eng.new_state(), ids), profile_to, tokens=1)
         return {
+            "profiled": profiled,
             "prompt": prompt,
             "oom": False,
             "seconds": dt,
@@ -184,7 +190,8 @@ def run(args) -> int:
                 results[f"{name}/{prompt}"] = {"prompt": prompt, "skipped": True, "estimate_s": estimate,
                                                "oom": False, "plan": dataclasses.asdict(plan)}  # fmt: skip
             else:
-                results[f"{name}/{prompt}"] = prefill_regime(cfg, blocks, prompt, (piece, span, chunk))
+                prof = args.profile / f"{name}_{prompt}" if args.profile and prompt == min(prompts) else None
+                results[f"{name}/{prompt}"] = prefill_regime(cfg, blocks, prompt, (piece, span, chunk), prof)
             log.info("%s/%d: %s", name, prompt, results[f"{name}/{prompt}"])
     budget = args.gpu_memory_gb * base.gpu_memory_utilization
     origin = (
@@ -202,6 +209,19 @@ def run(args) -> int:
         "raised by the expert bytes.\n\n"
     )
     table = head + prefill_table(results, disk, pcie, wd.num_layers, budget)
+    profiled = [(n, r["profiled"]) for n, r in results.items() if r.get("profiled")]
+    if profiled:
+        table += (
+            "\nProfiled prompts (torch.profiler, one more run each): GPU busy, kernels / copies, each the "
+        )
+        table += (
+            "union over streams: "
+            + "; ".join(
+                f"{n} {p['kernel_ms_per_token'] / 1e3:.2f} / {p['copy_ms_per_token'] / 1e3:.2f} s"
+                for n, p in profiled
+            )
+            + ".\n"
+        )
     if args.baseline:
         from expertstream.bench_baseline import baseline_table, run_baseline
 

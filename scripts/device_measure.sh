@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device run for speed after a runtime change: the GPU tests named in $TESTS, a sweep of the decode kernel's
 # configs (blocks in HBM and in pinned host RAM) merged into the tree's tuned_configs.json, the decode bench,
-# then the prefill bench on $PROMPTS. Needs .whl/ carried; writes under $OUT.
+# then the prefill bench on $PROMPTS (the shortest profiled per regime: pprof.tgz, op tables). Needs .whl/
+# carried; writes under $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -15,4 +16,5 @@ timeout ${DECODE_S:-200} python3 -m expertstream bench decode --layers 4 --token
   --out $OUT/benchmarks.md --json 2>&1 | grep -v "%|" | tail -3 > $OUT/bench_decode.txt
 tail -c 1800 $OUT/benchmarks.md
 timeout ${PREFILL_S:-170} python3 -m expertstream bench prefill --layers 4 --prompts ${PROMPTS:-2451} \
-  --out $OUT/benchmarks.md 2>&1 | grep -v "%|" | tail -14 | tee $OUT/bench_prefill.txt
+  --profile /tmp/pprof --out $OUT/benchmarks.md 2>&1 | grep -v "%|" | tail -14 | tee $OUT/bench_prefill.txt
+tar -C /tmp -czf $OUT/pprof.tgz pprof --exclude='*.json' 2>/dev/null
