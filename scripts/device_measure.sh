@@ -17,4 +17,4 @@ timeout ${DECODE_S:-200} python3 -m expertstream bench decode --layers 4 --token
 tail -c 1800 $OUT/benchmarks.md
 timeout ${PREFILL_S:-170} python3 -m expertstream bench prefill --layers 4 --prompts ${PROMPTS:-2451} \
   --profile /tmp/pprof --out $OUT/benchmarks.md 2>&1 | grep -v "%|" | tail -14 | tee $OUT/bench_prefill.txt
-tar -C /tmp -czf $OUT/pprof.tgz pprof --exclude='*.json' 2>/dev/null
+tar -C /tmp --exclude='*.json' -czf $OUT/pprof.tgz pprof 2>/dev/null
