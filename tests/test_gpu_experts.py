@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from expertstream.kernels import nvfp4_moe
 from expertstream.layers.experts import StreamedExperts
 from expertstream.runtime.gpu_experts import GpuExperts
 from expertstream.store import ExpertStore
@@ -53,7 +54,7 @@ def test_decode_and_prefill_match_the_torch_bank(banks, n_slots, kernel_device):
 
 @pytest.mark.parametrize("n_slots", [8, 64])  # 8: every block pinned in RAM; 64: every block in a slot
 def test_decode_reads_nothing_back_once_every_block_has_a_place(
-    tiny_workdir, n_slots, kernel_device, host_alloc
+    tiny_workdir, n_slots, kernel_device, host_alloc, monkeypatch
 ):
     wd = Workdir(tiny_workdir)
     n_layers, n_experts, k = wd.num_layers, wd.num_experts, wd.text_config["num_experts_per_tok"]
@@ -77,6 +78,12 @@ def test_decode_reads_nothing_back_once_every_block_has_a_place(
         assert bank.host_syncs == syncs  # the location table answers every lookup on the device
         in_ram = 3 * n_layers * k if n_slots == 8 else 0
         assert bank.resident_ram_reads == in_ram
+        # all in VRAM for good: the kernel is told there is no host pool (the HBM-tuned launch shape)
+        pools = []
+        real = nvfp4_moe.nvfp4_moe_decode
+        monkeypatch.setattr(nvfp4_moe, "nvfp4_moe_decode", lambda *a: pools.append(a[7]) or real(*a))
+        bank(0, *(v.to(kernel_device) for v in (x, ids, w)))
+        assert (pools[0] is None) == (n_slots == 64)
         bank.close()
         # the must-break control never reads RAM rows in place (its swapped blocks exist only as copies)
         control = GpuExperts(wd, store, n_slots, kernel_device, control="swap-nibbles")

@@ -277,12 +277,15 @@ class GpuExperts:
         self.decode_seconds += time.perf_counter() - t0
 
     def decode_compute(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
-        """The routed sum of x [1, H] from the slots `decode_prepare` filled (no host work but launches)."""
+        """The routed sum of x [1, H] from the places `decode_prepare` gave (no host work but launches)."""
         if self.control == "no-experts":
             return torch.zeros_like(x)
+        # with every block in VRAM for good the kernel takes the launch shape tuned for HBM reads, not the
+        # one for reads over the bus
+        host = None if self.resident and self._all_in_vram() else self.host_blocks
         return nvfp4_moe.nvfp4_moe_decode(
             x, expert_ids[0], self.loc[layer], self.scales[layer], weights[0].float(), self.layout,
-            self.cache.slots, self.host_blocks,
+            self.cache.slots, host,
         )  # fmt: skip
 
     def _mark_launched(self) -> None:
