@@ -14,6 +14,7 @@ HIDDEN, INTER, TOPK, EXPERTS = 2560, 640, 10, 512
 FP8_SHAPES = ((10240, 2560), (6144, 2560), (2560, 6144))  # in_proj_qkv, in_proj_z, out_proj
 FP8_M = (1, 4, 64)
 PREFILL_T = (32, 512, 2451, 8192)
+GDN_HEADS = (16, 48, 128, 128)  # key heads, value heads, Dk, Dv
 
 
 @dataclass(slots=True)
@@ -128,8 +129,32 @@ def run_benchmarks() -> tuple[list[Row], dict]:
             rows.append(
                 _row("fp8_rows_matmul", f"M={m} N={n} K={k}", ms, nbytes, 2 * m * n * k, bw, tf, goal)
             )
+    # one GatedDeltaNet decode step, real heads: the kernel against its torch twin (~33 launches)
+    from expertstream.kernels import gdn_step, gdn_step_ref
+
+    step = gdn_inputs()
+    nbytes = 2 * step[4].numel() * 4  # the FP32 state read and written
+    for name, fn in (("gdn_step", gdn_step), ("gdn_step_ref (torch)", gdn_step_ref)):
+        ms = do_bench(lambda: fn(*step, num_k_heads=GDN_HEADS[0], eps=1e-6, gate="silu"))  # noqa: B023
+        rows.append(_row(name, "Hv=48 Dk=Dv=128", ms, nbytes, 0, bw, tf, "-"))
     device = {"name": torch.cuda.get_device_name(), "copy_gbps": bw, "bf16_tflops": tf}
     return rows, device
+
+
+def gdn_inputs(seed: int = 0) -> tuple:
+    """Random inputs of one GatedDeltaNet decode step at the real head counts (bf16, state FP32, on CUDA)."""
+    import torch
+
+    hk, hv, dk, dv = GDN_HEADS
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    f32 = torch.float32
+    qkv, b, a, z = r(2 * hk * dk + hv * dv, dtype=f32), r(hv), r(hv), r(hv * dv)
+    state, neg_a = 0.1 * r(hv, dk, dv, dtype=f32), -r(hv, dtype=f32).exp()
+    return qkv, b, a, z, state, neg_a, r(hv), r(dv)
 
 
 def table(rows: list[Row], device: dict) -> str:

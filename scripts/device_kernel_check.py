@@ -14,10 +14,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from expertstream.bench_kernels import EXPERTS, FP8_M, FP8_SHAPES, HIDDEN, TOPK, random_bank, route  # noqa: E402
+from expertstream.bench_kernels import (  # noqa: E402
+    EXPERTS,
+    FP8_M,
+    FP8_SHAPES,
+    GDN_HEADS,
+    HIDDEN,
+    TOPK,
+    gdn_inputs,
+    random_bank,
+    route,
+)
 from expertstream.kernels import (  # noqa: E402
     fp8_rows_matmul,
     fp8_rows_matmul_ref,
+    gdn_step,
+    gdn_step_ref,
     nvfp4_moe_decode,
     nvfp4_moe_decode_ref,
     nvfp4_moe_prefill,
@@ -85,6 +97,13 @@ def main() -> int:
             x = torch.randn(m, k, device="cuda").bfloat16()
             got = fp8_rows_matmul(x, q, scale)
             ok &= compare(f"fp8_rows_matmul M={m} N={n} K={k}", got, fp8_rows_matmul_ref(x.float(), q, scale))
+    step = gdn_inputs()
+    ref_state, state = step[4].clone(), step[4].clone()
+    kw = dict(num_k_heads=GDN_HEADS[0], eps=1e-6, gate="silu")
+    want = gdn_step_ref(*step[:4], ref_state, *step[5:], **kw)
+    got = gdn_step(*step[:4], state, *step[5:], **kw)
+    ok &= compare("gdn_step Hv=48 Dk=Dv=128 (output)", got, want)
+    ok &= compare("gdn_step Hv=48 Dk=Dv=128 (state)", state, ref_state)
     print("PASS" if ok else "FAIL: errors above the documented BF16 tolerances", flush=True)
     return 0 if ok else 1
 

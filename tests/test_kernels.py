@@ -371,3 +371,64 @@ def test_e4m3_word_codec_exact_on_every_byte():
     byte = torch.stack([(raw >> (8 * j)) & 255 for j in range(4)]).to(torch.uint8)  # [4, 256], byte j
     ok = (byte & 0x7F) != 0x7F
     assert torch.equal((e4.cpu() * codec.E4M3_UNIT)[ok], fp8.e4m3_to_float(byte)[ok])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gate", ["silu", "sigmoid"])
+def test_gdn_step_matches_its_twin(dtype, gate):
+    from expertstream.kernels.gdn_decode import gdn_step, gdn_step_ref
+
+    g = torch.Generator().manual_seed(7)
+    hk, hv, dk, dv = 2, 4, 16, 32
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    qkv = r(2 * hk * dk + hv * dv).to(DEV)
+    b, a, z = r(hv).to(DEV, dtype), r(hv).to(DEV, dtype), r(hv * dv).to(DEV, dtype)
+    a[0] = 25.0  # past softplus's threshold
+    state = r(hv, dk, dv, scale=0.3).to(DEV)
+    neg_a, dt_bias, norm_w = -r(hv).exp().to(DEV), r(hv).to(DEV, dtype), r(dv).to(DEV, dtype)
+    kw = dict(num_k_heads=hk, eps=1e-6, gate=gate)
+    s0, s_ref = state.clone(), state.clone()
+    want = gdn_step_ref(qkv, b, a, z, s_ref, neg_a, dt_bias, norm_w, **kw)
+    got = gdn_step(qkv, b, a, z, state, neg_a, dt_bias, norm_w, **kw)
+    assert got.dtype == dtype and got.shape == (hv * dv,)
+    close(got, want, dtype)
+    torch.testing.assert_close(state, s_ref, rtol=1e-5, atol=1e-5)  # the state stays FP32 in both
+    # must-fail control: the same comparison catches a decay left out of the kernel's input
+    bad = gdn_step(qkv, b, a, z, s0, torch.zeros_like(neg_a), dt_bias, norm_w, **kw)
+    with pytest.raises(AssertionError):
+        close(bad, want, dtype)
+
+
+def test_the_models_gdn_step_dispatch_uses_the_kernel_and_falls_back_once(monkeypatch, caplog):
+    from expertstream.kernels import gdn_decode as kernel
+    from expertstream.models import base
+
+    g = torch.Generator().manual_seed(3)
+    hk, hv, dk, dv = 1, 2, 16, 16
+    args = [torch.randn(2 * hk * dk + hv * dv, generator=g)] + [
+        torch.randn(hv, generator=g) for _ in range(2)
+    ]
+    args += [torch.randn(hv * dv, generator=g), torch.randn(hv, dk, dv, generator=g)]
+    args += [-torch.rand(hv, generator=g), torch.randn(hv, generator=g), torch.randn(dv, generator=g)]
+    kw = dict(num_k_heads=hk, eps=1e-6, gate="silu")
+    calls = []
+    monkeypatch.setattr(kernel, "gdn_step", lambda *a, **k: calls.append(1) or kernel.gdn_step_ref(*a, **k))
+    base.use_triton(True)
+    try:
+        if DEV == "cpu":  # the interpreter stands in for CUDA
+            base.gdn_step(*[a.clone() for a in args], **kw)
+            assert calls == [1]
+
+        def broken(*a, **k):
+            raise RuntimeError("no such instruction")
+
+        monkeypatch.setattr(base, "_triton_gdn", broken)
+        want = kernel.gdn_step_ref(*[a.clone() for a in args], **kw)
+        x = [a.clone().to(DEV) for a in args]
+        close(base.gdn_step(*x, **kw).cpu(), want, torch.float32)
+        assert base._triton_gdn is None and "torch form" in caplog.text  # logged once, then the twin
+    finally:
+        base.use_triton(False)

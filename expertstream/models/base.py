@@ -10,6 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertstream.formats.fp8 import e4m3_to_float
+from expertstream.kernels.codec import interpreting
+from expertstream.kernels.gdn_decode import gdn_step_ref
+from expertstream.log import get_logger
+
+log = get_logger(__name__)
 
 # config.json spellings of the one softmax-attention layer kind (QSA: indexed sparse attention)
 INDEXED_ALIASES = ("indexed_attention", "full_attention", "qwen_sparse_attention")
@@ -184,16 +189,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 _triton_fp8 = None  # the Triton FP8 GEMV when the engine runs on CUDA with kernels enabled
+_triton_gdn = None  # the one-launch GatedDeltaNet decode step, likewise
 
 
 def use_triton(enabled: bool) -> None:
-    """Route FP8 row-scaled matmuls on CUDA through the Triton kernel (the engine decides once, at load)."""
-    global _triton_fp8
-    _triton_fp8 = None
+    """Route FP8 row-scaled matmuls and the GatedDeltaNet decode step on CUDA through the Triton kernels (the
+    engine decides once, at load)."""
+    global _triton_fp8, _triton_gdn
+    _triton_fp8 = _triton_gdn = None
     if enabled:
-        from expertstream.kernels import HAVE_TRITON, fp8_gemv
+        from expertstream.kernels import HAVE_TRITON, fp8_gemv, gdn_decode
 
-        _triton_fp8 = fp8_gemv.fp8_rows_matmul if HAVE_TRITON else None
+        if HAVE_TRITON:
+            _triton_fp8, _triton_gdn = fp8_gemv.fp8_rows_matmul, gdn_decode.gdn_step
+
+
+def gdn_step(qkv: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """One GatedDeltaNet decode step (kernels/gdn_decode.py): Triton on CUDA, else its torch twin. A Triton
+    failure (a compile error on an untested chip) logs once and leaves the torch twin for the process."""
+    global _triton_gdn
+    if _triton_gdn is not None and (qkv.is_cuda or interpreting()):
+        try:
+            return _triton_gdn(qkv, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any compile or launch failure; the twin is exact
+            log.warning("GatedDeltaNet decode kernel failed (%s); using the torch form", e)
+            _triton_gdn = None
+    return gdn_step_ref(qkv, *args, **kwargs)
 
 
 def fp8_rows_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
