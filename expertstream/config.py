@@ -40,9 +40,7 @@ class EngineConfig:
     seed: int | None = field(default=None, metadata={"help": "default sampling seed"})
     no_speculation: bool = field(
         default=False,
-        metadata={
-            "help": "do not guess layer L+1's experts from layer L's input (no early copies and disk reads)"
-        },
+        metadata={"help": "do not guess layer L+1's experts from layer L's input (no early disk reads)"},
     )
     speculation_width: float = field(
         default=1.0,

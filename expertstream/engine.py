@@ -43,12 +43,12 @@ class EngineStats:
     ple_bytes_read: int
     spec_issued: int  # next-layer experts guessed (decode)
     spec_used: int  # guesses the next layer really routed to
-    spec_wasted_bytes: int  # early VRAM copies not routed to + prefetched disk blocks nobody used (yet)
+    spec_wasted_bytes: int  # prefetched disk blocks nobody used (yet)
     prefetch_bytes_read: int  # disk bytes read by the low-priority prefetcher (part of bytes_read)
     host_syncs: int  # device -> host reads the expert bank waited on (decode: one per MoE layer)
     bank_decode_seconds: float  # decode thread inside the bank's one-token calls (GPU bank; 0 otherwise)
     bank_sync_seconds: float  # ... of which waiting in the routing-id read-back for the GPU to catch up
-    bank_spec_seconds: float  # ... of which issuing the next layer's guessed copies and reads
+    bank_spec_seconds: float  # ... of which queueing the next layer's guessed disk reads
     bus_read_bytes: int  # expert bytes decode kernels read from the pinned RAM cache in place (no copy)
     resident_reads: int  # decode blocks found through the full location table, without a lookup
     resident_ram_reads: int  # ... of which read from RAM (the rest from VRAM)
@@ -257,7 +257,7 @@ class Engine:
             ple_bytes_read=self.ple.bytes_read if self.ple is not None else 0,
             spec_issued=spec.issued,
             spec_used=spec.used,
-            spec_wasted_bytes=spec.copy_bytes_wasted + unused_reads * self.store.block_bytes,
+            spec_wasted_bytes=unused_reads * self.store.block_bytes,
             prefetch_bytes_read=s.prefetches * self.store.block_bytes,
             host_syncs=self.bank.host_syncs,
             bank_decode_seconds=getattr(self.bank, "decode_seconds", 0.0),

@@ -59,7 +59,7 @@ def test_a_perfect_router_is_used_every_time(store, kernel_device):
             bank(layer, x, ids, w)
     st = bank.spec.stats
     assert st.issued == 2 * (wd.num_layers - 1) * k  # no guess past the last layer
-    assert st.used == st.issued and st.copy_bytes_wasted == 0
+    assert st.used == st.issued
     assert bank.host_syncs == 2 * wd.num_layers  # the guess rides on the layer's one sync
     bank.close()
 
@@ -86,7 +86,7 @@ def test_random_routing_counts_used_guesses(half_in_ram, kernel_device):
             guess = set(torch.topk(F.linear(x[0], routers[layer + 1]), len(ids[0])).indices.tolist())
             used += len(guess & set(steps[layer + 1][1][0].tolist()))
     st = bank.spec.stats
-    assert (st.used, st.issued, st.copies) == (used, (wd.num_layers - 1) * len(ids[0]), 0)
+    assert (st.used, st.issued) == (used, (wd.num_layers - 1) * len(ids[0]))
     assert st.used < st.issued  # random routing: some guesses miss
     assert not bank.resident and bank.host_syncs == wd.num_layers
 
@@ -115,7 +115,7 @@ def test_guesses_not_in_ram_go_to_the_prefetch_reader(half_in_ram, kernel_device
     steps = one_token(wd, 0, routers, follow=True, dev=kernel_device)
     x, ids, w = steps[0]
     bank(0, x, ids, w)
-    assert bank.spec.stats.prefetches == len(ids[0]) and bank.spec.stats.copies == 0
+    assert bank.spec.stats.prefetches == len(ids[0])
     deadline = time.monotonic() + 10
     while s.stats.prefetches + s.stats.prefetch_dropped < len(ids[0]) and time.monotonic() < deadline:
         time.sleep(0.01)

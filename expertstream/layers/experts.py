@@ -142,7 +142,7 @@ class StreamedExperts:
             handles = self.store.request(keys)
         by_expert = dict(zip(experts, handles))
         if guess is not None:  # after the demand request: its reads are queued ahead of the guesses
-            self.spec.issue(layer + 1, guessed, [], self.store.prefetch([(layer + 1, e) for e in guessed]))
+            self.spec.issue(layer + 1, guessed, self.store.prefetch([(layer + 1, e) for e in guessed]))
         try:
             return routed_sum(
                 x,

@@ -123,7 +123,7 @@ class GpuExperts:
         # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
         # for the GPU to finish everything queued before: earlier layers, copies, the router)
         self.decode_seconds = self.sync_seconds = 0.0
-        self.spec_seconds = 0.0  # ... of which issuing the next layer's guessed copies and reads
+        self.spec_seconds = 0.0  # ... of which queueing the next layer's guessed disk reads
         self.prefill_passes = 0  # expert groups run by prefill (one fetch + grouped launches each)
         self.prefill_chunk: int | None = None  # tokens per prefill launch (the plan's piece); None: all
         # prompt passes read one group ahead, and a group's buffers wait for its copies: three groups' worth
@@ -264,8 +264,8 @@ class GpuExperts:
 
     def decode_launched(self) -> None:
         """Call once the last prepare's compute is queued (its graph replayed, or launched eagerly): marks its
-        slots used, then starts the next layer's guessed copies and reads, which now overlap that compute
-        instead of delaying its launch."""
+        blocks used, then queues the next layer's guessed disk reads, which so overlap that compute instead
+        of delaying its launch."""
         t0 = time.perf_counter()
         self._mark_launched()
         if self._guess is not None:
@@ -299,7 +299,7 @@ class GpuExperts:
         # already in RAM need nothing (the kernel reads them in place), the rest are read from disk into the
         # RAM cache by the low-priority reader, filling the gap before the next layer's demand
         keys = [(layer, e) for e in guessed if (layer, e) not in self.cache.lru]
-        self.spec.issue(layer, guessed, [], self.store.prefetch(keys))
+        self.spec.issue(layer, guessed, self.store.prefetch(keys))
 
     def _read_ahead(self, layer: int, experts: list[int]) -> list:
         """Start the host reads of a later prefill group now; its fetch joins them (the store shares a

@@ -1,7 +1,7 @@
 """Next-layer expert guesses: layer L+1's router applied to layer L's MoE input, and their bookkeeping.
 
 The residual stream changes little from one layer to the next, so W_router[L+1] x_L picks most of the
-experts layer L+1 will really route to. The banks use the guess to start copies and disk reads early; it
+experts layer L+1 will really route to. The banks use the guess to start disk reads early; it
 never changes a result, only where blocks are when the next layer asks for them.
 """
 
@@ -16,8 +16,6 @@ import torch
 class SpecStats:
     issued: int = 0  # next-layer experts guessed
     used: int = 0  # guesses the next layer really routed to
-    copies: int = 0  # guessed blocks copied RAM -> VRAM ahead of demand
-    copy_bytes_wasted: int = 0  # early copies of experts the next layer did not route to
     prefetches: int = 0  # guessed blocks queued for a low-priority disk read
 
     @property
@@ -31,10 +29,10 @@ class Speculator:
 
     def __init__(self, block_bytes: int, width: float = 1.0):
         self.block_bytes = block_bytes
-        self.width = width  # guesses per layer as a multiple of K (wider: more found, more wasted copies)
+        self.width = width  # guesses per layer as a multiple of K (wider: more found, more wasted reads)
         self.routers: dict[int, torch.Tensor] = {}
         self.stats = SpecStats()
-        self._pending: tuple[int, set[int], set[int]] | None = None  # (layer, guessed, copied early)
+        self._pending: tuple[int, set[int]] | None = None  # (layer, guessed)
 
     def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:
         # W [E, H] per layer, on the compute device in the activation dtype (shared with the model)
@@ -50,18 +48,16 @@ class Speculator:
         # top-k of the logits is top-k of the softmax (monotone): no softmax, no renormalisation needed
         return torch.topk(torch.nn.functional.linear(x[0], w), n).indices
 
-    def issue(self, layer: int, guessed: list[int], copied: list[int], prefetched: int) -> None:
+    def issue(self, layer: int, guessed: list[int], prefetched: int) -> None:
         self.stats.issued += len(guessed)
-        self.stats.copies += len(copied)
         self.stats.prefetches += prefetched
-        self._pending = (layer, set(guessed), set(copied))
+        self._pending = (layer, set(guessed))
 
     def score(self, layer: int, experts: list[int]) -> None:
         """Count the guess made for `layer` against the experts it really routed to."""
         if self._pending is None:
             return
-        glayer, guessed, copied = self._pending
+        glayer, guessed = self._pending
         self._pending = None
         used = set(experts) if glayer == layer else set()
         self.stats.used += len(guessed & used)
-        self.stats.copy_bytes_wasted += len(copied - used) * self.block_bytes
