@@ -51,7 +51,7 @@ class MemoryPlan:
     state: int  # DeltaNet recurrent + conv, PLE context
     kv: int  # attention K/V for max_model_len
     indexer_keys: int
-    slots: int  # expert slot banks (double-buffered) + speculation bank
+    slots: int  # three banks of K expert slots: this layer, the previous one, and half a prompt pass
     decode_workspace: int
     prefill_piece: int
     prefill_span: int  # tokens per layer-major span (a multiple of the piece)
@@ -124,7 +124,6 @@ def plan_memory(
     budget_bytes: int,
     max_model_len: int,
     act_bytes: int = 2,
-    speculative_slots: bool = True,
 ) -> MemoryPlan:
     """Plan the GPU memory.
 
@@ -136,7 +135,6 @@ def plan_memory(
         budget_bytes: VRAM the engine may use.
         max_model_len: context to reserve KV and indexer keys for.
         act_bytes: bytes per activation element (2 for bf16).
-        speculative_slots: reserve a third bank for next-layer speculation.
 
     Returns:
         The plan; raises MemoryPlanError naming the shortfall if even the minimum does not fit.
@@ -168,7 +166,9 @@ def plan_memory(
     if c.get("ple_layer_ids"):
         ple_rows = (c.get("ple_conv_kernel_size", 4) - 1) * c.get("ngram_size", 3)
         state += len(c["ple_layer_ids"]) * ple_rows * hc * h * act_bytes
-    slots = (3 if speculative_slots else 2) * k * block_bytes
+    # this layer's K and the previous layer's (its kernel may still read them), and K more so that a prompt
+    # pass takes 1.5 K experts (passes take half the slots)
+    slots = 3 * k * block_bytes
 
     # Activation bytes per prompt token at the widest point of a layer, plus the attention mask/score terms.
     i_moe = c["moe_intermediate_size"]
