@@ -55,6 +55,13 @@ class EngineConfig:
             "help": "decode without CUDA graphs: launch every kernel from Python each token (vLLM's name)"
         },
     )
+    preload_experts: bool = field(
+        default=False,
+        metadata={
+            "help": "when --ram-cache-gb holds every expert, read them all into it in the background at "
+            "start (below demand reads and guesses); decode then reads no routing back once they are in"
+        },
+    )
     prefill_piece: int | None = field(
         default=None,
         metadata={

@@ -100,6 +100,8 @@ class Engine:
         self.store = ExpertStore(
             self.workdir, int(config.ram_cache_gb * 2**30), io_threads=config.io_threads, **alloc
         )
+        if config.preload_experts:
+            self._preload()
         # pinned after the store exists: its reader threads keep the process's CPUs
         if config.cpu_affinity is not None:
             if not hasattr(os, "sched_setaffinity"):
@@ -202,6 +204,19 @@ class Engine:
 
             self._tokenizer = Tokenizer.from_dir(self.workdir.path)
         return self._tokenizer
+
+    def _preload(self) -> None:
+        wd = self.workdir
+        blocks = wd.num_layers * wd.num_experts
+        if self.store.capacity < blocks:
+            log.warning(
+                "--preload-experts ignored: the RAM cache holds %d of %d expert blocks (%.1f GiB needed)",
+                self.store.capacity, blocks, blocks * self.store.block_bytes / 2**30,
+            )  # fmt: skip
+            return
+        n = self.store.preload((layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts))
+        log.info("reading %d expert blocks (%.1f GiB) into RAM in the background", n,
+                 n * self.store.block_bytes / 2**30)  # fmt: skip
 
     def set_prefill(self, piece: int, span: int, chunk: int | None = None) -> None:
         """Prompts run layer by layer in spans of `span` tokens (each layer's experts once per span), each

@@ -1,5 +1,6 @@
 """Next-layer speculation: guesses counted exactly, results unchanged, disk prefetch never ahead of demand."""
 
+import logging
 import os
 import threading
 import time
@@ -165,6 +166,46 @@ def test_demand_reads_overtake_queued_prefetches(tiny_workdir, monkeypatch):
         later = [start for off, name, start, _ in log if name == "expertstream-prefetch" and start > t0]
         assert later and min(later) >= demand_end  # no prefetch read started while demand was reading
         assert s.stats.prefetches + s.stats.prefetch_dropped == 7
+
+
+def test_preload_fills_ram_below_guesses_and_demand(tiny_workdir, monkeypatch):
+    wd = Workdir(tiny_workdir)
+    keys = [(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]
+    with ExpertStore(wd, len(keys) * wd.layout.block_bytes, io_threads=2) as s:
+        log = slow_reads(s, monkeypatch, 0.02)
+        assert s.preload(keys) == len(keys)
+        time.sleep(0.03)
+        (h,) = s.request([(3, 9)])  # a demand read overtakes the preload queue
+        h.wait()
+        h.release()
+        assert s._preload_queue  # still far from done
+        s.prefetch([(2, 5)])  # a guess goes first, and does not drop the preloads
+        deadline = time.monotonic() + 20
+        while (s._preload_queue or s.stats.queue_depth) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = s.stats
+        assert st.cached_blocks == len(keys) and st.preloads + st.prefetches + 1 == len(keys)
+        assert st.prefetches <= 1 and st.prefetch_dropped == 0
+        guess = wd.block_offset(2, 5)
+        order = [off for off, name, _, _ in log if name == "expertstream-prefetch"]
+        assert guess in order and order.index(guess) < len(order) - 1  # read before the preloads finished
+        assert all(h is not None for h in s.peek(keys))
+
+
+def test_engine_preloads_only_what_the_ram_cache_holds(tiny_workdir, caplog):
+    wd = Workdir(tiny_workdir)
+    half = wd.num_layers * wd.num_experts * wd.layout.block_bytes / 2 / 2**30  # GiB: half the blocks
+    small = EngineConfig(model=str(tiny_workdir), device="cpu", ram_cache_gb=half, preload_experts=True)
+    with caplog.at_level(logging.WARNING, logger="expertstream.engine"):
+        eng = Engine(small)
+    assert "--preload-experts ignored" in caplog.text and not eng.store._preload_queue
+    eng.close()
+    eng = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", ram_cache_gb=1, preload_experts=True))
+    deadline = time.monotonic() + 20
+    while eng.store.stats.cached_blocks < wd.num_layers * wd.num_experts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.store.stats.cached_blocks == wd.num_layers * wd.num_experts
+    eng.close()
 
 
 def test_peek_starts_no_read(tiny_workdir):

@@ -43,6 +43,7 @@ class StoreStats:
     prefetch_hits: int = 0  # prefetched blocks later served to a request or a peek
     prefetch_dropped: int = 0  # queued prefetches never read (superseded, already cached, no free slot)
     evict_wait_seconds: float = 0.0  # request() waiting for a landing read to free a full cache's slot
+    preloads: int = 0  # blocks read by preload() (also in bytes_read; not guesses: not in prefetches)
 
 
 class ExpertHandle:
@@ -121,6 +122,7 @@ class ExpertStore:
             io_threads, thread_name_prefix="expertstream-io", initializer=self._restore_affinity
         )
         self._prefetch_queue: deque[Key] = deque()
+        self._preload_queue: deque[Key] = deque()  # below the guesses: read only when they are all done
         self._prefetched: set[Key] = set()  # read by the prefetcher, not yet served to anyone
         self._prefetcher: threading.Thread | None = None
         self._closed = False
@@ -245,13 +247,31 @@ class ExpertStore:
             for key in keys:
                 if self._cache.lookup(key) is None and key not in self._transient:
                     self._prefetch_queue.append(key)
-            if self._prefetcher is None and self._prefetch_queue:
-                self._prefetcher = threading.Thread(
-                    target=self._prefetch_loop, name="expertstream-prefetch", daemon=True
-                )
-                self._prefetcher.start()
-            self._landed.notify_all()
+            self._start_prefetcher()
             return len(self._prefetch_queue)
+
+    def preload(self, keys: Iterable[Key]) -> int:
+        """Queue background reads of blocks not in RAM into the cache, below the guesses: the prefetch thread
+        reads them only while no demand read and no guess is queued or in flight, and prefetch() does not
+        drop them. Returns how many were queued. For a RAM cache that holds every block: it fills up
+        without waiting for every block to be asked for once."""
+        with self._lock:
+            if self._closed or not self._cache.capacity:
+                return 0
+            n = len(self._preload_queue)
+            self._preload_queue.extend(
+                k for k in keys if self._cache.lookup(k) is None and k not in self._transient
+            )
+            self._start_prefetcher()
+            return len(self._preload_queue) - n
+
+    def _start_prefetcher(self) -> None:
+        if self._prefetcher is None and (self._prefetch_queue or self._preload_queue):
+            self._prefetcher = threading.Thread(
+                target=self._prefetch_loop, name="expertstream-prefetch", daemon=True
+            )
+            self._prefetcher.start()
+        self._landed.notify_all()
 
     def _restore_affinity(self) -> None:
         if self._cpus is not None:
@@ -261,21 +281,27 @@ class ExpertStore:
         self._restore_affinity()
         while True:
             with self._lock:
-                while not self._closed and (not self._prefetch_queue or self._stats.queue_depth):
+                while not self._closed and (
+                    not (self._prefetch_queue or self._preload_queue) or self._stats.queue_depth
+                ):
                     self._landed.wait()
                 if self._closed:
                     return
-                key = self._prefetch_queue.popleft()
+                guess = bool(self._prefetch_queue)
+                key = (self._prefetch_queue if guess else self._preload_queue).popleft()
                 entry = None
                 if self._cache.lookup(key) is None and key not in self._transient:
                     entry = self._cache.insert(key, counted=False)  # None: every slot pinned or reading
                 if entry is None:
-                    self._stats.prefetch_dropped += 1
+                    self._stats.prefetch_dropped += guess
                     continue
                 entry.pins += 1  # held while reading so no request can evict it half-read
-                self._stats.prefetches += 1
                 self._stats.queue_depth += 1
-                self._prefetched.add(key)
+                if guess:
+                    self._stats.prefetches += 1
+                    self._prefetched.add(key)
+                else:
+                    self._stats.preloads += 1
             self._read(entry)
             with self._lock:
                 self._unpin(entry)
