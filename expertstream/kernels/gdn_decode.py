@@ -79,7 +79,7 @@ def gdn_step(qkv, b, a, z, state, neg_a, dt_bias, norm_w, *, num_k_heads: int, e
     out = torch.empty_like(z)
     # one program per value head holds its [Dk, Dv] state in registers (128 x 128 FP32 for the real model)
     _gdn_step_kernel[(hv,)](
-        qkv, b, a, z, state, neg_a, dt_bias, norm_w, out, eps, HK=hk, HV=hv, DK=dk, DV=dv,
+        qkv, b, a, z, state, neg_a, dt_bias, norm_w, out, eps, dk**-0.5, HK=hk, HV=hv, DK=dk, DV=dv,
         SILU=gate == "silu", num_warps=8 if dk * dv >= 8192 else 2,
     )  # fmt: skip
     return out
@@ -87,7 +87,7 @@ def gdn_step(qkv, b, a, z, state, neg_a, dt_bias, norm_w, *, num_k_heads: int, e
 
 @jit
 def _gdn_step_kernel(
-    qkv_ptr, b_ptr, a_ptr, z_ptr, s_ptr, nega_ptr, dtb_ptr, nw_ptr, out_ptr, eps,
+    qkv_ptr, b_ptr, a_ptr, z_ptr, s_ptr, nega_ptr, dtb_ptr, nw_ptr, out_ptr, eps, q_scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SILU: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
@@ -98,7 +98,7 @@ def _gdn_step_kernel(
     q = tl.load(qkv_ptr + kh * DK + dk)
     k = tl.load(qkv_ptr + HK * DK + kh * DK + dk)
     v = tl.load(qkv_ptr + 2 * HK * DK + h * DV + dv)
-    q = q * (1.0 / tl.sqrt(tl.sum(q * q, 0) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
+    q = q * (1.0 / tl.sqrt(tl.sum(q * q, 0) + 1e-6)) * q_scale
     k = k * (1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
     beta = tl.sigmoid(tl.load(b_ptr + h).to(tl.float32)).to(act).to(tl.float32)  # sigmoid in act dtype
     x = tl.load(a_ptr + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
@@ -113,5 +113,8 @@ def _gdn_step_kernel(
     o = (o * (1.0 / tl.sqrt(tl.sum(o * o, 0) / DV + eps))).to(act)
     o = (tl.load(nw_ptr + dv) * o).to(tl.float32)
     zz = tl.load(z_ptr + h * DV + dv).to(tl.float32)
-    gz = zz * tl.sigmoid(zz) if SILU else tl.sigmoid(zz)
+    if SILU:
+        gz = zz * tl.sigmoid(zz)
+    else:
+        gz = tl.sigmoid(zz)
     tl.store(out_ptr + h * DV + dv, (o * gz).to(act))
