@@ -175,3 +175,31 @@ def test_a_span_in_chunks_fetches_each_group_once(banks, kernel_device):
     assert chunked.cache.stats.copies == whole.cache.stats.copies
     whole.close()
     chunked.close()
+
+
+def test_ram_residency_stays_ram_when_vram_later_holds_every_block(tiny_workdir, kernel_device, host_alloc):
+    # every block in RAM before decode: the bank adopts RAM rows; prompts then copy every block into the 64
+    # slots. The table still points at RAM rows, so the kernel must keep the RAM pool
+    wd = Workdir(tiny_workdir)
+    n_layers, n_experts, k = wd.num_layers, wd.num_experts, wd.text_config["num_experts_per_tok"]
+    with ExpertStore(wd, n_layers * n_experts * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
+        for h in store.request([(layer, e) for layer in range(n_layers) for e in range(n_experts)]):
+            h.wait()
+            h.release()
+        ref = StreamedExperts(wd, store, torch.float32)
+        bank = GpuExperts(wd, store, n_layers * n_experts, kernel_device)
+        x, ids, w = routing(wd, 1, seed=4)
+        bank(0, *(v.to(kernel_device) for v in (x, ids, w)))
+        assert bank.resident == "ram"
+        every = (
+            torch.arange(n_experts).repeat(k)[: n_experts * k].view(n_experts, k)
+        )  # each expert, once per row
+        for layer in range(n_layers):
+            xs, _, ws = routing(wd, n_experts, seed=layer)
+            bank(layer, *(v.to(kernel_device) for v in (xs, every, ws)))
+        assert len(bank.cache.lru) == n_layers * n_experts  # VRAM now holds every block too
+        for layer in range(n_layers):
+            want = ref(layer, x, ids, w)
+            got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+        bank.close()

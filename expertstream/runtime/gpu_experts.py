@@ -98,9 +98,8 @@ class GpuExperts:
             return self._wrap(store.request(keys, cache=self._cache_reads))
 
         self._cache_reads = True
-        self.cache = VramExpertCache(
-            fetch_host, self.layout.block_bytes, n_slots, workdir.expert_scales()[0], device
-        )
+        scales = workdir.expert_scales()[0]  # [L, E, 3] weight_scale_2 (gate, up, down), read once
+        self.cache = VramExpertCache(fetch_host, self.layout.block_bytes, n_slots, scales, device)
         dev = self.cache.device
         # prefill: expert -> slot of the pass in flight, set on the host and uploaded without blocking
         self.expert_to_slot = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
@@ -113,8 +112,9 @@ class GpuExperts:
         self.loc = torch.zeros(workdir.num_layers, self.num_experts, dtype=torch.int32, device=dev)
         self._loc = HostMirror(self.loc)
         self._loc_np = self._loc.host.numpy()
-        self.scales = workdir.expert_scales()[0].to(dev, torch.float32).contiguous()  # [L, E, 3]
-        self.resident = False  # every block has a fixed place and `loc` says where: no read-back needed
+        self.scales = scales.to(dev, torch.float32).contiguous()  # the decode kernel reads scales[layer]
+        # "vram" or "ram" once every block has a fixed place there and `loc` says where: no read-back needed
+        self.resident: str | None = None
         self._resident_handles: list = []  # the RAM blocks held for that
         self.resident_reads = 0  # blocks decode found through the full table (no lookup, no request)
         self.resident_ram_reads = 0  # ... of which read from RAM
@@ -211,7 +211,7 @@ class GpuExperts:
         self._guess = None  # a guess never issued (no decode_launched call) is too late now
         if self.resident:
             self.resident_reads += k
-            self.resident_ram_reads += 0 if self._all_in_vram() else k
+            self.resident_ram_reads += k if self.resident == "ram" else 0
             self.decode_seconds += time.perf_counter() - t0
             return
         ids = want.tolist()
@@ -229,17 +229,15 @@ class GpuExperts:
         self._adopt_resident()
         self.decode_seconds += time.perf_counter() - t0
 
-    def _all_in_vram(self) -> bool:
-        # slots for every block: the VRAM cache never evicts, so a block's slot never changes
-        return self.cache.n_slots >= self.loc.numel() and len(self.cache.lru) == self.loc.numel()
-
     def _adopt_resident(self) -> None:
         """Once every block has a place that cannot change, fill `loc` for all of them and stop reading ids
         back: all in VRAM (slots for every block), or all in the RAM cache (held here for good)."""
         n_layers, n_experts = self.loc.shape
-        if self._all_in_vram():
+        # slots for every block: the VRAM cache never evicts then, so a block's slot never changes
+        if self.cache.n_slots >= self.loc.numel() and len(self.cache.lru) == self.loc.numel():
             for (layer, e), slot in self.cache.lru.items():
                 self._loc_np[layer, e] = slot
+            self.resident = "vram"
         elif (
             self.host_blocks is not None
             and self.control == "none"  # a control's altered blocks exist only as copies
@@ -255,12 +253,11 @@ class GpuExperts:
             self._resident_handles = handles
             for (layer, e), h in zip(keys, handles):
                 self._loc_np[layer, e] = -1 - h.row
+            self.resident = "ram"
         else:
             return
         self._loc.push()
-        self.resident = True
-        log.info("every expert block has a fixed place (%s): decode reads no routing back",
-                 "VRAM" if self._all_in_vram() else "pinned RAM")  # fmt: skip
+        log.info("every expert block has a fixed place in %s: decode reads no routing back", self.resident)
 
     def decode_launched(self) -> None:
         """Call once the last prepare's compute is queued (its graph replayed, or launched eagerly): marks its
@@ -281,8 +278,8 @@ class GpuExperts:
         if self.control == "no-experts":
             return torch.zeros_like(x)
         # with every block in VRAM for good the kernel takes the launch shape tuned for HBM reads, not the
-        # one for reads over the bus
-        host = None if self.resident and self._all_in_vram() else self.host_blocks
+        # one for reads over the bus (as adopted: a VRAM cache that fills up later does not move the table)
+        host = None if self.resident == "vram" else self.host_blocks
         return nvfp4_moe.nvfp4_moe_decode(
             x, expert_ids[0], self.loc[layer], self.scales[layer], weights[0].float(), self.layout,
             self.cache.slots, host,
