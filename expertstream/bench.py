@@ -65,6 +65,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="prefill: skip (and estimate) a regime and prompt whose expert bytes alone would take longer",
     )
     p.add_argument(
+        "--regimes",
+        nargs="+",
+        help="decode, prefill: run only these regimes (names as in the table, spaces and commas as _: "
+        "vram, vram_eager, ram, disk, disk_24_GiB_VRAM); default all",
+    )
+    p.add_argument(
         "--no-speculation", action="store_true", help="decode, prefill: run the engine without speculation"
     )
     p.add_argument(
@@ -105,6 +111,22 @@ def emit(args: argparse.Namespace, section: str, device: str, table: str, payloa
         append_markdown(args.out, section, device, table)
     if args.json:
         print(json.dumps(payload))
+
+
+def regime_slug(name: str) -> str:
+    """A regime's table name as --regimes spells it: "disk, 24 GiB VRAM" -> "disk_24_GiB_VRAM"."""
+    return name.replace(",", "").replace(" ", "_")
+
+
+def chosen(args: argparse.Namespace, regimes: dict) -> dict:
+    """The regimes --regimes names (all when not given); an unknown name is an error that lists them."""
+    if not getattr(args, "regimes", None):
+        return regimes
+    slugs = {regime_slug(n): n for n in regimes}
+    unknown = [r for r in args.regimes if r not in slugs]
+    if unknown:
+        raise SystemExit(f"unknown regime(s) {', '.join(unknown)}; this bench has: {', '.join(slugs)}")
+    return {n: regimes[n] for n in regimes if regime_slug(n) in args.regimes}
 
 
 def main(args: argparse.Namespace) -> int:

@@ -157,7 +157,7 @@ def prefill_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, 
 
 
 def run(args) -> int:
-    from expertstream.bench import emit
+    from expertstream.bench import chosen, emit
 
     prompts = args.prompts or list(PROMPTS)
     wd, base = bench_model(args, "prefill", max(args.max_model_len, *prompts))
@@ -181,7 +181,7 @@ def run(args) -> int:
     }
     results = {}
     k = wd.text_config["num_experts_per_tok"]
-    for name, (cfg, blocks) in regimes.items():
+    for name, (cfg, blocks) in chosen(args, regimes).items():
         rate = {"vram": 0.0, "ram": pcie, "disk": disk}[name]  # GB/s the expert bytes come at, at best
         for prompt in prompts:
             plan = plan_prefill(prompt, piece, span, 2, wd.num_experts, k, block)  # bytes: not slot-dependent

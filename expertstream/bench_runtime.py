@@ -309,7 +309,7 @@ def bench_model(args, what: str, max_model_len: int):
 
 
 def run(args) -> int:
-    from expertstream.bench import emit
+    from expertstream.bench import chosen, emit, regime_slug
 
     wd, base = bench_model(args, "decode", args.max_model_len)
     block = wd.layout.block_bytes
@@ -332,8 +332,8 @@ def run(args) -> int:
         ),
     }
     results = {}
-    for name, (cfg, blocks) in regimes.items():
-        where = Path(args.profile) / name.replace(" ", "_").replace(",", "") if args.profile else None
+    for name, (cfg, blocks) in chosen(args, regimes).items():
+        where = Path(args.profile) / regime_slug(name) if args.profile else None
         results[name] = decode_regime(cfg, blocks, args.tokens, where)
         log.info("%s: %s", name, results[name])
     table = decode_table(results, disk, pcie, wd.num_layers)

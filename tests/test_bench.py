@@ -182,3 +182,16 @@ def test_the_real_plans_prefill_span_is_what_the_bench_uses():
     # a 2,451-token prompt fits one span: each expert once per layer (three times with 1,024-token pieces)
     assert plan_prefill(2451, 256, 2560, 2, 512, 10, block).max_expert_bytes_per_layer == one
     assert plan_prefill(32768, 256, 2560, 2, 512, 10, block).max_expert_bytes_per_layer == 13 * one
+
+
+def test_regimes_flag_picks_regimes_by_slug_and_names_unknown_ones():
+    import argparse
+
+    from expertstream.bench import chosen
+
+    regimes = {"vram": 1, "vram eager": 2, "disk, 24 GiB VRAM": 3}
+    assert chosen(argparse.Namespace(regimes=None), regimes) == regimes
+    picked = chosen(argparse.Namespace(regimes=["disk_24_GiB_VRAM", "vram"]), regimes)
+    assert list(picked) == ["vram", "disk, 24 GiB VRAM"]
+    with pytest.raises(SystemExit, match="vram_eager"):
+        chosen(argparse.Namespace(regimes=["ram"]), regimes)
