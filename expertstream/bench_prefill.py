@@ -21,6 +21,7 @@ from expertstream.bench_runtime import (
     REAL_LAYERS,
     bench_model,
     disk_rate,
+    disk_rates,
     pcie_rate,
     profile_tokens,
     real_model_plan,
@@ -76,8 +77,9 @@ def prefill_regime(
         warm_caches(eng, vram=vram_cache_blocks >= eng.workdir.num_layers * eng.workdir.num_experts)
         gen = torch.Generator().manual_seed(prompt)
         ids = torch.randint(0, eng.args.vocab_size, (prompt,), generator=gen)
-        # one piece first: kernels of every shape a piece meets are compiled (and autotuned) before timing
-        eng.forward(eng.new_state(), ids[: min(prompt, 2 * split[0])])
+        # two full pieces and one as long as the prompt's last, first: kernels of every shape the prompt meets
+        # are compiled before timing (a compile inside the timed run cost the first regime ~0.8 s)
+        eng.forward(eng.new_state(), ids[: min(prompt, 2 * split[0] + prompt % split[0])])
         wd = eng.workdir
         plan = plan_prefill(
             prompt,
@@ -193,6 +195,7 @@ def run(args) -> int:
                 prof = args.profile / f"{name}_{prompt}" if args.profile and prompt == min(prompts) else None
                 results[f"{name}/{prompt}"] = prefill_regime(cfg, blocks, prompt, (piece, span, chunk), prof)
             log.info("%s/%d: %s", name, prompt, results[f"{name}/{prompt}"])
+    disk, disk_note = disk_rates(wd.experts_path, block, base.io_threads, disk)
     budget = args.gpu_memory_gb * base.gpu_memory_utilization
     origin = (
         "set by --prefill-piece/--prefill-span"
@@ -202,7 +205,8 @@ def run(args) -> int:
     head = (
         f"Full-shape synthetic model, {wd.num_layers} layers x {wd.num_experts} experts ({block:,} B "
         f"blocks), --gpu-memory-gb {args.gpu_memory_gb}, max_model_len {base.max_model_len}; measured in "
-        f"this run: O_DIRECT {disk:.2f} GB/s, pinned H2D {pcie:.1f} GB/s; VRAM cache {vram_blocks} blocks "
+        f"this run: O_DIRECT {disk:.2f} GB/s ({disk_note}), pinned H2D {pcie:.1f} GB/s; VRAM cache "
+        f"{vram_blocks} blocks "
         f"and {span}-token spans of {piece}-token pieces ({origin}; each span fetches its experts once per "
         "layer). "
         "Bound = max(disk, PCIe, the `vram` time of the same prompt); the `vram` rows ran with the budget "

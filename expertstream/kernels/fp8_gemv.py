@@ -88,7 +88,7 @@ def fp8_rows_matmul(
     return out
 
 
-@jit
+@jit(do_not_specialize=("M",))  # prompt pieces of any length (a ragged last one): one compiled variant
 def _fp8_rows_kernel(
     x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
