@@ -102,7 +102,8 @@ def prefill_regime(
             log.error("prefill of %d tokens ran out of the VRAM budget: %s", prompt, e)
             return {"prompt": prompt, "oom": True, "plan": dataclasses.asdict(plan)}
         dt = time.perf_counter() - t0
-        s1, c1 = eng.stats(), eng.bank.cache.stats
+        # copies: the profiled run below adds to the live counters (it doubled the profiled rows' bytes)
+        s1, c1, p1 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.bank.prefill_passes
         layers = eng.workdir.num_layers
         profiled = None
         if profile_to is not None:  # GPU busy time of the same prompt: the floor that wall time hides
@@ -114,7 +115,7 @@ def prefill_regime(
             "seconds": dt,
             "disk_bytes": s1.bytes_read - s0.bytes_read,
             "pcie_bytes": c1.bytes_copied - c0.bytes_copied,
-            "passes_per_layer": (eng.bank.prefill_passes - p0) / layers,
+            "passes_per_layer": (p1 - p0) / layers,
             "stall_seconds": s1.stall_seconds - s0.stall_seconds,
             "peak_gib": torch.cuda.max_memory_allocated() / GiB,
             "plan": dataclasses.asdict(plan),
