@@ -32,7 +32,8 @@ FP8_CANDIDATES = (
     "ple.key_proj.weight",
     "lm_head.weight",
 )
-# Allocator fragmentation and kernel workspaces the accounting cannot see.
+# Allocator fragmentation and kernel workspaces the per-token accounting cannot see, e.g. an expert
+# launch's tile padding: up to 64 rows of h per expert (512 x 64 x 640 BF16 = 40 MiB of the 0.29 GiB).
 RESERVE_FRACTION = 0.04
 DECODE_WORKSPACE = 64 * MiB  # one-token activations and the decode graphs' pools (per state; unmeasured)
 ELEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I64": 8, "I32": 4}

@@ -182,7 +182,7 @@ def test_swapped_nibbles_fail(bank):
 
 def test_sort_pairs_groups_every_pair_once():
     slot_of_pair = torch.tensor([3, 0, 3, 3, 1, 3, 0, 3, 3, 3], device=DEV)
-    pair_ids, tile_slot = sort_pairs(slot_of_pair, num_slots=5, block_m=4)
+    pair_ids, tile_slot = sort_pairs(slot_of_pair, num_groups=5, block_m=4)
     p = slot_of_pair.numel()
     assert tile_slot.tolist() == [0, 1, 3, 3, -1, -1, -1, -1]  # slots 2, 4 have no pairs
     tiles = pair_ids.view(-1, 4)
@@ -196,7 +196,7 @@ def test_sort_pairs_groups_every_pair_once():
 
 def test_sort_pairs_leaves_out_unmapped_pairs():
     slot_of_pair = torch.tensor([3, -1, 3, -1, 1, 3, -1, 3, 3], device=DEV)
-    pair_ids, tile_slot = sort_pairs(slot_of_pair, num_slots=5, block_m=4)
+    pair_ids, tile_slot = sort_pairs(slot_of_pair, num_groups=5, block_m=4)
     p = slot_of_pair.numel()
     assert tile_slot.tolist()[:3] == [1, 3, 3] and set(tile_slot.tolist()[3:]) == {-1}
     real = pair_ids[pair_ids < p]

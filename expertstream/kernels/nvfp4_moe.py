@@ -6,11 +6,14 @@ y[t] = sum_k w[t, k] * down_k(silu(gate_k x[t]) * up_k x[t]).
 - decode (one token): two launches per layer, gate+up over (expert, row block), then down over row blocks
   looping over the K experts (deterministic, no atomics). Each expert's block is found through a location
   table: a VRAM slot, or a row of pinned host RAM that the kernel reads over the bus without a copy.
-- prefill (many tokens): (token, k) pairs sorted by slot and padded to BLOCK_M tiles; each tile dequantises
-  weight tiles to the activation dtype in registers and runs tl.dot; per-pair outputs [T*K, H] are summed.
+- prefill (many tokens): (token, k) pairs sorted by expert and padded to BLOCK_M tiles (once per chunk of
+  tokens, shared by a bank's passes); each tile finds its expert's slot, dequantises weight tiles to the
+  activation dtype in registers and runs tl.dot; per-pair outputs [T*K, H] are summed.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -249,61 +252,89 @@ def nvfp4_moe_prefill_ref(
     return out.to(x.dtype)
 
 
-def prefill_bucket(num_pairs: int, num_slots: int) -> str:
-    """Tuning key: mean pairs per touched slot, bucketed (decides how full BLOCK_M tiles are)."""
-    per_slot = num_pairs / max(1, min(num_slots, num_pairs))
-    return "ps16" if per_slot <= 16 else "ps64" if per_slot <= 64 else "psbig"
+def prefill_bucket(num_pairs: int, num_experts: int) -> str:
+    """Tuning key: mean pairs per touched expert, bucketed (decides how full BLOCK_M tiles are)."""
+    per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    return "ps16" if per_expert <= 16 else "ps64" if per_expert <= 64 else "psbig"
 
 
-def _prefill_config(num_pairs: int, num_slots: int, layout: ExpertLayout, device: torch.device) -> dict:
-    key = f"{layout.hidden_size}x{layout.intermediate_size}x{prefill_bucket(num_pairs, num_slots)}"
-    tuned = tuned_config("nvfp4_prefill", device, key)
+def _prefill_config(num_pairs: int, num_experts: int, layout: ExpertLayout, device: torch.device) -> dict:
+    bucket = prefill_bucket(num_pairs, num_experts)
+    tuned = tuned_config("nvfp4_prefill", device, f"{layout.hidden_size}x{layout.intermediate_size}x{bucket}")
     if tuned:
         return tuned
-    # rows per tile follow the mean pairs per touched slot (padding rows cost tensor-core work);
+    # rows per tile follow the mean pairs per touched expert (padding rows cost tensor-core work);
     # picked by the H200 sweep of docs/kernels.md
-    per_slot = num_pairs / max(1, min(num_slots, num_pairs))
-    if per_slot <= 16:
+    if bucket == "ps16":
         return dict(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=4)
     return dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)
 
 
-def sort_pairs(slot_of_pair: torch.Tensor, num_slots: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group (token, k) pairs by slot into BLOCK_M tiles without a host sync; pairs of slot -1 are left out.
+def sort_pairs(
+    group_of_pair: torch.Tensor, num_groups: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group (token, k) pairs by group id (an expert) into BLOCK_M tiles without a host sync; pairs of group
+    -1 are left out.
 
     Args:
-        slot_of_pair: [P] int64 slot of each flattened pair p = t * K + k, or -1 (not in this pass).
-        num_slots: S.
+        group_of_pair: [P] int64 group of each flattened pair p = t * K + k, or -1 (left out).
+        num_groups: G.
         block_m: rows per tile.
 
     Returns:
-        (pair_ids [NT * block_m] int32, padding = P; tile_slot [NT] int32, -1 past the last tile) where
-        NT = cdiv(P, block_m) + min(S, P) bounds the tiles needed.
+        (pair_ids [NT * block_m] int32, padding = P; tile_group [NT] int32, -1 past the last tile) where
+        NT = cdiv(P, block_m) + min(G, P) bounds the tiles needed.
     """
-    p = slot_of_pair.numel()
-    dev = slot_of_pair.device
-    skipped = slot_of_pair < 0
+    p = group_of_pair.numel()
+    dev = group_of_pair.device
+    skipped = group_of_pair < 0
     # skipped pairs sort last, in a bucket of their own
-    bucket = torch.where(skipped, num_slots, slot_of_pair)
-    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))  # [S + 1]
-    counts[num_slots] = 0  # no tiles for them
+    bucket = torch.where(skipped, num_groups, group_of_pair)
+    counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))  # [G + 1]
+    counts[num_groups] = 0  # no tiles for them
     order = torch.argsort(bucket, stable=True)  # [P]
     tiles = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)
     seg_begin = torch.cumsum(counts, 0) - counts
-    sorted_slot = bucket[order]
-    rank = torch.arange(p, device=dev) - seg_begin[sorted_slot]
-    nt = -(-p // block_m) + min(num_slots, p)
+    sorted_group = bucket[order]
+    rank = torch.arange(p, device=dev) - seg_begin[sorted_group]
+    nt = -(-p // block_m) + min(num_groups, p)
     # skipped pairs are written to one scratch entry past the end (no boolean indexing: that would sync)
     dest = torch.where(
-        sorted_slot < num_slots, (tile_end - tiles)[sorted_slot] * block_m + rank, nt * block_m
+        sorted_group < num_groups, (tile_end - tiles)[sorted_group] * block_m + rank, nt * block_m
     )
     pair_ids = torch.full((nt * block_m + 1,), p, dtype=torch.int32, device=dev)
     pair_ids[dest] = order.to(torch.int32)
-    tile_idx = torch.searchsorted(tile_end[:num_slots], torch.arange(nt, device=dev), right=True)  # [NT]
-    tile_slot = torch.where(tile_idx < num_slots, tile_idx, -1).to(torch.int32)
-    return pair_ids[:-1], tile_slot
+    tile_idx = torch.searchsorted(tile_end[:num_groups], torch.arange(nt, device=dev), right=True)  # [NT]
+    tile_group = torch.where(tile_idx < num_groups, tile_idx, -1).to(torch.int32)
+    return pair_ids[:-1], tile_group
+
+
+@dataclass
+class PairOrder:
+    """A prefill launch's (token, k) pairs sorted by expert into tiles, and the launch config it was made for.
+    Made once per chunk of tokens (`order_pairs`); a bank that runs the chunk's experts in several passes
+    reuses it for every pass: the kernels skip tiles whose expert has no slot in `expert_to_slot`."""
+
+    pair_ids: torch.Tensor  # [NT * block_m] int32 pair per tile row, P for padding
+    tile_expert: torch.Tensor  # [NT] int32 expert of each tile, -1 past the last
+    config: dict
+
+
+def order_pairs(
+    expert_ids: torch.Tensor,
+    num_experts: int,
+    layout: ExpertLayout,
+    distinct: int | None = None,
+    config: dict | None = None,
+) -> PairOrder:
+    """Sort the pairs of expert_ids [T, K] by expert into the tiles of `config` (default: picked from the
+    mean pairs per touched expert, with `distinct` touched experts, default min(E, T K))."""
+    p = expert_ids.numel()
+    cfg = config or _prefill_config(p, min(num_experts, distinct or num_experts), layout, expert_ids.device)
+    pair_ids, tile_expert = sort_pairs(expert_ids.reshape(-1).long(), num_experts, cfg["block_m"])
+    return PairOrder(pair_ids, tile_expert, cfg)
 
 
 def nvfp4_moe_prefill(
@@ -350,13 +381,15 @@ def nvfp4_moe_prefill_pairs(
     *,
     distinct: int | None = None,
     config: dict | None = None,
+    order: PairOrder | None = None,
 ) -> None:
     """Per-pair weighted outputs, out[t K + k] = weights[t, k] expert_{t,k}(x[t]), for the pairs whose expert
     has a slot; rows of pairs whose expert maps to -1 are left as they are (a bank that fits a prompt's
     experts in several passes remaps and calls once per pass, then sums the rows over k).
 
-    Args: as `nvfp4_moe_prefill`, plus out [T*K, H] in x.dtype, and distinct: the prompt's distinct routed
-    experts (default min(S, T K)), which sets the mean pairs per slot that picks the tile size.
+    Args: as `nvfp4_moe_prefill`, plus out [T*K, H] in x.dtype; distinct: the prompt's distinct routed
+    experts (default min(E, T K)), which sets the mean pairs per expert that picks the tile size; order: the
+    pairs already sorted by `order_pairs` for these expert_ids (passes over one chunk share it).
     """
     _check_common(x, slots, layout)
     assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
@@ -365,32 +398,41 @@ def nvfp4_moe_prefill_pairs(
     assert expert_to_slot.dtype in (torch.int32, torch.int64) and expert_to_slot.dim() == 1
     assert weights.dtype == torch.float32 and weights.shape == expert_ids.shape, f"weights {weights.shape}"
     t, k = expert_ids.shape
-    h_size, i_size, s = layout.hidden_size, layout.intermediate_size, slots.shape[0]
+    h_size, i_size = layout.hidden_size, layout.intermediate_size
     p = t * k
     assert out.shape == (p, h_size) and out.dtype == x.dtype and out.is_contiguous(), (
         f"out {tuple(out.shape)}"
     )
     require_triton(x, ws2, expert_ids, expert_to_slot, weights, out)
-    cfg = config or _prefill_config(p, min(s, distinct or s), layout, x.device)
+    order = order or order_pairs(expert_ids, expert_to_slot.numel(), layout, distinct, config)
+    cfg = order.config
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    pair_ids, tile_slot = sort_pairs(expert_to_slot[expert_ids.reshape(-1).long()].long(), s, bm)
-    nt = tile_slot.numel()
+    assert order.pair_ids.numel() == order.tile_expert.numel() * bm, "order made for another config"
+    nt = order.tile_expert.numel()
     off = _offsets(layout)
     h = torch.empty(nt * bm, i_size, dtype=x.dtype, device=x.device)  # silu(g) * u by padded sorted row
     common = dict(
         block_bytes=layout.block_bytes, H=h_size, I=i_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
+    tiles = (order.pair_ids, order.tile_expert, expert_to_slot)
     launch_e2m1(
         _prefill_gate_up_kernel, (nt, cdiv(i_size, bn)), x.device,
-        x, pair_ids, tile_slot, slots, ws2, h, p, k, gw_off=off["gw_off"], uw_off=off["uw_off"],
+        x, *tiles, slots, ws2, h, p, k, gw_off=off["gw_off"], uw_off=off["uw_off"],
         gs_off=off["gs_off"], us_off=off["us_off"], **common,
     )  # fmt: skip
     launch_e2m1(
         _prefill_down_kernel, (nt, cdiv(h_size, bn)), x.device,
-        h, pair_ids, tile_slot, slots, ws2, weights.reshape(-1), out, p, dw_off=off["dw_off"],
+        h, *tiles, slots, ws2, weights.reshape(-1), out, p, dw_off=off["dw_off"],
         ds_off=off["ds_off"], **common,
     )  # fmt: skip
+
+
+@jit
+def _tile_slot(tile_expert_ptr, e2s_ptr, tile):
+    # slot of the tile's expert (int64), or -1: no expert (past the last tile), or not in this pass
+    e = tl.load(tile_expert_ptr + tile)
+    return tl.where(e >= 0, tl.load(e2s_ptr + tl.maximum(e, 0)).to(tl.int64), -1)
 
 
 @jit
@@ -407,14 +449,14 @@ def _dequant_tile(
 
 @jit(do_not_specialize=("P", "K"))  # pair counts vary per call: one compiled variant
 def _prefill_gate_up_kernel(
-    x_ptr, pair_ptr, tile_slot_ptr, slots_ptr, ws2_ptr, h_ptr, P, K, block_bytes, H, I,
+    x_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, h_ptr, P, K, block_bytes, H, I,
     gw_off, uw_off, gs_off, us_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # program (tile, n block): h[rows, n] = silu(x[tok] gate^T) * (x[tok] up^T), rows of one slot
+    # program (tile, n block): h[rows, n] = silu(x[tok] gate^T) * (x[tok] up^T), rows of one expert
     tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    if slot < 0:
+    slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
+    if slot < 0:  # past the last tile, or its expert is not in this pass
         return
     blk = slots_ptr + slot * block_bytes
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -447,14 +489,15 @@ def _prefill_gate_up_kernel(
 
 @jit(do_not_specialize=("P",))
 def _prefill_down_kernel(
-    h_ptr, pair_ptr, tile_slot_ptr, slots_ptr, ws2_ptr, w_ptr, y_ptr, P, block_bytes, H, I, dw_off, ds_off,
+    h_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, w_ptr, y_ptr, P, block_bytes, H, I, dw_off,
+    ds_off,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # program (tile, n block): y[pair, n] = w[pair] * h[rows] down^T for the rows of one slot
+    # program (tile, n block): y[pair, n] = w[pair] * h[rows] down^T for the rows of one expert
     tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    if slot < 0:
+    slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
+    if slot < 0:  # past the last tile, or its expert is not in this pass
         return
     blk = slots_ptr + slot * block_bytes
     rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)

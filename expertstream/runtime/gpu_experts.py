@@ -319,6 +319,12 @@ class GpuExperts:
         y = torch.empty(chunk * k, x.shape[1], dtype=x.dtype, device=x.device)
         total = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device) if len(bounds) > 1 else None
         weights = weights.float()
+        # each chunk's pairs sorted by expert once; every group's pass reuses the order (its kernels skip
+        # the tiles of experts outside the group)
+        orders = [
+            nvfp4_moe.order_pairs(expert_ids[a:b], self.num_experts, self.layout, distinct=len(experts))
+            for a, b in bounds
+        ]
         # reads run one group ahead: group g+1's disk reads proceed while group g is copied and computed
         # (with one group its fetch is the only request)
         pending = [self._read_ahead(layer, groups[0]) if len(groups) > 1 else []]
@@ -328,13 +334,13 @@ class GpuExperts:
                 self._map_pass(members, self.cache.fetch(layer, members))
                 for h in pending.pop(0):
                     h.release()
-                for a, b in bounds:
+                for (a, b), order in zip(bounds, orders):
                     rows = y[: (b - a) * k]
                     if total is not None:
                         rows.zero_()
                     nvfp4_moe.nvfp4_moe_prefill_pairs(
                         x[a:b], self.cache.slots, expert_ids[a:b], self.expert_to_slot, self.cache.ws2,
-                        weights[a:b], self.layout, rows, distinct=len(experts),
+                        weights[a:b], self.layout, rows, order=order,
                     )  # fmt: skip
                     if total is not None:
                         total[a:b] += rows.view(b - a, k, -1).sum(dim=1, dtype=torch.float32)
