@@ -66,15 +66,53 @@ def ngram_row_ids(
     return torch.cat(blocks, dim=-1)[-ids.shape[0] :]
 
 
+def _wrap64(v: int) -> int:
+    """A Python int as the int64 it wraps to (two's complement)."""
+    return (v + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def ngram_rows_one(
+    context: list[int], token: int, eos: int, multipliers: list[int], vocab_sizes: list[int],
+    offsets: list[int], heads_per_ngram: int,
+) -> list[int]:  # fmt: skip
+    """`ngram_row_ids` of one new token in plain Python ints (a decode step: no tensor ops on the host).
+
+    context: the ngram_size - 1 tokens before `token`, oldest first; the rest as `ngram_row_ids`."""
+    history = list(context) + [token]
+    n = len(history)
+    # the token s back, or EOS where that crosses an EOS before the token or the start (as `_shifted`)
+    last_eos = max((i for i in range(n - 1) if history[i] == eos), default=-1)
+    src = [n - 1 - s for s in range(1, len(multipliers))]
+    back = [token] + [history[i] if i > last_eos and i >= 0 else eos for i in src]
+    terms = [_wrap64(t * m) for t, m in zip(back, multipliers)]
+    rows = []
+    for order in range(2, len(multipliers) + 1):
+        mix = 0
+        for j in range(order):
+            mix ^= terms[j]
+        for h in range((order - 2) * heads_per_ngram, (order - 1) * heads_per_ngram):
+            rows.append(mix % vocab_sizes[h] + offsets[h])
+    return rows
+
+
 class DenseTable:
-    """An in-memory PLE table [rows, width] (tests, reference)."""
+    """An in-memory PLE table [rows, width] (tests, reference). Its raw rows are the values themselves."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
 
+    def read(self, rows: torch.Tensor | list[int]) -> torch.Tensor:
+        """rows [T, heads] int64 (or one token's list) -> raw rows [T, heads * width] (float32 values)."""
+        rows = torch.tensor([rows]) if isinstance(rows, list) else rows
+        return self.weight[rows.to(self.weight.device)].float().flatten(-2)
+
+    def decode(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw rows (on any device) -> float32 values."""
+        return raw.float()
+
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, heads] int64 -> [T, heads * width] float32."""
-        return self.weight[rows.to(self.weight.device)].float().flatten(-2)
+        return self.decode(self.read(rows))
 
 
 class PleTable:
@@ -108,6 +146,7 @@ class PleTable:
                 self.close()
                 raise FileNotFoundError(f"PLE shard {path} cannot be opened: {e}") from e
         self.bytes_read = 0
+        self._luts: dict[torch.device, torch.Tensor] = {}
 
     def close(self) -> None:
         for fd in self._fds:
@@ -129,13 +168,29 @@ class PleTable:
             )
         return data
 
-    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [T, heads] int64 -> [T, heads * width] float32 (fp8 * scale); each distinct row read once."""
+    def read(self, rows: torch.Tensor | list[int]) -> torch.Tensor:
+        """rows [T, heads] int64 (or one token's list of rows) -> FP8 bytes [T, heads * width] uint8 on the
+        host; each distinct row read once."""
+        if isinstance(rows, list):
+            raw = b"".join(self._read_row(r) for r in rows)
+            self.bytes_read += len(raw)
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(1, -1)
         uniq, inverse = torch.unique(rows.cpu(), return_inverse=True)
         raw = b"".join(self._read_row(r) for r in uniq.tolist())
         self.bytes_read += len(raw)
-        vals = (
-            e4m3_to_float(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, self.width))
-            * self.scale
-        )
-        return vals[inverse].flatten(-2)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, self.width)[inverse].flatten(-2)
+
+    def decode(self, raw: torch.Tensor) -> torch.Tensor:
+        """FP8 bytes (on any device) -> float32 values (fp8 * scale) through a 256-entry table on that
+        device: one gather, so a decode graph can hold it."""
+        lut = self._luts.get(raw.device)
+        if lut is None:
+            lut = e4m3_to_float(torch.arange(256, dtype=torch.uint8))  # [256] float32, one upload per device
+            if raw.device.type == "cuda":
+                lut = lut.pin_memory()
+            lut = self._luts[raw.device] = lut.to(raw.device, non_blocking=True)
+        return lut[raw.long()] * self.scale
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, heads] int64 -> [T, heads * width] float32 (fp8 * scale)."""
+        return self.decode(self.read(rows))

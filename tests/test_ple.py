@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from expertstream.formats.fp8 import e4m3_to_float
-from expertstream.ple import DenseTable, PleTable, ngram_row_ids
+from expertstream.ple import DenseTable, PleTable, ngram_row_ids, ngram_rows_one
 
 qwen4 = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402
@@ -66,6 +66,37 @@ def test_row_ids_equal_transformers_whole_and_step_by_step(tf_ngram, seed):
         ctx = torch.cat((ctx, piece))[-ctx.shape[0] :]
         i += size
     assert torch.equal(torch.cat(got), want)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_one_token_rows_in_python_equal_transformers(tf_ngram, seed):
+    """Decode's plain-int hash, token by token from the start of a conversation, EOS runs included."""
+    emb, cfg = tf_ngram
+    ids = random_ids(seed)
+    if seed == 0:
+        ids[:2] = EOS
+    with torch.no_grad():
+        want = emb(ids[None], None)[0].long()
+    ctx = [EOS] * (cfg.ngram_size - 1)
+    args = [emb.layer_multipliers, emb.ngram_heads_vocab_sizes, emb.ngram_heads_offsets]
+    args = [a.tolist() for a in args]
+    for t, tok in enumerate(ids.tolist()):
+        assert ngram_rows_one(ctx, tok, EOS, *args, cfg.heads_per_ngram) == want[t].tolist()
+        ctx = (ctx + [tok])[1:]
+
+
+def test_one_token_rows_wrap_like_int64():
+    """Multipliers near 2^62 overflow int64 products: the plain-int hash wraps exactly as the tensor one."""
+    g = torch.Generator().manual_seed(3)
+    mult = torch.tensor([(1 << 62) + 12345, -(1 << 61) - 7, (1 << 62) - 99], dtype=torch.long)
+    vocab = torch.tensor([1009, 1013, 997, 991], dtype=torch.long)
+    offsets = torch.tensor([0, 1009, 2022, 3019], dtype=torch.long)
+    for _ in range(20):
+        ctx = torch.randint(0, 50_000, (2,), generator=g)
+        tok = torch.randint(0, 50_000, (1,), generator=g)
+        want = ngram_row_ids(ctx, tok, 7, mult, vocab, offsets, 2)[0].tolist()
+        lists = [a.tolist() for a in (mult, vocab, offsets)]
+        assert ngram_rows_one(ctx.tolist(), int(tok), 7, *lists, 2) == want
 
 
 def write_shards(path, table_bytes: torch.Tensor, rows_per_shard: list[int]) -> list[dict]:

@@ -30,7 +30,7 @@ from expertstream.models.base import (
     rope_inv_freq,
     upload,
 )
-from expertstream.ple import ngram_row_ids
+from expertstream.ple import ngram_row_ids, ngram_rows_one
 from expertstream.state import State
 
 ACT = {"silu": F.silu, "sigmoid": torch.sigmoid}
@@ -411,6 +411,10 @@ class PLELayer(nn.Module):
         self.mult = w.host(f"{p}.ple_embedding.layer_multipliers", (a.ngram_size,))
         self.vocab = w.host(f"{p}.ple_embedding.ngram_heads_vocab_sizes", (heads,))
         self.offsets = w.host(f"{p}.ple_embedding.ngram_heads_offsets", (heads,))
+        # the same as plain ints, for one token's hash (`ngram_rows_one`)
+        self._hash_lists = (
+            self.mult.tolist(), self.vocab.tolist(), self.offsets.tolist(), self.heads_per_ngram
+        )  # fmt: skip
         self.proj = w.fused([(f"{p}.key_proj.weight", nh), (f"{p}.value_proj.weight", self.h)], e)
         self.norm_key = RMSNorm(w.get(f"{p}.norm_key.weight", (nh,)), eps, group=self.h)
         self.norm_query = RMSNorm(w.get(f"{p}.norm_query.weight", (nh,)), eps, group=self.h)
@@ -419,13 +423,25 @@ class PLELayer(nn.Module):
         self.conv_wt = nn.Buffer(self.conv_w[:, 0].T.float().contiguous())  # [K, N*H] for one token
         self.dilation = a.ngram_size
 
+    def raw(self, ids: torch.Tensor, st: State, device: torch.device) -> torch.Tensor:
+        """ids [T] on the host -> the table's raw rows [T, heads * width] on `device`: hashed and read on the
+        host (one token in plain ints), uploaded as stored (FP8 bytes: a quarter of the values' bytes)."""
+        if ids.shape[0] == 1:
+            rows = ngram_rows_one(st.ple_ctx.tolist(), int(ids[0]), self.eos, *self._hash_lists)
+        else:
+            rows = ngram_row_ids(
+                st.ple_ctx, ids, self.eos, self.mult, self.vocab, self.offsets, self.heads_per_ngram
+            )
+        raw = self.table.read(rows)
+        return upload(raw, device, raw.dtype)
+
+    def from_raw(self, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Raw rows on the device -> [T, ple_embed_dim] in dtype (device work only: graphs hold it)."""
+        return self.table.decode(raw).to(dtype)
+
     def embed(self, ids: torch.Tensor, st: State, like: torch.Tensor) -> torch.Tensor:
-        """ids [T] on the host -> [T, ple_embed_dim] on like's device and dtype: rows are hashed and read on
-        the host, only the embedding goes to the device (the decode graphs keep this stage eager)."""
-        rows = ngram_row_ids(
-            st.ple_ctx, ids, self.eos, self.mult, self.vocab, self.offsets, self.heads_per_ngram
-        )
-        return upload(self.table.lookup(rows), like.device, like.dtype)
+        """ids [T] on the host -> [T, ple_embed_dim] on like's device and dtype."""
+        return self.from_raw(self.raw(ids, st, like.device), like.dtype)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, st: State) -> torch.Tensor:
         return self.mix(x, self.embed(ids, st, x), st)
@@ -569,11 +585,25 @@ class Qwen4ExpModel(nn.Module):
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Host ids [T] -> the N streams [T, N*H] on the device, each seeded with the token embedding."""
-        x = self.embed[ids.to(self.embed.device)]
-        return upload(x, self.device, self.dtype).repeat(1, self.args.hc_count)
+        return self.streams(self.token_rows(ids))
+
+    def token_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Host ids [T] -> their embedding rows [T, H] on the device (gathered where the table lives)."""
+        return upload(self.embed[ids.to(self.embed.device)], self.device, self.dtype)
+
+    def streams(self, rows: torch.Tensor) -> torch.Tensor:
+        """Embedding rows [T, H] on the device -> the N streams [T, N*H] (device work only)."""
+        return rows.repeat(1, self.args.hc_count)
+
+    def positions(self, st: State, t: int) -> torch.Tensor:
+        """The next t positions [T] on the device (made there: no upload)."""
+        return torch.arange(st.pos, st.pos + t, device=self.device)
 
     def rope(self, st: State, t: int) -> Rope:
-        positions = torch.arange(st.pos, st.pos + t, device=self.device)  # made on the device: no upload
+        return self.rope_at(self.positions(st, t))
+
+    def rope_at(self, positions: torch.Tensor) -> Rope:
+        """RoPE rows of device positions [T] (device work only)."""
         return Rope(positions, *rope_cos_sin(self.inv_freq, positions, self.dtype), self.inv_freq)
 
     @torch.no_grad()

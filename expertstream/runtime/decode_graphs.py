@@ -1,7 +1,8 @@
 """One decode token as CUDA graphs: the static-shape stretches between the points that must stay eager.
 
-Eager points of a one-token step: the embedding row (gathered on the host, with the position and its RoPE
-rows made on the device), the PLE row lookup (hashed and read on the host; the PLE maths is captured), each
+Eager points of a one-token step: the embedding row (gathered on the host) and the position (the streams
+and RoPE rows made from them are captured), the PLE rows (hashed and read on the host, uploaded as stored;
+decoding them and the PLE maths are captured), each
 QSA layer's block selection (transformers' top-k runs over exactly the visible blocks, a length that
 follows the position) and the expert bank's host work (it reads the routing ids back to fetch experts; a
 bank with `decode_prepare` keeps only that eager, its kernels read the slots through fixed addresses and
@@ -48,9 +49,12 @@ def _layer_ops(
 ) -> list[tuple[bool, object]]:
     """(graphable, fn(env, step) -> {name: tensor}) for one layer; graphable fns never read `step`."""
     ops = []
-    if layer.ple is not None:  # the row lookup is host work; mixing it into the streams is static
-        ops.append((False, lambda e, s: {"ple": layer.ple.embed(s.ids, s.st, e["x"])}))
-        ops.append((True, lambda e, s: {"x": e["x"] + layer.ple.mix(e["x"], e["ple"], st)}))
+    if layer.ple is not None:  # hashing and reading the rows is host work; decoding and mixing is static
+        ple = layer.ple
+        ops.append((False, lambda e, s: {"ple_raw": ple.raw(s.ids, s.st, e["x"].device)}))
+        ops.append(
+            (True, lambda e, s: {"x": e["x"] + ple.mix(e["x"], ple.from_raw(e["ple_raw"], e["x"].dtype), st)})
+        )
     ops.append((True, lambda e, s: dict(zip(("u", "c"), layer.attn_hc(e["x"])))))
     if layer.linear_attn is not None:  # recurrent state in place: static
         ops.append((True, lambda e, s: {"y": layer.linear_attn(e["u"], st)}))
@@ -75,14 +79,18 @@ def _layer_ops(
     return ops
 
 
-def _embed(model: Qwen4ExpModel, s: _Step) -> dict:
-    rope = model.rope(s.st, 1)
-    return {"x": model.embed_rows(s.ids), "positions": rope.positions, "cos": rope.cos, "sin": rope.sin}
+def _embed(model: Qwen4ExpModel, e: dict) -> dict:
+    rope = model.rope_at(e["positions"])
+    return {"x": model.streams(e["row"]), "cos": rope.cos, "sin": rope.sin}
 
 
 def decode_program(model: Qwen4ExpModel, st: State, kv_len: int) -> list[tuple[bool, list]]:
     """The one-token step, QSA over `kv_len` KV rows, as runs of graphable / eager stages, in order."""
-    ops = [(False, lambda e, s: _embed(model, s))]
+    # host: the token's embedding row and its position; the streams and the RoPE rows are static
+    ops = [
+        (False, lambda e, s: {"row": model.token_rows(s.ids), "positions": model.positions(s.st, 1)}),
+        (True, lambda e, s: _embed(model, e)),
+    ]
     for i, layer in enumerate(model.layers):
         ops += _layer_ops(model, i, layer, st, kv_len)
     ops.append((True, lambda e, s: {"h": model.mixer(e["x"])[0]}))
