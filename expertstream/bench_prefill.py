@@ -22,6 +22,7 @@ from expertstream.bench_runtime import (
     bench_model,
     disk_rate,
     disk_rates,
+    engine_disk_note,
     pcie_rate,
     profile_tokens,
     real_model_plan,
@@ -156,7 +157,12 @@ def prefill_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, 
             f"| {r['stall_seconds']:.2f} | {r['peak_gib']:.2f} ({budget_gib:.2f}) | {bound:.2f} "
             f"| {r['efficiency']:.2f} |"
         )
-    return "\n".join(rows) + "\n"
+    rates = {
+        n: r["disk_bytes"] / r["seconds"] / 1e9
+        for n, r in results.items()
+        if r.get("disk_bytes") and r.get("seconds")
+    }
+    return "\n".join(rows) + "\n" + engine_disk_note(rates, disk_gbps)
 
 
 def run(args) -> int:

@@ -83,7 +83,9 @@ def test_decode_table_bound_efficiency_and_token_check():
     table = decode_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4)
     assert results["disk"]["bound_ms"] == pytest.approx(30.0) and results["disk"]["efficiency"] == 0.75
     rows = table.strip().splitlines()
-    assert len(rows) == 4 and "guess hit" in rows[0] and "bank syncs/token" in rows[0]
+    assert len(rows) == 6 and "guess hit" in rows[0] and "bank syncs/token" in rows[0]
+    # the engine's own disk rate: 60 MB in 40 ms, under the 2 GB/s probe (no flag)
+    assert rows[-1] == "Disk rate the engine reached (disk bytes / wall time, GB/s): disk 1.50."
     assert "| 0.00 | 1.50 | 0.25 | 0.10 | 3.00 |" in rows[2]  # stall, sync wait, bank host, guesses, outside
     assert "| 75% | 2.0 | 4.0 | 9.5 | 6.25 | yes |" in rows[2] and "| NO |" in rows[3]
 
@@ -130,6 +132,10 @@ def test_prefill_table_and_oom_row():
     assert fast_ram["bound_s"] == pytest.approx(2.5) and fast_ram["efficiency"] == pytest.approx(2.5 / 3)
     assert floor["efficiency"] == pytest.approx(1.0)
     assert "| 100 (112) |" in table and "6.50 (7.20)" in table and "out of VRAM budget" in table
+    assert "engine reached (disk bytes / wall time, GB/s): disk/32768 2.00." in table
+    # an engine faster than the probe is named: the drive beat its probe, not the bound
+    table = prefill_table(results, disk_gbps=1.6, pcie_gbps=55.0, layers=4, budget_gib=7.2)
+    assert "faster than the 1.60 GB/s probe in disk/32768" in table and ok["efficiency"] > 1
 
 
 def test_baseline_memory_map_and_table():
