@@ -68,7 +68,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--regimes",
         nargs="+",
         help="decode, prefill: run only these regimes (names as in the table, spaces and commas as _: "
-        "vram, vram_eager, ram, disk, disk_24_GiB_VRAM); default all",
+        "vram, vram_eager, ram, ram_staged, disk, disk_24_GiB_VRAM); default all",
     )
     p.add_argument(
         "--no-speculation", action="store_true", help="decode, prefill: run the engine without speculation"
@@ -78,6 +78,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="decode, prefill: next-layer guesses as a multiple of the experts per token",
+    )
+    p.add_argument(
+        "--stage-guesses",
+        type=int,
+        default=4,
+        help="decode: next-layer guesses the `ram staged` regime copies to VRAM early (the engine's flag)",
     )
     p.add_argument(
         "--baseline",

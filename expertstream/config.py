@@ -49,6 +49,13 @@ class EngineConfig:
             "next layer's experts early and wastes more copies and reads (bench routing measures both)"
         },
     )
+    stage_guesses: int = field(
+        default=0,
+        metadata={
+            "help": "decode with every expert in the RAM cache: copy this many of the next layer's guessed "
+            "experts to VRAM while the bus is idle (attention), on a side stream; 0: off"
+        },
+    )
     enforce_eager: bool = field(
         default=False,
         metadata={
@@ -106,6 +113,8 @@ class EngineConfig:
             raise ValueError(
                 f"speculation_width must be >= 1 (K guesses or more), got {self.speculation_width}"
             )
+        if self.stage_guesses < 0:
+            raise ValueError(f"stage_guesses must be >= 0, got {self.stage_guesses}")
         if self.cpu_affinity is not None:
             parse_cpu_list(self.cpu_affinity)
         for name in ("prefill_piece", "prefill_span"):

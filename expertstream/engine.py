@@ -49,9 +49,12 @@ class EngineStats:
     bank_decode_seconds: float  # decode thread inside the bank's one-token calls (GPU bank; 0 otherwise)
     bank_sync_seconds: float  # ... of which waiting in the routing-id read-back for the GPU to catch up
     bank_spec_seconds: float  # ... of which queueing the next layer's guessed disk reads
-    bus_read_bytes: int  # expert bytes decode kernels read from the pinned RAM cache in place (no copy)
+    bus_read_bytes: int  # expert bytes decode moved over the bus without the copy engine: kernels reading
+    # the pinned RAM cache in place, and guesses staged to VRAM
     resident_reads: int  # decode blocks found through the full location table, without a lookup
-    resident_ram_reads: int  # ... of which read from RAM (the rest from VRAM)
+    resident_ram_reads: int  # ... of which read from RAM (the rest from VRAM, staged guesses included)
+    staged_blocks: int  # next-layer guesses copied to VRAM staging rows (decode, every block in RAM)
+    stage_hits: int  # routed blocks decode read from staging rows
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -123,6 +126,7 @@ class Engine:
                 control,
                 speculate,
                 config.speculation_width,
+                config.stage_guesses,
             )
             t1 = time.perf_counter()
             self.bank.warm_up(self.dtype)  # a first prompt must not wait for Triton compiles
@@ -262,6 +266,7 @@ class Engine:
     def stats(self) -> EngineStats:
         s, spec = self.store.stats, self.bank.spec.stats if self.bank.spec is not None else SpecStats()
         unused_reads = s.prefetches - s.prefetch_hits
+        staged, hits = self.bank.stage_counts() if hasattr(self.bank, "stage_counts") else (0, 0)
         return EngineStats(
             requests=s.requests,
             hits=s.hits,
@@ -280,7 +285,9 @@ class Engine:
             bank_spec_seconds=getattr(self.bank, "spec_seconds", 0.0),
             bus_read_bytes=getattr(self.bank, "bytes_in_place", 0),
             resident_reads=getattr(self.bank, "resident_reads", 0),
-            resident_ram_reads=getattr(self.bank, "resident_ram_reads", 0),
+            resident_ram_reads=getattr(self.bank, "resident_ram_reads", 0) - hits,
+            staged_blocks=staged,
+            stage_hits=hits,
         )
 
     def close(self) -> None:

@@ -27,8 +27,9 @@ def test_program_splits_at_the_eager_points(tiny_workdir):
     runs = decode_program(eng.model, eng.new_state(), kv_len=256)
     eager = sum(len(fns) for graphable, fns in runs if not graphable)
     qsa = sum(t != "linear_attention" for t in a.layer_types)
-    # embedding + one bank per layer + one block selection per QSA layer + one PLE per PLE layer
-    assert eager == 1 + a.num_hidden_layers + qsa + len(a.ple_layers)
+    # the token's host inputs (embedding row, position, PLE rows) + one bank per layer + one block selection
+    # per QSA layer
+    assert a.ple_layers and eager == 1 + a.num_hidden_layers + qsa
     assert all(g != h for (g, _), (h, _) in zip(runs, runs[1:]))  # runs alternate: maximal stretches
     eng.close()
 
@@ -65,9 +66,7 @@ def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_devic
     runs = decode_program(eng.model, eng.new_state(), kv_len=256)
     eager = [fn for graphable, fns in runs if not graphable for fn in fns]
     a = eng.args
-    assert len(eager) == 1 + a.num_hidden_layers + sum(t != "linear_attention" for t in a.layer_types) + len(
-        a.ple_layers
-    )
+    assert len(eager) == 1 + a.num_hidden_layers + sum(t != "linear_attention" for t in a.layer_types)
     program = DecodeGraphs(eng.model, capture=False)
     prompt = [3 + i % 50 for i in range(20)]
     want, _ = continue_greedy(eng, prompt, 4)
@@ -118,3 +117,59 @@ def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):
         eng.close()
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir):
+    """Every block in RAM and guesses staged on a side stream: the captured side stream joins inside each
+    graph, and graphs give the eager tokens bit for bit."""
+    outs = []
+    for eager in (True, False):
+        cfg = EngineConfig(model=str(tiny_workdir), device="cuda", max_model_len=512, gpu_memory_gb=4,
+                           ram_cache_gb=1, stage_guesses=2, enforce_eager=eager)  # fmt: skip
+        eng = Engine(cfg, vram_cache_blocks=0)
+        wd = eng.workdir
+        for h in eng.store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
+            h.wait()
+            h.release()
+        rows, _ = continue_greedy(eng, [3 + i % 50 for i in range(40)], 12)
+        assert eng.bank.resident == "ram" and eng.stats().staged_blocks > 0 and eng.stats().stage_hits > 0
+        outs.append(rows)
+        eng.close()
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device):
+    """Every block in RAM and 2 guesses staged per layer (the Triton interpreter on a CPU): the program's
+    stage and join steps change no logit, and the staged blocks were found by the kernel."""
+    pytest.importorskip("triton")
+    from expertstream.runtime.gpu_experts import GpuExperts
+
+    eng = Engine(
+        EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
+    )
+    wd = eng.workdir
+    store = ExpertStore(wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2)
+    for h in store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
+        h.wait()
+        h.release()
+    bank = GpuExperts(wd, store, 40, eng.device, stage_guesses=2)
+    bank.set_router_weights({i: layer.mlp.gate.weight for i, layer in enumerate(eng.model.layers)})
+    for layer in eng.model.layers:
+        layer.mlp.bank = bank
+    program = DecodeGraphs(eng.model, capture=False)
+    prompt = [3 + i % 50 for i in range(20)]
+    want, _ = continue_greedy(eng, prompt, 4)
+    staged = bank.stage_counts()[0]
+    got, _ = continue_greedy(
+        eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
+    )
+    assert torch.equal(got, want)
+    assert (
+        bank.resident == "ram"
+        and bank.stage_counts()[0] - staged == staged > 0
+        and bank.stage_counts()[1] > 0
+    )
+    bank.close()
+    store.close()
+    eng.close()

@@ -203,3 +203,49 @@ def test_ram_residency_stays_ram_when_vram_later_holds_every_block(tiny_workdir,
             got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
         bank.close()
+
+
+def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_device, host_alloc):
+    """Every block in RAM, 2 guesses staged per layer: decode equals the unstaged bank bit for bit, the
+    routed experts found staged are counted, the bus bytes are the in-place reads left plus the staged
+    copies, and a prompt after it (slots shared with the staging rows' tensor) is still right."""
+    wd = Workdir(tiny_workdir)
+    n_layers, n_experts, k = wd.num_layers, wd.num_experts, wd.text_config["num_experts_per_tok"]
+    g = torch.Generator().manual_seed(11)
+    routers = {layer: torch.randn(n_experts, wd.layout.hidden_size, generator=g) for layer in range(n_layers)}
+    with ExpertStore(wd, n_layers * n_experts * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
+        for h in store.request([(layer, e) for layer in range(n_layers) for e in range(n_experts)]):
+            h.wait()
+            h.release()
+        ref = StreamedExperts(wd, store, torch.float32)
+        plain = GpuExperts(wd, store, 4 * k, kernel_device)
+        staged = GpuExperts(wd, store, 4 * k, kernel_device, stage_guesses=2)
+        assert staged.stage_guesses == 2 and staged.cache.n_slots == 4 * k - 4
+        for bank in (plain, staged):
+            bank.set_router_weights({i: w.to(kernel_device) for i, w in routers.items()})
+        hits, guess = 0, []
+        for token in range(2):
+            for layer in range(n_layers):
+                x, ids, w = routing(wd, 1, seed=100 * token + layer)
+                if layer > 0 and guess[0] not in ids[0].tolist():  # route to the best guess: a hit to count
+                    ids[0, 0] = guess[0]
+                args = [v.to(kernel_device) for v in (x, ids, w)]
+                a, b = plain(layer, *args).cpu(), staged(layer, *args).cpu()
+                assert torch.equal(a, b)
+                torch.testing.assert_close(
+                    b, ref(layer, x, ids, w), rtol=2e-5, atol=2e-5 * b.abs().max().item()
+                )
+                if layer > 0 and staged.resident == "ram":  # this layer's guesses came from the previous x
+                    hits += len(set(ids[0].tolist()) & set(guess))
+                guess = torch.topk(routers.get(layer + 1, routers[0]) @ x[0], 2).indices.tolist()
+        # the bank was RAM-resident from the first layer on: every layer but the last staged 2 guesses
+        assert staged.resident == "ram" and staged.stage_counts() == (2 * 2 * (n_layers - 1), hits)
+        assert hits >= 2 * (n_layers - 1)
+        block = wd.layout.block_bytes
+        assert staged.bytes_in_place == (staged.resident_ram_reads - hits + 2 * 2 * (n_layers - 1)) * block
+        xs, ids, ws = routing(wd, 12, seed=5)
+        got = staged(1, *(v.to(kernel_device) for v in (xs, ids, ws))).cpu()
+        want = ref(1, xs, ids, ws)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+        plain.close()
+        staged.close()

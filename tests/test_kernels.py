@@ -432,3 +432,40 @@ def test_the_models_gdn_step_dispatch_uses_the_kernel_and_falls_back_once(monkey
         assert base._triton_gdn is None and "torch form" in caplog.text  # logged once, then the twin
     finally:
         base.use_triton(False)
+
+
+@pytest.mark.parametrize("first", [0, 3])
+def test_stage_blocks_copies_ram_guesses_and_points_the_working_row_at_them(first):
+    from expertstream.kernels.stage_blocks import stage_blocks, stage_blocks_ref
+
+    g = torch.Generator().manual_seed(first)
+    b = 16 * 2500  # not a multiple of the kernel's chunk: the last chunk is partial
+    host = torch.randint(0, 256, (6, b), dtype=torch.uint8, generator=g)
+    host = host.pin_memory() if DEV == "cuda" else host
+    # experts 0-5: expert e in RAM row 5 - e, except expert 2, which has VRAM slot 1
+    loc = torch.tensor([-6, -5, 1, -3, -2, -1], dtype=torch.int32, device=DEV)
+    ids = torch.tensor([4, 2, 0], device=DEV)  # guesses, best first; expert 2 is already in a slot
+    slots = torch.zeros(first + 3, b, dtype=torch.uint8, device=DEV)
+    want_slots, want_loc = slots.clone(), torch.empty_like(loc)
+    stage_blocks_ref(ids, loc, host, want_slots, first, want_loc)
+    out_loc = torch.full_like(loc, 99)
+    stage_blocks(ids, loc, host, slots, first, out_loc)
+    assert torch.equal(out_loc, want_loc) and torch.equal(slots, want_slots)
+    assert out_loc.tolist() == [first + 2, -5, 1, -3, first, -1]
+    assert torch.equal(slots[first].cpu(), host[1]) and torch.equal(slots[first + 2].cpu(), host[5])
+    assert not slots[first + 1].any()  # the guess already in VRAM was not copied
+    # the decode kernel sees the same bytes through the working row as through the RAM rows
+    layout = ExpertLayout.for_dims(64, 32, align=64)
+    blocks, ws2 = random_slots(layout, 6, seed=9)
+    ram = blocks.cpu().flip(0).contiguous()  # expert e in row 5 - e
+    ram = ram.pin_memory() if DEV == "cuda" else ram
+    base = torch.tensor([-6, -5, -4, -3, -2, -1], dtype=torch.int32, device=DEV)
+    vram = torch.zeros(4, layout.block_bytes, dtype=torch.uint8, device=DEV)
+    staged = torch.empty_like(base)
+    stage_blocks(torch.tensor([3, 1], device=DEV), base, ram, vram, 2, staged)
+    x = torch.randn(1, 64, generator=g).to(DEV)
+    routed, w = torch.tensor([1, 5, 3], device=DEV), torch.rand(3, generator=g).to(DEV)
+    scales = ws2  # per expert
+    direct = nvfp4_moe_decode(x, routed, base, scales, w, layout, vram, ram, config=cfg(8, 2, 4, 2))
+    through = nvfp4_moe_decode(x, routed, staged, scales, w, layout, vram, ram, config=cfg(8, 2, 4, 2))
+    assert staged.tolist() == [-6, 3, -4, 2, -2, -1] and torch.equal(direct, through)

@@ -1,8 +1,8 @@
 """One decode token as CUDA graphs: the static-shape stretches between the points that must stay eager.
 
-Eager points of a one-token step: the embedding row (gathered on the host) and the position (the streams
-and RoPE rows made from them are captured), the PLE rows (hashed and read on the host, uploaded as stored;
-decoding them and the PLE maths are captured), each
+Eager points of a one-token step: the token's host inputs, in one stage: its embedding row, its position and
+every PLE layer's rows (hashed and read on the host, uploaded as stored); the streams, RoPE rows, PLE
+decoding and PLE maths made from them are captured. Then each
 QSA layer's block selection (transformers' top-k runs over exactly the visible blocks, a length that
 follows the position) and the expert bank's host work (it reads the routing ids back to fetch experts; a
 bank with `decode_prepare` keeps only that eager, its kernels read the slots through fixed addresses and
@@ -49,11 +49,10 @@ def _layer_ops(
 ) -> list[tuple[bool, object]]:
     """(graphable, fn(env, step) -> {name: tensor}) for one layer; graphable fns never read `step`."""
     ops = []
-    if layer.ple is not None:  # hashing and reading the rows is host work; decoding and mixing is static
-        ple = layer.ple
-        ops.append((False, lambda e, s: {"ple_raw": ple.raw(s.ids, s.st, e["x"].device)}))
+    if layer.ple is not None:  # its raw rows came with the token (host work); decoding and mixing is static
+        ple, raw = layer.ple, f"ple_raw{i}"
         ops.append(
-            (True, lambda e, s: {"x": e["x"] + ple.mix(e["x"], ple.from_raw(e["ple_raw"], e["x"].dtype), st)})
+            (True, lambda e, s: {"x": e["x"] + ple.mix(e["x"], ple.from_raw(e[raw], e["x"].dtype), st)})
         )
     ops.append((True, lambda e, s: dict(zip(("u", "c"), layer.attn_hc(e["x"])))))
     if layer.linear_attn is not None:  # recurrent state in place: static
@@ -71,12 +70,22 @@ def _layer_ops(
         ops.append((True, lambda e, s: {"want": bank.decode_want(i, e["u"], e["top_i"])}))
         ops.append((False, lambda e, s: bank.decode_prepare(i, e["want"], e["top_i"].shape[1]) or {}))
         ops.append((True, lambda e, s: {"routed": bank.decode_compute(i, e["u"], e["top_i"], e["top_w"])}))
+        if hasattr(bank, "decode_stage"):  # the next layer's guesses to VRAM behind this kernel (side stream)
+            ops.append((True, lambda e, s: bank.decode_stage(i, e["want"], e["top_i"].shape[1]) or {}))
     else:
         ops.append((False, lambda e, s: {"routed": bank(i, e["u"], e["top_i"], e["top_w"])}))
     ops.append(
         (True, lambda e, s: {"x": layer.moe_out(e["x"], e["c"], e["routed"], e["shared_gate"], e["shared"])})
     )
     return ops
+
+
+def _host_inputs(model: Qwen4ExpModel, s: _Step) -> dict:
+    out = {"row": model.token_rows(s.ids), "positions": model.positions(s.st, 1)}
+    for i, layer in enumerate(model.layers):
+        if layer.ple is not None:
+            out[f"ple_raw{i}"] = layer.ple.raw(s.ids, s.st, model.device)
+    return out
 
 
 def _embed(model: Qwen4ExpModel, e: dict) -> dict:
@@ -86,9 +95,10 @@ def _embed(model: Qwen4ExpModel, e: dict) -> dict:
 
 def decode_program(model: Qwen4ExpModel, st: State, kv_len: int) -> list[tuple[bool, list]]:
     """The one-token step, QSA over `kv_len` KV rows, as runs of graphable / eager stages, in order."""
-    # host: the token's embedding row and its position; the streams and the RoPE rows are static
+    # host: the token's embedding row, its position and every PLE layer's raw rows (all known from the ids
+    # and the state), in one eager stage; the streams, the RoPE rows and PLE decoding are static
     ops = [
-        (False, lambda e, s: {"row": model.token_rows(s.ids), "positions": model.positions(s.st, 1)}),
+        (False, lambda e, s: _host_inputs(model, s)),
         (True, lambda e, s: _embed(model, e)),
     ]
     for i, layer in enumerate(model.layers):
@@ -100,6 +110,12 @@ def decode_program(model: Qwen4ExpModel, st: State, kv_len: int) -> list[tuple[b
             runs[-1][1].append(fn)
         else:
             runs.append((graphable, [fn]))
+    # a captured stretch ends joined: side-stream work it queued (staged guesses) is waited for inside it
+    banks = {id(layer.mlp.bank): layer.mlp.bank for layer in model.layers}.values()
+    joins = [b.decode_join for b in banks if hasattr(b, "decode_join")]
+    for graphable, fns in runs:
+        if graphable:
+            fns.extend(lambda e, s, join=join: join() or {} for join in joins)
     return runs
 
 

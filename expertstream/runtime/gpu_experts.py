@@ -5,7 +5,9 @@ are: VRAM slots, or the pinned RAM cache read over the bus (no copy, no slot, no
 location table [L, E] tells the kernel where each expert is. While some blocks may be on disk, each layer
 reads its ids back once: misses are read into RAM (the guess for layer L+1, made on the same sync, starts
 their disk reads early). Once every block has a fixed place (all in RAM, or all in VRAM) the table is complete
-and decode runs without reading anything back (docs/runtime.md).
+and decode runs without reading anything back (docs/runtime.md). With every block in RAM, `stage_guesses`
+G copies layer L+1's G best guesses into VRAM rows on a side stream while the rest of layer L and L+1's
+attention run (the bus idles then); L+1's kernel reads those from VRAM through a working location row.
 Prefill: the layer's distinct experts are processed in groups that fit the slots; each group's (token, k)
 pairs run through the grouped tensor-core kernel and are summed into [T, H].
 """
@@ -20,6 +22,7 @@ import torch
 
 from expertstream.formats.expert_block import PROJ
 from expertstream.kernels import nvfp4_moe
+from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
 from expertstream.runtime.host_mirror import HostMirror
 from expertstream.runtime.speculation import Speculator
@@ -76,6 +79,8 @@ class GpuExperts:
         control: "none", "swap-nibbles" or "no-experts" (must-break controls).
         speculate: guess the next layer's experts during decode once `set_router_weights` gave the routers.
         speculation_width: guesses per layer as a multiple of K.
+        stage_guesses: with every block in RAM, copy this many of the next layer's guesses to VRAM early
+            (2 x this many of the slots become staging rows); 0: off.
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class GpuExperts:
         control: str = "none",
         speculate: bool = True,
         speculation_width: float = 1.0,
+        stage_guesses: int = 0,
     ):
         self.layout = workdir.layout
         self.store, self.control = store, control
@@ -99,7 +105,17 @@ class GpuExperts:
 
         self._cache_reads = True
         scales = workdir.expert_scales()[0]  # [L, E, 3] weight_scale_2 (gate, up, down), read once
-        self.cache = VramExpertCache(fetch_host, self.layout.block_bytes, n_slots, scales, device)
+        k = workdir.text_config["num_experts_per_tok"]
+        # staging rows for two layers' guesses come out of the slots, when two layers' slots remain
+        stage_guesses = min(stage_guesses, round(speculation_width * k))  # no more than are guessed
+        self.stage_guesses = stage_guesses if speculate and n_slots - 2 * stage_guesses >= 2 * k else 0
+        if stage_guesses and not self.stage_guesses:
+            log.warning("stage_guesses %d needs speculation and %d slots; staging off", stage_guesses,
+                        2 * (k + stage_guesses))  # fmt: skip
+        rows = 2 * self.stage_guesses
+        self.cache = VramExpertCache(
+            fetch_host, self.layout.block_bytes, n_slots - rows, scales, device, extra_rows=rows
+        )
         dev = self.cache.device
         # prefill: expert -> slot of the pass in flight, set on the host and uploaded without blocking
         self.expert_to_slot = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
@@ -130,6 +146,16 @@ class GpuExperts:
         store.keep_spare(3 * max(1, n_slots // 2))
         self._launch_pending = False  # a prepared decode whose kernel has not been marked used yet
         self._guess: tuple[int, list[int]] | None = None  # (next layer, its guesses), issued once launched
+        # staging (parity p = layer % 2): the working location rows [2, E], the staged ids [2, G] (a copy the
+        # side stream may read while the main stream moves on), and routed experts found staged (stats)
+        g = max(1, self.stage_guesses)
+        self.loc_work = torch.zeros(2, self.num_experts, dtype=torch.int32, device=dev)
+        self._stage_ids = torch.zeros(2, g, dtype=torch.int64, device=dev)
+        # [blocks staged, routed blocks found staged], counted on the device: graph replays count too
+        self._stage_counts = torch.zeros(2, dtype=torch.int64, device=dev)
+        self._stage_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and self.stage_guesses else None
+        self._staged: int | None = None  # the layer whose working row holds staged guesses
+        self._forked = False  # staging queued on the side stream and not yet joined
 
     def warm_up(self, dtype: torch.dtype) -> None:
         """Compile the kernels before the first request: one decode, and one prefill in each tile-size bucket
@@ -183,9 +209,11 @@ class GpuExperts:
         self._slot_map.push()
 
     def _decode(self, layer, x, expert_ids, weights) -> torch.Tensor:
-        self.decode_prepare(layer, self.decode_want(layer, x, expert_ids), expert_ids.shape[1])
+        want = self.decode_want(layer, x, expert_ids)
+        self.decode_prepare(layer, want, expert_ids.shape[1])
         t0 = time.perf_counter()
         y = self.decode_compute(layer, x, expert_ids, weights)
+        self.decode_stage(layer, want, expert_ids.shape[1])
         self.decode_seconds += time.perf_counter() - t0  # eager launches count as bank host time too
         self.decode_launched()
         return y
@@ -277,13 +305,55 @@ class GpuExperts:
         """The routed sum of x [1, H] from the places `decode_prepare` gave (no host work but launches)."""
         if self.control == "no-experts":
             return torch.zeros_like(x)
+        self.decode_join()
+        loc = self.loc[layer]
+        if self._staged == layer:  # the guesses staged for this layer: read them from VRAM
+            self._staged = None
+            loc = self.loc_work[layer % 2]
+            found = expert_ids[0][:, None] == self._stage_ids[layer % 2][None, :]  # [K, G], no sync
+            self._stage_counts[1] += found.any(1).sum()
         # with every block in VRAM for good the kernel takes the launch shape tuned for HBM reads, not the
         # one for reads over the bus (as adopted: a VRAM cache that fills up later does not move the table)
         host = None if self.resident == "vram" else self.host_blocks
         return nvfp4_moe.nvfp4_moe_decode(
-            x, expert_ids[0], self.loc[layer], self.scales[layer], weights[0].float(), self.layout,
-            self.cache.slots, host,
+            x, expert_ids[0], loc, self.scales[layer], weights[0].float(), self.layout, self.cache.slots, host
         )  # fmt: skip
+
+    def decode_stage(self, layer: int, want: torch.Tensor, k: int) -> None:
+        """After layer's kernel is queued (graphable): with every block in RAM, copy layer + 1's best guesses
+        (want[k:], on the device) to staging rows on the side stream. `decode_join` (or the next compute)
+        joins it back."""
+        g, nxt = self.stage_guesses, layer + 1
+        if not g or self.resident != "ram" or nxt >= self.loc.shape[0] or want.numel() < k + g:
+            return
+        p = nxt % 2
+        self._stage_ids[p].copy_(want[k : k + g])
+        first = self.cache.n_slots + p * g
+        args = (
+            self._stage_ids[p],
+            self.loc[nxt],
+            self.host_blocks,
+            self.cache.slots,
+            first,
+            self.loc_work[p],
+        )
+        if self._stage_stream is None:  # CPU (interpreter tests): in order on the one stream
+            stage_blocks(*args)
+            self._stage_counts[0] += g
+        else:
+            self._stage_stream.wait_stream(torch.cuda.current_stream(self.loc.device))
+            with torch.cuda.stream(self._stage_stream):
+                stage_blocks(*args)
+                self._stage_counts[0] += g
+            self._forked = True
+        self._staged = nxt
+
+    def decode_join(self) -> None:
+        """The main stream waits for queued staging (graphable; a no-op when nothing is queued). Called at
+        the end of every captured stretch, since a capture must join its side stream before it ends."""
+        if self._forked:
+            self._forked = False
+            torch.cuda.current_stream(self.loc.device).wait_stream(self._stage_stream)
 
     def _mark_launched(self) -> None:
         # the kernel reading the last fetch's slots has been queued since its prepare: record that point
@@ -354,8 +424,20 @@ class GpuExperts:
 
     @property
     def bytes_in_place(self) -> int:
-        """Block bytes decode kernels read from the RAM cache over the bus (no copy)."""
-        return (self.cache.stats.in_place + self.resident_ram_reads) * self.layout.block_bytes
+        """Block bytes decode moved from the RAM cache over the bus without the copy engine: kernels reading
+        blocks in place (less the routed blocks found staged) and the staged guesses' copies. Reads the
+        device's staging hit count when staging ran (stats only, never on the decode path)."""
+        staged, hits = self.stage_counts()
+        blocks = self.cache.stats.in_place + self.resident_ram_reads - hits + staged
+        return blocks * self.layout.block_bytes
+
+    def stage_counts(self) -> tuple[int, int]:
+        """(guessed blocks staged to VRAM, routed blocks decode found staged) so far: a device read when
+        staging is on (stats only, never on the decode path)."""
+        if not self.stage_guesses:
+            return 0, 0
+        staged, hits = self._stage_counts.tolist()
+        return staged, hits
 
     def close(self) -> None:
         self._mark_launched()

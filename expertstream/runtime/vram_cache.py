@@ -53,15 +53,18 @@ class VramExpertCache:
         n_slots: int,
         scales: torch.Tensor,
         device: torch.device | str,
+        extra_rows: int = 0,
     ):
         if n_slots <= 0:
             raise ValueError(f"VRAM expert cache needs at least one slot, got {n_slots}")
         self.device = torch.device(device)
         self.fetch_host = fetch_host
         self.block_bytes = block_bytes
-        self.slots = torch.empty(n_slots, block_bytes, dtype=torch.uint8, device=self.device)
+        # rows n_slots.. are not the cache's: the bank stages decode guesses there (kernels read one tensor)
+        self.slots = torch.empty(n_slots + extra_rows, block_bytes, dtype=torch.uint8, device=self.device)
+        self._n_slots = n_slots
         self._slot_rows = self.slots.unbind(0)  # one view per slot, made once (indexing costs ~1.5 us a call)
-        self.ws2 = torch.zeros(n_slots, 3, dtype=torch.float32, device=self.device)
+        self.ws2 = torch.zeros(n_slots + extra_rows, 3, dtype=torch.float32, device=self.device)
         self._ws2 = HostMirror(self.ws2)  # each copy batch sets its slots' rows on the host, then one upload
         # numpy views of the host copies: row gathers of a few blocks cost ~1 us there, ~10 in torch
         self._ws2_rows = self._ws2.host.numpy()  # [S, 3]
@@ -82,7 +85,7 @@ class VramExpertCache:
 
     @property
     def n_slots(self) -> int:
-        return self.slots.shape[0]
+        return self._n_slots
 
     def _take_slot(self, keep: set[int]) -> int:
         if self.free:
