@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Device run for correctness: the GPU runtime's tests (failures listed, run in the background), every kernel in BF16 on real shapes
-# against its twin (scripts/device_kernel_check.py, the GatedDeltaNet step included), `check` of the tiny
-# model with the engine on CUDA (bf16, graphs, --long; then with layer-major spans of several pieces), then
-# `check` of the 4-layer full-shape model with spans. Needs .whl/ carried; writes under $OUT.
+# Device run for correctness: the GPU runtime's tests (in the background, failures listed), every kernel in
+# BF16 on real shapes against its twin (scripts/device_kernel_check.py, the GatedDeltaNet step included),
+# `check` of the tiny model with the engine on CUDA (bf16, graphs, --long; then with layer-major spans of
+# several pieces), then `check` of the 4-layer full-shape model with spans; $AFTER runs while the tests
+# finish. Needs .whl/ carried; writes under $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# the tests run beside the checks below (they take ~4 minutes; the GPU has room for both)
-(timeout ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider -rf --durations=8 tests/test_kernels.py \
+# the tests run beside the checks below (~4 minutes; the GPU has room for both). No -q: pyproject's addopts
+# has one, and a second hides pytest's summary line
+(timeout ${TESTS_S:-420} python3 -m pytest -p no:cacheprovider -rf --durations=8 tests/test_kernels.py \
   tests/test_gpu_experts.py tests/test_decode_graphs.py tests/test_speculation.py tests/test_vram_cache.py \
   tests/test_decode_path.py 2>&1 | tail -30 > $OUT/gpu_tests.txt) &
 timeout ${KERNELS_S:-60} python3 scripts/device_kernel_check.py 2>&1 | tail -24 | tee $OUT/kernel_check.txt

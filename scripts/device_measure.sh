@@ -6,13 +6,13 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-timeout ${TESTS_S:-100} python3 -m pytest -q -p no:cacheprovider -rf ${TESTS:-tests/test_speculation.py} 2>&1 \
+timeout ${TESTS_S:-100} python3 -m pytest -p no:cacheprovider -rf ${TESTS:-tests/test_speculation.py} 2>&1 \
   | tail -12 | tee $OUT/gpu_tests.txt
 timeout ${SWEEP_S:-90} python3 -c "from expertstream.bench_kernels import sweep_configs; \
 sweep_configs('expertstream/kernels/tuned_configs.json', ('nvfp4_decode',))" 2>&1 | grep -v INFO | grep -v "^{" \
   | tee $OUT/sweep.txt
 cp expertstream/kernels/tuned_configs.json $OUT/tuned_configs.json
-timeout ${DECODE_S:-200} python3 -m expertstream bench decode --layers 4 --tokens ${TOKENS:-12} \
+timeout ${DECODE_S:-200} python3 -m expertstream bench decode --layers 4 --tokens ${TOKENS:-12} ${REGIMES:+--regimes $REGIMES} \
   --out $OUT/benchmarks.md --json 2>&1 | grep -v "%|" | tail -3 > $OUT/bench_decode.txt
 tail -c 1800 $OUT/benchmarks.md
 timeout ${PREFILL_S:-170} python3 -m expertstream bench prefill --layers 4 --prompts ${PROMPTS:-2451} \

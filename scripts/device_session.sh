@@ -8,7 +8,7 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
-timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu_experts.py \
+timeout ${TESTS_S:-150} python3 -m pytest -p no:cacheprovider tests/test_kernels.py tests/test_gpu_experts.py \
   tests/test_decode_graphs.py tests/test_speculation.py tests/test_vram_cache.py tests/test_decode_path.py 2>&1 \
   | tail -15 | tee $OUT/gpu_tests.txt
 timeout 60 python3 scripts/device_kernel_check.py 2>&1 | tail -20 | tee $OUT/kernel_check.txt
