@@ -107,6 +107,15 @@ def run_benchmarks() -> tuple[list[Row], dict]:
     rows.append(
         _row("nvfp4_moe_decode", f"k={TOPK}, in host RAM", ms, nbytes, TOPK * flop_per_pair, bw, tf, bus)
     )
+    # staging 4 guessed blocks from pinned host RAM into VRAM rows (decode's side stream, --stage-guesses)
+    from expertstream.kernels.stage_blocks import stage_blocks
+
+    guess, out_loc = ids[0][:4].contiguous(), torch.empty_like(host_loc)
+    rows_to = torch.empty(4, layout.block_bytes, dtype=torch.uint8, device="cuda")
+    ms = do_bench(lambda: stage_blocks(guess, host_loc, host, rows_to, 0, out_loc))
+    staged = 4 * layout.block_bytes
+    bus = f"{100 * staged / ms / 1e6 / h2d:.0f}% of H2D copy ({h2d:.1f} GB/s)"
+    rows.append(_row("stage_blocks", "G=4, host RAM -> VRAM", ms, 2 * staged, 0, bw, tf, bus))
 
     e2s = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
     for t in PREFILL_T:

@@ -80,6 +80,18 @@ def main() -> int:
         f"{'ok  ' if same else 'FAIL'} nvfp4_moe_decode bitwise equal over 6 calls (no atomics)", flush=True
     )
     ok &= same
+    # staging guesses from pinned RAM rows to VRAM rows: bytes and the working location row exact
+    from expertstream.kernels.stage_blocks import stage_blocks, stage_blocks_ref
+
+    guess, base = ids[0][:4].contiguous(), -1 - loc  # every expert in host row e2s[e]
+    rows = torch.zeros(8, slots.shape[1], dtype=torch.uint8, device="cuda")
+    rows_ref = rows.clone()
+    work, work_ref = torch.empty_like(base), torch.empty_like(base)
+    stage_blocks(guess, base, host, rows, 4, work)
+    stage_blocks_ref(guess, base, host, rows_ref, 4, work_ref)
+    exact = torch.equal(rows, rows_ref) and torch.equal(work, work_ref)
+    print(f"{'ok  ' if exact else 'FAIL'} stage_blocks G=4: staged bytes and location row exact", flush=True)
+    ok &= exact
 
     for t in PREFILL_T:
         ids, w = route(t, seed=t)
