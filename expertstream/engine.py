@@ -135,6 +135,8 @@ class Engine:
             self.bank = StreamedExperts(
                 self.workdir, self.store, self.dtype, control, speculate, config.speculation_width
             )
+            if config.stage_guesses:
+                log.warning("--stage-guesses ignored: it stages blocks into VRAM for the CUDA expert bank")
         base.use_triton(gpu)
         if self.plan:
             piece, span, chunk = self.plan.prefill_piece, self.plan.prefill_span, self.plan.prefill_chunk
