@@ -20,15 +20,8 @@ from expertstream.kernels.codec import cdiv, jit, require_triton, tl
 CHUNK = 16384  # bytes per program: 169 programs per 2.7 MB block keep enough reads in flight over PCIe
 
 
-def stage_blocks_ref(
-    ids: torch.Tensor,
-    loc: torch.Tensor,
-    host: torch.Tensor,
-    slots: torch.Tensor,
-    first: int,
-    out_loc: torch.Tensor,
-) -> None:
-    """Plain-torch twin of `stage_blocks`."""
+def stage_blocks_ref(ids, loc, host, slots, first: int, out_loc) -> None:
+    """Plain-torch twin of `stage_blocks` (same arguments)."""
     out_loc.copy_(loc)
     for g, e in enumerate(ids.tolist()):
         c = int(loc[e])
