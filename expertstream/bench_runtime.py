@@ -239,6 +239,12 @@ def decode_regime(
     return out
 
 
+def needed_pcie_bytes(r: dict) -> float:
+    """A regime's PCIe bytes per token that count toward its bound: staged guesses nobody routed to crossed
+    the bus for nothing."""
+    return r["pcie_bytes_per_token"] - r.get("staged_waste_bytes_per_token", 0.0)
+
+
 def engine_disk_note(rates: dict[str, float], probe_gbps: float) -> str:
     """A line with the disk rate each regime itself reached (GB/s), flagging where it beat the probe: then
     the drive is faster than the probe says and an efficiency above 1 means "at least at the drive's rate"."""
@@ -271,8 +277,7 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
     ]
     for name, r in results.items():
         disk_ms = r["disk_bytes_per_token"] / disk_gbps / 1e6
-        needed = r["pcie_bytes_per_token"] - r.get("staged_waste_bytes_per_token", 0.0)
-        bound = max(disk_ms, needed / pcie_gbps / 1e6, gpu_ms)
+        bound = max(disk_ms, needed_pcie_bytes(r) / pcie_gbps / 1e6, gpu_ms)
         r["bound_ms"], r["efficiency"] = bound, bound / r["ms_per_token"]
         rows.append(
             f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] * REAL_LAYERS / layers:.1f} | "
@@ -291,9 +296,7 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
         floor = results.get("vram", {}).get("profiled") or {}
         for _, r in profiled:
             disk_ms = r["disk_bytes_per_token"] / disk_gbps / 1e6
-            pcie_ms = (
-                (r["pcie_bytes_per_token"] - r.get("staged_waste_bytes_per_token", 0.0)) / pcie_gbps / 1e6
-            )
+            pcie_ms = needed_pcie_bytes(r) / pcie_gbps / 1e6
             r["hw_bound_ms"] = max(disk_ms, pcie_ms, floor.get("kernel_ms_per_token", 0.0))
             r["hw_efficiency"] = r["hw_bound_ms"] / r["ms_per_token"]
         parts = [

@@ -110,10 +110,6 @@ class DenseTable:
         """Raw rows (on any device) -> float32 values."""
         return raw.float()
 
-    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [T, heads] int64 -> [T, heads * width] float32."""
-        return self.decode(self.read(rows))
-
 
 class PleTable:
     """The FP8 PLE table read in place from the snapshot shards: one `width`-byte `pread` per distinct row.
@@ -190,7 +186,3 @@ class PleTable:
                 lut = lut.pin_memory()
             lut = self._luts[raw.device] = lut.to(raw.device, non_blocking=True)
         return lut[raw.long()] * self.scale
-
-    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [T, heads] int64 -> [T, heads * width] float32 (fp8 * scale)."""
-        return self.decode(self.read(rows))

@@ -122,12 +122,12 @@ def test_ple_table_reads_only_the_needed_rows(tmp_path):
     )
     dense = DenseTable(e4m3_to_float(raw) * scale)
     want_rows = torch.tensor([[0, 9, 10, 25], [16, 17, 9, 0]])  # shard edges, a repeated row
-    got = table.lookup(want_rows)
+    got = table.decode(table.read(want_rows))
     assert got.shape == (2, 4 * width)
-    assert torch.equal(got, dense.lookup(want_rows))
+    assert torch.equal(got, dense.decode(dense.read(want_rows)))
     assert table.bytes_read == 6 * width  # six distinct rows, each read once
     with pytest.raises(IndexError, match="26"):
-        table.lookup(torch.tensor([[26]]))
+        table.read(torch.tensor([[26]]))
     table.close()
 
 
@@ -138,7 +138,7 @@ def test_ple_table_reports_short_reads_and_bad_files(tmp_path):
     os.truncate(tmp_path / "ple.bin", shards[0]["offset"] + 4 * 5)
     table = PleTable(meta)
     with pytest.raises(OSError, match="short read of PLE row 7"):
-        table.lookup(torch.tensor([[7]]))
+        table.read(torch.tensor([[7]]))
     table.close()
     with pytest.raises(ValueError, match="rows"):
         PleTable({**meta, "rows": 9})

@@ -3,7 +3,7 @@
 Only the network lives here. Per-step metadata travels explicitly: every forward takes the conversation's
 `State` (expertstream/state.py), which holds positions, KV, indexer keys, GDN/conv states and PLE context; the
 model writes into it and advances it. Routed experts go through `bank(layer, x, expert_ids, weights)` and PLE
-rows through `ple_table.lookup(rows)`, so the model never knows where either lives.
+rows through `ple_table.read(rows)` / `ple_table.decode(raw)`, so the model never knows where either lives.
 
 Shapes: T new tokens, S = tokens in context after them, H hidden, N = hc_count streams, E experts, K top-k.
 """
@@ -516,7 +516,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoe(w, f"{p}.mlp", a, i, bank)
 
     # The stages of `forward`, also run one by one by the CUDA-graph decode (runtime/decode_graphs.py), which
-    # captures the static-shape stretches between the bank, the QSA attention and the PLE lookup.
+    # captures the static-shape stretches between the bank, the QSA block selection and the host inputs.
     def attention(self, u: torch.Tensor, st: State, rope: Rope) -> torch.Tensor:
         if self.linear_attn is not None:
             return self.linear_attn(u, st)
@@ -552,7 +552,8 @@ class Qwen4ExpModel(nn.Module):
         tensors: HF text names (prefix `model.language_model.` removed) -> tensors; `embed_tokens.weight`
             stays on its own device (it may live in host RAM).
         bank: the expert bank, `bank(layer, x [T, H], expert_ids [T, K], weights [T, K] fp32) -> [T, H]`.
-        ple_table: object with `lookup(rows [T, heads]) -> [T, ple_embed_dim]`, or None without PLE layers.
+        ple_table: object with `read(rows [T, heads] | one token's list) -> raw rows on the host` and
+            `decode(raw on any device) -> [T, ple_embed_dim] float32`, or None without PLE layers.
         dtype, device: activation dtype and compute device.
         fp8_row_scaled: names stored as float8_e4m3fn with a `<name>_scale` FP32 row scale.
     """

@@ -80,6 +80,11 @@ def _layer_ops(
     return ops
 
 
+def _banks(model: Qwen4ExpModel) -> list:
+    """The model's distinct expert banks (layers usually share one)."""
+    return list({id(layer.mlp.bank): layer.mlp.bank for layer in model.layers}.values())
+
+
 def _host_inputs(model: Qwen4ExpModel, s: _Step) -> dict:
     out = {"row": model.token_rows(s.ids), "positions": model.positions(s.st, 1)}
     for i, layer in enumerate(model.layers):
@@ -111,8 +116,7 @@ def decode_program(model: Qwen4ExpModel, st: State, kv_len: int) -> list[tuple[b
         else:
             runs.append((graphable, [fn]))
     # a captured stretch ends joined: side-stream work it queued (staged guesses) is waited for inside it
-    banks = {id(layer.mlp.bank): layer.mlp.bank for layer in model.layers}.values()
-    joins = [b.decode_join for b in banks if hasattr(b, "decode_join")]
+    joins = [b.decode_join for b in _banks(model) if hasattr(b, "decode_join")]
     for graphable, fns in runs:
         if graphable:
             fns.extend(lambda e, s, join=join: join() or {} for join in joins)
@@ -158,8 +162,7 @@ class DecodeGraphs:
         self._stream = torch.cuda.Stream(model.device) if capture else None
         self.captures = 0  # (state, KV bucket) programs captured so far (stats)
         # host work a bank starts once the device work before it is queued (the next layer's guesses)
-        banks = {id(layer.mlp.bank): layer.mlp.bank for layer in model.layers}.values()
-        self._launched = [b.decode_launched for b in banks if hasattr(b, "decode_launched")]
+        self._launched = [b.decode_launched for b in _banks(model) if hasattr(b, "decode_launched")]
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, st: State) -> torch.Tensor:
