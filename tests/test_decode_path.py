@@ -135,7 +135,7 @@ def instrument(model, counter: DecodeCounter) -> list:
     for layer in model.layers:
         handles.append(_Patch(layer.mlp, "bank", wrap(layer.mlp.bank, pause=True)))
         if layer.ple is not None:
-            handles.append(_Patch(layer.ple.table, "lookup", wrap(layer.ple.table.lookup, pause=False)))
+            handles.append(_Patch(layer.ple.table, "read", wrap(layer.ple.table.read, pause=False)))
     handles.append(_Patch(qwen4_exp, "ngram_row_ids", wrap(qwen4_exp.ngram_row_ids, pause=False)))
     return handles
 
