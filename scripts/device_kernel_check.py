@@ -77,7 +77,8 @@ def main() -> int:
         torch.equal(got, nvfp4_moe_decode(x, ids[0], loc, scales, w[0], layout, slots)) for _ in range(5)
     )
     print(
-        f"{'ok  ' if same else 'FAIL'} nvfp4_moe_decode bitwise equal over 6 calls (no atomics)", flush=True
+        f"{'ok  ' if same else 'FAIL'} nvfp4_moe_decode bitwise equal over 6 calls (fixed-order sum)",
+        flush=True,
     )
     ok &= same
     # staging guesses from pinned RAM rows to VRAM rows: bytes and the working location row exact

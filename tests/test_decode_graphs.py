@@ -143,13 +143,15 @@ def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device):
     """Every block in RAM and 2 guesses staged per layer (the Triton interpreter on a CPU): the program's
     stage and join steps change no logit, and the staged blocks were found by the kernel."""
     pytest.importorskip("triton")
-    from expertstream.runtime.gpu_experts import GpuExperts
+    from expertstream.runtime.gpu_experts import GpuExperts, pinned_alloc
 
     eng = Engine(
         EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
     )
     wd = eng.workdir
-    store = ExpertStore(wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2)
+    # pinned as the engine's store is: on CUDA the kernel reads only registered host rows in place
+    nbytes = wd.num_layers * wd.num_experts * wd.layout.block_bytes
+    store = ExpertStore(wd, nbytes, io_threads=2, alloc=pinned_alloc)
     for h in store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
         h.wait()
         h.release()
