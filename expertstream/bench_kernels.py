@@ -279,10 +279,10 @@ FP8_GEMV_SWEEP = [
     ]
 ]  # fmt: skip
 DECODE_SWEEP = [
-    dict(block_n_gu=ngu, block_g_gu=ggu, block_n_down=nd, block_g_down=gd, num_warps=nw)
-    for ngu, ggu, nd, gd, nw in [
-        (4, 32, 16, 8, 2), (4, 32, 8, 8, 2), (4, 32, 32, 8, 4), (2, 64, 16, 8, 2), (8, 32, 16, 8, 4),
-        (4, 32, 16, 16, 4),
+    dict(block_n_gu=ngu, block_g_gu=ggu, block_n_down=nd, block_g_down=gd, split_down=sd, num_warps=nw)
+    for ngu, ggu, nd, gd, sd, nw in [
+        (4, 32, 16, 8, TOPK, 2), (4, 32, 8, 8, TOPK, 2), (4, 32, 32, 8, TOPK, 4), (2, 64, 16, 8, TOPK, 2),
+        (4, 32, 16, 8, 5, 2), (2, 64, 8, 8, 1, 2), (2, 64, 8, 8, TOPK, 2),
     ]
 ]  # fmt: skip
 PREFILL_SWEEP = [

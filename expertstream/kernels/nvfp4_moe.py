@@ -4,10 +4,10 @@ Shapes: T tokens, H hidden, I expert width, K experts per token, S slots, B = la
 Each slot row is one `ExpertLayout` block; its FP32 weight_scale_2 (gate, up, down) come beside it.
 y[t] = sum_k w[t, k] * down_k(silu(gate_k x[t]) * up_k x[t]).
 - decode (one token): two launches per layer, gate+up over (expert, row block), then down over (row block,
-  expert): each program writes its expert's partial rows, and the last program of a row block to finish
-  (an atomic count) sums the K partials in expert order, so the result is deterministic. Each expert's
-  block is found through a location table: a VRAM slot, or a row of pinned host RAM that the kernel reads
-  over the bus without a copy.
+  split of the K experts): each program writes its experts' partial rows, and the last program of a row
+  block to finish (an atomic count) sums the partials in expert order, so the result is deterministic.
+  Each expert's block is found through a location table: a VRAM slot, or a row of pinned host RAM that
+  the kernel reads over the bus without a copy.
 - prefill (many tokens): (token, k) pairs sorted by expert and padded to BLOCK_M tiles (once per chunk of
   tokens, shared by a bank's passes); each tile finds its expert's slot, dequantises weight tiles to the
   activation dtype in registers and runs tl.dot; per-pair outputs [T*K, H] are summed.
@@ -106,7 +106,8 @@ def nvfp4_moe_decode(
         slots: [S, block_bytes] uint8 blocks in device memory.
         host: [C, block_bytes] uint8 blocks in pinned host memory (the RAM cache), or None.
         config: block_n and block_g (rows per program and 16-element groups per step) of the gate+up and
-            the down launch, num_warps; default: tuned_configs.json for this device and shape, else
+            the down launch, split_down (down programs per row block over the K experts, default K),
+            num_warps; default: tuned_configs.json for this device and shape, else
             DECODE_DEFAULT.
 
     Returns:
@@ -143,12 +144,13 @@ def nvfp4_moe_decode(
         gs_off=off["gs_off"], us_off=off["us_off"], BLOCK_N=block_n[0], BLOCK_G=block_g[0], **common,
     )  # fmt: skip
     n_blocks = cdiv(h_size, block_n[1])
-    part = torch.empty(k, h_size, dtype=torch.float32, device=x.device)  # each expert's weighted rows
+    per = cdiv(k, cfg.get("split_down", k))  # experts per down program; the split is cdiv(k, per) programs
+    part = torch.empty(cdiv(k, per), h_size, dtype=torch.float32, device=x.device)  # each split's rows
     done = torch.zeros(n_blocks, dtype=torch.int32, device=x.device)  # programs finished per row block
     launch_e2m1(
-        _decode_down_kernel, (n_blocks, k), x.device,
-        h, expert_ids, loc, scales, slots, host, weights, part, done, out, K=k, dw_off=off["dw_off"],
-        ds_off=off["ds_off"], BLOCK_N=block_n[1], BLOCK_G=block_g[1], **common,
+        _decode_down_kernel, (n_blocks, cdiv(k, per)), x.device,
+        h, expert_ids, loc, scales, slots, host, weights, part, done, out, K=k, PER=per,
+        dw_off=off["dw_off"], ds_off=off["ds_off"], BLOCK_N=block_n[1], BLOCK_G=block_g[1], **common,
     )  # fmt: skip
     return out
 
@@ -211,31 +213,39 @@ def _decode_gate_up_kernel(
 @jit
 def _decode_down_kernel(
     h_ptr, ids_ptr, loc_ptr, scales_ptr, slots_ptr, host_ptr, w_ptr, part_ptr, done_ptr, out_ptr, block_bytes,
-    dw_off, ds_off, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr,
+    dw_off, ds_off, K: tl.constexpr, PER: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # program (n block, k): part[k, n] = w[k] * down_k[n] . h[k]; the K programs of a row block run in
-    # parallel (one expert each keeps more bytes in flight than one program looping over all K)
-    nb, k = tl.program_id(0), tl.program_id(1)
+    # program (n block, split s): part[s, n] = sum over experts k = s PER .. s PER + PER - 1, in order, of
+    # w[k] * down_k[n] . h[k]; the splits of a row block run in parallel (more bytes in flight than one
+    # program looping over all K)
+    nb, s = tl.program_id(0), tl.program_id(1)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
     j = tl.arange(0, 8)
-    blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes)
-    acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    for g0 in tl.static_range(0, I // 16, BLOCK_G):
-        gg = g0 + tl.arange(0, BLOCK_G)
-        gmask = gg < I // 16
-        hoff = k * I + gg[:, None] * 16 + 2 * j[None, :]
-        he = tl.load(h_ptr + hoff, mask=gmask[:, None], other=0.0)
-        ho = tl.load(h_ptr + hoff + 1, mask=gmask[:, None], other=0.0)
-        acc += _group_partial(blk, dw_off, ds_off, n, gg, j, I // 2, I // 16, nmask, gmask, he, ho, USE_PTX)
-    rows = tl.sum(acc, axis=1) * (tl.load(scales_ptr + e * 3 + 2) * tl.load(w_ptr + k))
-    tl.store(part_ptr + k * H + n, rows, mask=nmask)
-    # the last of the block's K programs (acq_rel: it sees the others' partials) sums them in expert order
-    if tl.atomic_add(done_ptr + nb, 1, sem="acq_rel") == K - 1:
+    rows = tl.zeros([BLOCK_N], tl.float32)
+    for kk in tl.static_range(PER):
+        k = s * PER + kk
+        if k < K:
+            blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes)
+            acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+            for g0 in tl.static_range(0, I // 16, BLOCK_G):
+                gg = g0 + tl.arange(0, BLOCK_G)
+                gmask = gg < I // 16
+                hoff = k * I + gg[:, None] * 16 + 2 * j[None, :]
+                he = tl.load(h_ptr + hoff, mask=gmask[:, None], other=0.0)
+                ho = tl.load(h_ptr + hoff + 1, mask=gmask[:, None], other=0.0)
+                acc += _group_partial(
+                    blk, dw_off, ds_off, n, gg, j, I // 2, I // 16, nmask, gmask, he, ho, USE_PTX
+                )
+            rows += tl.sum(acc, axis=1) * (tl.load(scales_ptr + e * 3 + 2) * tl.load(w_ptr + k))
+    tl.store(part_ptr + s * H + n, rows, mask=nmask)
+    # the last of the block's splits to finish (acq_rel: it sees the others' partials) sums them in order
+    splits = tl.num_programs(1)
+    if tl.atomic_add(done_ptr + nb, 1, sem="acq_rel") == splits - 1:
         total = tl.zeros([BLOCK_N], tl.float32)
-        for kk in tl.static_range(K):
-            total += tl.load(part_ptr + kk * H + n, mask=nmask, other=0.0, cache_modifier=".cg")
+        for t in range(splits):
+            total += tl.load(part_ptr + t * H + n, mask=nmask, other=0.0, cache_modifier=".cg")
         total = total * nvfp4_unit(USE_PTX)
         tl.store(out_ptr + n, total.to(out_ptr.dtype.element_ty), mask=nmask)
 
