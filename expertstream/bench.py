@@ -68,7 +68,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--regimes",
         nargs="+",
         help="decode, prefill: run only these regimes (names as in the table, spaces and commas as _: "
-        "vram, vram_eager, ram, ram_staged, disk, disk_24_GiB_VRAM); default all",
+        "decode: vram, vram_eager, ram, ram_staged, disk, disk_24_GiB_VRAM; prefill: vram, ram, "
+        "ram_graphs, disk); default all",
     )
     p.add_argument(
         "--no-speculation", action="store_true", help="decode, prefill: run the engine without speculation"

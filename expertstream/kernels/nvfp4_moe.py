@@ -401,6 +401,7 @@ def nvfp4_moe_prefill_pairs(
     distinct: int | None = None,
     config: dict | None = None,
     order: PairOrder | None = None,
+    work: torch.Tensor | None = None,
 ) -> None:
     """Per-pair weighted outputs, out[t K + k] = weights[t, k] expert_{t,k}(x[t]), for the pairs whose expert
     has a slot; rows of pairs whose expert maps to -1 are left as they are (a bank that fits a prompt's
@@ -408,7 +409,8 @@ def nvfp4_moe_prefill_pairs(
 
     Args: as `nvfp4_moe_prefill`, plus out [T*K, H] in x.dtype; distinct: the prompt's distinct routed
     experts (default min(E, T K)), which sets the mean pairs per expert that picks the tile size; order: the
-    pairs already sorted by `order_pairs` for these expert_ids (passes over one chunk share it).
+    pairs already sorted by `order_pairs` for these expert_ids (passes over one chunk share it); work: scratch
+    for h, at least [NT * BLOCK_M, I] in x.dtype (default: allocated per call).
     """
     _check_common(x, slots, layout)
     assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
@@ -429,7 +431,11 @@ def nvfp4_moe_prefill_pairs(
     assert order.pair_ids.numel() == order.tile_expert.numel() * bm, "order made for another config"
     nt = order.tile_expert.numel()
     off = _offsets(layout)
-    h = torch.empty(nt * bm, i_size, dtype=x.dtype, device=x.device)  # silu(g) * u by padded sorted row
+    if work is None:
+        work = torch.empty(nt * bm, i_size, dtype=x.dtype, device=x.device)
+    assert work.dtype == x.dtype and work.shape[0] >= nt * bm and work.shape[1:] == (i_size,), "work shape"
+    assert work.is_contiguous(), "work must be contiguous"
+    h = work[: nt * bm]  # silu(g) * u by padded sorted row
     common = dict(
         block_bytes=layout.block_bytes, H=h_size, I=i_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -81,6 +81,8 @@ class GpuExperts:
         speculation_width: guesses per layer as a multiple of K.
         stage_guesses: with every block in RAM, copy this many of the next layer's guesses to VRAM early
             (2 x this many of the slots become staging rows); 0: off.
+        prefill_graphs: on CUDA, replay a prompt's expert passes from a CUDA graph captured in its second
+            pass (one launch from Python per pass instead of ~10 per chunk of tokens).
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class GpuExperts:
         speculate: bool = True,
         speculation_width: float = 1.0,
         stage_guesses: int = 0,
+        prefill_graphs: bool = False,
     ):
         self.layout = workdir.layout
         self.store, self.control = store, control
@@ -142,6 +145,9 @@ class GpuExperts:
         self.spec_seconds = 0.0  # ... of which queueing the next layer's guessed disk reads
         self.prefill_passes = 0  # expert groups run by prefill (one fetch + grouped launches each)
         self.prefill_chunk: int | None = None  # tokens per prefill launch (the plan's piece); None: all
+        self.prefill_graphs = prefill_graphs and dev.type == "cuda"
+        self.prefill_captures = self.prefill_replays = 0  # pass graphs captured, and passes run from one
+        self._capture_stream = None
         # prompt passes read one group ahead, and a group's buffers wait for its copies: three groups' worth
         store.keep_spare(3 * max(1, n_slots // 2))
         self._launch_pending = False  # a prepared decode whose kernel has not been marked used yet
@@ -388,6 +394,11 @@ class GpuExperts:
         # rows into an FP32 sum, zeroing them first
         y = torch.empty(chunk * k, x.shape[1], dtype=x.dtype, device=x.device)
         total = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device) if len(bounds) > 1 else None
+        rows_sum = (
+            torch.empty(chunk, x.shape[1], dtype=torch.float32, device=x.device)
+            if total is not None
+            else None
+        )
         weights = weights.float()
         # each chunk's pairs sorted by expert once; every group's pass reuses the order (its kernels skip
         # the tiles of experts outside the group)
@@ -395,6 +406,32 @@ class GpuExperts:
             nvfp4_moe.order_pairs(expert_ids[a:b], self.num_experts, self.layout, distinct=len(experts))
             for a, b in bounds
         ]
+        # the kernels' scratch, shared by the chunks: a pass graph then allocates nothing
+        work = torch.empty(
+            max(o.pair_ids.numel() for o in orders),
+            self.layout.intermediate_size,
+            dtype=x.dtype,
+            device=x.device,
+        )
+
+        def run_pass() -> None:
+            # the same launches, shapes and addresses in every pass of this call: only the slot map and the
+            # slots' contents differ
+            for (a, b), order in zip(bounds, orders):
+                rows = y[: (b - a) * k]
+                if total is not None:
+                    rows.zero_()
+                nvfp4_moe.nvfp4_moe_prefill_pairs(
+                    x[a:b], self.cache.slots, expert_ids[a:b], self.expert_to_slot, self.cache.ws2,
+                    weights[a:b], self.layout, rows, order=order, work=work,
+                )  # fmt: skip
+                if total is not None:
+                    torch.sum(rows.view(b - a, k, -1), dim=1, dtype=torch.float32, out=rows_sum[: b - a])
+                    total[a:b] += rows_sum[: b - a]
+
+        # from the second pass on, passes replay a graph captured then (the first pass compiles and loads
+        # what the kernels need for these shapes; neither may happen inside a capture)
+        graph = None
         # reads run one group ahead: group g+1's disk reads proceed while group g is copied and computed
         # (with one group its fetch is the only request)
         pending = [self._read_ahead(layer, groups[0]) if len(groups) > 1 else []]
@@ -404,16 +441,12 @@ class GpuExperts:
                 self._map_pass(members, self.cache.fetch(layer, members))
                 for h in pending.pop(0):
                     h.release()
-                for (a, b), order in zip(bounds, orders):
-                    rows = y[: (b - a) * k]
-                    if total is not None:
-                        rows.zero_()
-                    nvfp4_moe.nvfp4_moe_prefill_pairs(
-                        x[a:b], self.cache.slots, expert_ids[a:b], self.expert_to_slot, self.cache.ws2,
-                        weights[a:b], self.layout, rows, order=order,
-                    )  # fmt: skip
-                    if total is not None:
-                        total[a:b] += rows.view(b - a, k, -1).sum(dim=1, dtype=torch.float32)
+                if self.prefill_graphs and g > 0 and len(groups) > 2:
+                    graph = graph or self._capture(run_pass)
+                    graph.replay()
+                    self.prefill_replays += 1
+                else:
+                    run_pass()
                 self.cache.mark_used()
         finally:
             for h in (h for hs in pending for h in hs):
@@ -421,6 +454,24 @@ class GpuExperts:
         if total is None:
             total = y.view(t, k, -1).sum(dim=1, dtype=torch.float32)
         return total.to(x.dtype)
+
+    def _capture(self, fn) -> torch.cuda.CUDAGraph:
+        """fn's launches captured, not run, into a CUDA graph on a side stream ordered after the work queued
+        so far; its own memory pool lives as long as the graph."""
+        dev = self.cache.device
+        self._capture_stream = self._capture_stream or torch.cuda.Stream(dev)
+        graph = torch.cuda.CUDAGraph()
+        self._capture_stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(self._capture_stream):
+            # thread_local: the store's reader threads keep synchronising their copy events meanwhile
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(dev).wait_stream(self._capture_stream)
+        self.prefill_captures += 1
+        return graph
 
     @property
     def bytes_in_place(self) -> int:
