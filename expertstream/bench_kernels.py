@@ -117,6 +117,36 @@ def decode_calls(layout, slots, ws2, place: str, config: dict | None = None) -> 
             for r in range(ROTATE)]  # fmt: skip
 
 
+PASS_CHUNK, PASS_EXPERTS = 768, 14  # the real 8 GiB plan's prefill chunk, and half its 28 slots
+
+
+def pass_calls(layout, slots, ws2, n: int = 4, chunk: int = PASS_CHUNK, group: int = PASS_EXPERTS):
+    """n prefill passes as the engine runs them (runtime/gpu_experts.py): one `chunk`-token chunk's pairs
+    sorted by expert once, each pass mapping another `group` of its experts to their slots (expert e in
+    slot e; the rest map to -1 and their tiles exit at once); 4 x 14 real blocks are past L2. Returns
+    (calls, the chunk's routed ids [chunk, K], the per-pair output rows they write [chunk K, H])."""
+    import torch
+
+    from expertstream.kernels.nvfp4_moe import nvfp4_moe_prefill_pairs, order_pairs
+
+    experts, dev = slots.shape[0], slots.device
+    ids, w = route(chunk, experts, seed=1, device=dev)
+    x = torch.randn(chunk, layout.hidden_size, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                    device=dev)  # fmt: skip
+    order = order_pairs(ids, experts, layout)
+    out = torch.zeros(chunk * ids.shape[1], layout.hidden_size, dtype=x.dtype, device=dev)
+    touched = torch.unique(ids)
+    maps = []
+    for i in range(n):
+        e2s = torch.full((experts,), -1, dtype=torch.int32, device=dev)
+        members = touched[i * group : (i + 1) * group]
+        e2s[members] = members.to(torch.int32)
+        maps.append(e2s)
+    calls = [lambda e2s=e2s: nvfp4_moe_prefill_pairs(x, slots, ids, e2s, ws2, w, layout, out, order=order)
+             for e2s in maps]  # fmt: skip
+    return calls, ids, out
+
+
 def fp8_calls(n: int, k: int, m: int, config: dict | None = None, copies: int = 8) -> list:
     """`copies` fp8_rows_matmul calls of [m, k] x [n, k]^T, each on its own copy of the weight (8 x 26 MB
     for the largest DeltaNet matrix is past L2)."""
@@ -131,12 +161,12 @@ def fp8_calls(n: int, k: int, m: int, config: dict | None = None, copies: int = 
     return [lambda q=q: fp8_rows_matmul(x, q, scale, config=config) for q in qs]
 
 
-def route(t: int, num_experts: int = EXPERTS, k: int = TOPK, seed: int = 0):
+def route(t: int, num_experts: int = EXPERTS, k: int = TOPK, seed: int = 0, device="cuda"):
     """Random top-k routing: ids [t, k] int64 (distinct per token), weights [t, k] fp32 summing to 1."""
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    probs, ids = torch.rand(t, num_experts, device="cuda", generator=g).topk(k, dim=1)
+    g = torch.Generator(device=device).manual_seed(seed)
+    probs, ids = torch.rand(t, num_experts, device=device, generator=g).topk(k, dim=1)
     return ids, probs / probs.sum(dim=1, keepdim=True)
 
 
@@ -198,6 +228,11 @@ def run_benchmarks() -> tuple[list[Row], dict]:
         nbytes = touched * payload + 2 * 2 * t * HIDDEN
         goal = ">= 50% roofline" if t >= 512 else "-"
         rows.append(_row("nvfp4_moe_prefill", f"T={t}", ms, nbytes, t * TOPK * flop_per_pair, bw, tf, goal))
+    # one pass of the engine's prefill: a chunk's pairs sorted once, PASS_EXPERTS of its experts with a slot
+    ms, nbytes = graph_ms(pass_calls(layout, slots, ws2)[0]), PASS_EXPERTS * payload
+    pairs = PASS_CHUNK * TOPK * PASS_EXPERTS / EXPERTS  # the pass's share of the pairs, on average
+    shape = f"T={PASS_CHUNK}, {PASS_EXPERTS} of {EXPERTS} experts (a pass)"
+    rows.append(_row("nvfp4_moe_prefill_pairs", shape, ms, nbytes, pairs * flop_per_pair, bw, tf, "-"))
 
     for n, k in FP8_SHAPES:
         for m in FP8_M:

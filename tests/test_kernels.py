@@ -481,3 +481,21 @@ def test_stage_blocks_copies_ram_guesses_and_points_the_working_row_at_them(firs
     direct = nvfp4_moe_decode(x, routed, base, scales, w, layout, vram, ram, config=cfg(8, 2, 4, 2))
     through = nvfp4_moe_decode(x, routed, staged, scales, w, layout, vram, ram, config=cfg(8, 2, 4, 2))
     assert staged.tolist() == [-6, 3, -4, 2, -2, -1] and torch.equal(direct, through)
+
+
+def test_bench_pass_calls_write_only_their_groups_rows():
+    # `bench kernels`' engine-pass row: each call maps another group of the chunk's experts to slots, and
+    # its launch writes exactly the rows of the pairs routed to that group, as the full launch would
+    from expertstream.bench_kernels import pass_calls
+
+    layout = ExpertLayout.for_dims(64, 32, align=64)
+    slots, ws2 = random_slots(layout, 24, seed=9)
+    calls, ids, out = pass_calls(layout, slots, ws2, n=2, chunk=12, group=3)
+    assert out.abs().sum() == 0
+    calls[0]()
+    groups = torch.unique(ids)
+    first = torch.isin(ids.reshape(-1), groups[:3])
+    assert torch.equal(out.abs().sum(dim=1) > 0, first)
+    calls[1]()
+    both = torch.isin(ids.reshape(-1), groups[:6])
+    assert torch.equal(out.abs().sum(dim=1) > 0, both)
