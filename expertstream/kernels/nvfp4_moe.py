@@ -240,7 +240,11 @@ def _decode_down_kernel(
                 )
             rows += tl.sum(acc, axis=1) * (tl.load(scales_ptr + e * 3 + 2) * tl.load(w_ptr + k))
     tl.store(part_ptr + s * H + n, rows, mask=nmask)
-    # the last of the block's splits to finish (acq_rel: it sees the others' partials) sums them in order
+    # the last of the block's splits to finish sums the partials in order. One thread does the atomic: the
+    # barrier orders every thread's partial stores before its release (the grid-sync idiom), and its
+    # acquire, shared through the barrier that broadcasts its result, orders the loads below after the
+    # other programs' stores
+    tl.debug_barrier()
     splits = tl.num_programs(1)
     if tl.atomic_add(done_ptr + nb, 1, sem="acq_rel") == splits - 1:
         total = tl.zeros([BLOCK_N], tl.float32)
