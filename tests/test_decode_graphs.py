@@ -93,6 +93,45 @@ def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_devic
     eng.close()
 
 
+def test_a_fixed_bank_leaves_no_eager_point_and_equals_the_model(tiny_workdir, kernel_device):
+    """Every block pinned in the RAM cache for good: once the bank adopts that, its layers are device work
+    alone (no eager point per layer), the tokens equal the model's bit for bit, and its reads are still
+    counted, K per layer and token."""
+    pytest.importorskip("triton")
+    from expertstream.runtime.gpu_experts import GpuExperts, pinned_alloc
+
+    eng = Engine(
+        EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
+    )
+    wd, a = eng.workdir, eng.args
+    store = ExpertStore(wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2,
+                        alloc=pinned_alloc)  # fmt: skip
+    for h in store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
+        h.wait()
+        h.release()
+    bank = GpuExperts(wd, store, 40, eng.device)
+    bank.set_router_weights({i: layer.mlp.gate.weight for i, layer in enumerate(eng.model.layers)})
+    for layer in eng.model.layers:
+        layer.mlp.bank = bank
+    prompt = [3 + i % 50 for i in range(20)]
+    assert not bank.decode_fixed
+    want, _ = continue_greedy(eng, prompt, 4)  # the first decode layer adopts the fixed places
+    assert bank.decode_fixed
+    runs = decode_program(eng.model, eng.new_state(), kv_len=256)
+    eager = sum(len(fns) for graphable, fns in runs if not graphable)
+    assert eager == 1 + sum(t != "linear_attention" for t in a.layer_types)  # host inputs, QSA selections
+    program, reads, syncs = DecodeGraphs(eng.model, capture=False), bank.resident_reads, bank.host_syncs
+    got, _ = continue_greedy(
+        eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
+    )
+    assert torch.equal(got, want)
+    assert bank.resident_reads - reads == 4 * a.num_hidden_layers * a.num_experts_per_tok
+    assert bank.host_syncs - syncs == a.num_hidden_layers  # the prompt's, one per layer; decode reads nothing
+    bank.close()
+    store.close()
+    eng.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):

@@ -1,20 +1,20 @@
 """One decode token as CUDA graphs: the static-shape stretches between the points that must stay eager.
 
 Eager points of a one-token step: the token's host inputs, in one stage: its embedding row, its position and
-every PLE layer's rows (hashed and read on the host, uploaded as stored); the streams, RoPE rows, PLE
-decoding and PLE maths made from them are captured. Then each
-QSA layer's block selection (transformers' top-k runs over exactly the visible blocks, a length that
-follows the position) and the expert bank's host work (it reads the routing ids back to fetch experts; a
-bank with `decode_prepare` keeps only that eager, its kernels read the slots through fixed addresses and
-are captured). Everything between two of them keeps its shapes and addresses from token to token, so it is
-captured once and replayed: whole GDN layers, QSA projections, KV writes and attention over a fixed window
-of `kv_bucket` rows under the selection's mask, hyper-connections, routers and the next layer's guess,
-routed and shared experts, the PLE mixing, the final mixer. A state's buffers are baked into its graphs,
-so graphs are kept per `State` and KV bucket in one memory pool per state (dropped with the state: a
-pool shared across states dies with the last graph using it, and torch asserts when a capture names a
-dead pool); they are captured while the first graphed step of that state and bucket runs, so no token is
-computed twice. `capture=False` runs the same program without graphs: the CPU tests pin it to the model's
-forward.
+every PLE layer's rows (hashed and read on the host, uploaded as stored); the streams, RoPE rows, PLE decoding
+and PLE maths made from them are captured. Then each QSA layer's block selection (transformers' top-k runs
+over exactly the visible blocks, a length that follows the position) and the expert bank's host work (it reads
+the routing ids back to fetch experts; a bank with `decode_prepare` keeps only that eager, its kernels read
+the slots through fixed addresses and are captured; a bank whose blocks all have a fixed place,
+`decode_fixed`, has no host work left and no eager point: its programs are captured anew once it is).
+Everything between two of them keeps its shapes and addresses from token to token, so it is captured once and
+replayed: whole GDN layers, QSA projections, KV writes and attention over a fixed window of `kv_bucket` rows
+under the selection's mask, hyper-connections, routers and the next layer's guess, routed and shared experts,
+the PLE mixing, the final mixer. A state's buffers are baked into its graphs, so graphs are kept per `State`
+and KV bucket in one memory pool per state (dropped with the state: a pool shared across states dies with the
+last graph using it, and torch asserts when a capture names a dead pool); they are captured while the first
+graphed step of that state and bucket runs, so no token is computed twice. `capture=False` runs the same
+program without graphs: the CPU tests pin it to the model's forward.
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def _layer_ops(
     names = ("x", "u", "c", "top_i", "top_w", "shared_gate", "shared")
     ops.append((True, lambda e, s: dict(zip(names, layer.moe_in(e["x"], e["y"], e["c"])))))
     bank = layer.mlp.bank
-    if hasattr(bank, "decode_prepare"):  # a bank with slots: only its host work (fetch, map) stays eager
+    if getattr(bank, "decode_fixed", False):  # every block placed for good: no host work, no guesses
+        ops.append((True, lambda e, s: {"routed": bank.decode_compute(i, e["u"], e["top_i"], e["top_w"])}))
+    elif hasattr(bank, "decode_prepare"):  # a bank with slots: only its host work (fetch, map) stays eager
         ops.append((True, lambda e, s: {"want": bank.decode_want(i, e["u"], e["top_i"])}))
         ops.append((False, lambda e, s: bank.decode_prepare(i, e["want"], e["top_i"].shape[1]) or {}))
         ops.append((True, lambda e, s: {"routed": bank.decode_compute(i, e["u"], e["top_i"], e["top_w"])}))
@@ -139,12 +141,14 @@ class _Captured:
 
 
 class _StateGraphs:
-    """A state's captures, one per KV window, in one private memory pool: captures never run at once and
-    every capture's outputs stay referenced, so intermediates can share memory across windows."""
+    """A state's captures, one per KV window and bank mode, in one private memory pool: captures never run
+    at once and every capture's outputs stay referenced, so intermediates can share memory across them."""
 
     def __init__(self):
         self.pool = None  # the first capture's pool, named by the later ones
-        self.by_window: dict[int, _Captured] = {}
+        # (KV window, banks with every block placed for good): a bank that becomes fixed gets a program
+        # without its eager point per layer, captured anew
+        self.by_window: dict[tuple[int, tuple[bool, ...]], _Captured] = {}
 
 
 class DecodeGraphs:
@@ -163,6 +167,11 @@ class DecodeGraphs:
         self.captures = 0  # (state, KV bucket) programs captured so far (stats)
         # host work a bank starts once the device work before it is queued (the next layer's guesses)
         self._launched = [b.decode_launched for b in _banks(model) if hasattr(b, "decode_launched")]
+        # per bank, the routed blocks one token reads: what a fixed bank counts without decode_prepare
+        self._reads = {
+            id(b): sum(layer.mlp.bank is b for layer in model.layers) * model.args.num_experts_per_tok
+            for b in _banks(model)
+        }
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, st: State) -> torch.Tensor:
@@ -172,6 +181,7 @@ class DecodeGraphs:
         st.check_room(1)
         ids = ids.cpu()
         step, kv_len = _Step(ids, st), kv_bucket(st.pos + 1, st.max_model_len)
+        fixed = [b for b in _banks(self.model) if getattr(b, "decode_fixed", False)]
         if not self.capture or not self.warm:
             env: dict = {}
             for graphable, fns in decode_program(self.model, st, kv_len):
@@ -182,12 +192,15 @@ class DecodeGraphs:
             self.warm = True
         else:
             graphs = self._states.setdefault(st, _StateGraphs())
-            cap = graphs.by_window.get(kv_len)
+            key = (kv_len, tuple(getattr(b, "decode_fixed", False) for b in _banks(self.model)))
+            cap = graphs.by_window.get(key)
             if cap is None:
-                cap = graphs.by_window[kv_len] = self._capture(graphs, st, step, kv_len)
+                cap = graphs.by_window[key] = self._capture(graphs, st, step, kv_len)
             else:
                 self._replay(cap, step)
             h = cap.h.clone()
+        for b in fixed:  # fixed when the program was built: its reads are counted here, not per layer
+            b.decode_fixed_reads(self._reads[id(b)])
         st.advance(ids)
         return h
 

@@ -234,6 +234,17 @@ class GpuExperts:
         guess = self.spec.guess(layer, x, expert_ids.shape[1]) if self.spec is not None else None
         return expert_ids[0] if guess is None else torch.cat((expert_ids[0], guess))
 
+    @property
+    def decode_fixed(self) -> bool:
+        """Every block has a fixed place that `loc` holds and no guess is staged: a layer's decode is device
+        work alone (decode_compute), so a graphed token needs no eager point per layer."""
+        return self.resident is not None and self.control == "none" and not self.stage_guesses
+
+    def decode_fixed_reads(self, n: int) -> None:
+        """Count n blocks read through the fixed table by a token decoded without decode_prepare."""
+        self.resident_reads += n
+        self.resident_ram_reads += n if self.resident == "ram" else 0
+
     def decode_prepare(self, layer: int, want: torch.Tensor, k: int) -> None:
         """Read `want` back (the host sync), give the K experts a place the kernel reads (a slot, or their
         RAM row) and upload the layer's row of `loc`; keep the guesses for decode_launched(). Nothing at all
@@ -244,8 +255,7 @@ class GpuExperts:
         self._mark_launched()  # the previous layer's kernel is queued by now: copies into its slots wait
         self._guess = None  # a guess never issued (no decode_launched call) is too late now
         if self.resident:
-            self.resident_reads += k
-            self.resident_ram_reads += k if self.resident == "ram" else 0
+            self.decode_fixed_reads(k)
             self.decode_seconds += time.perf_counter() - t0
             return
         ids = want.tolist()
