@@ -395,50 +395,7 @@ class GpuExperts:
         group = max(1, self.cache.n_slots // 2)
         groups = [experts[i : i + group] for i in range(0, len(experts), group)]
         self.prefill_passes += len(groups)
-        t, k = expert_ids.shape
-        chunk = min(t, self.prefill_chunk or t)
-        bounds = [(a, min(a + chunk, t)) for a in range(0, t, chunk)]
-        # one row per (token, k) pair of a chunk, filled group by group: the kernel skips pairs whose expert
-        # is not in the group (mapped to -1), so no pass reads the routing back or gathers its tokens. A span
-        # of several chunks keeps the groups outer (each block fetched once) and adds each (group, chunk)'s
-        # rows into an FP32 sum, zeroing them first
-        y = torch.empty(chunk * k, x.shape[1], dtype=x.dtype, device=x.device)
-        total = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device) if len(bounds) > 1 else None
-        rows_sum = (
-            torch.empty(chunk, x.shape[1], dtype=torch.float32, device=x.device)
-            if total is not None
-            else None
-        )
-        weights = weights.float()
-        # each chunk's pairs sorted by expert once; every group's pass reuses the order (its kernels skip
-        # the tiles of experts outside the group)
-        orders = [
-            nvfp4_moe.order_pairs(expert_ids[a:b], self.num_experts, self.layout, distinct=len(experts))
-            for a, b in bounds
-        ]
-        # the kernels' scratch, shared by the chunks: a pass graph then allocates nothing
-        work = torch.empty(
-            max(o.pair_ids.numel() for o in orders),
-            self.layout.intermediate_size,
-            dtype=x.dtype,
-            device=x.device,
-        )
-
-        def run_pass() -> None:
-            # the same launches, shapes and addresses in every pass of this call: only the slot map and the
-            # slots' contents differ
-            for (a, b), order in zip(bounds, orders):
-                rows = y[: (b - a) * k]
-                if total is not None:
-                    rows.zero_()
-                nvfp4_moe.nvfp4_moe_prefill_pairs(
-                    x[a:b], self.cache.slots, expert_ids[a:b], self.expert_to_slot, self.cache.ws2,
-                    weights[a:b], self.layout, rows, order=order, work=work,
-                )  # fmt: skip
-                if total is not None:
-                    torch.sum(rows.view(b - a, k, -1), dim=1, dtype=torch.float32, out=rows_sum[: b - a])
-                    total[a:b] += rows_sum[: b - a]
-
+        launches = _PassLaunches(self, x, expert_ids, weights, len(experts))
         # from the second pass on, passes replay a graph captured then (the first pass compiles and loads
         # what the kernels need for these shapes; neither may happen inside a capture)
         graph = None
@@ -452,18 +409,16 @@ class GpuExperts:
                 for h in pending.pop(0):
                     h.release()
                 if self.prefill_graphs and g > 0 and len(groups) > 2:
-                    graph = graph or self._capture(run_pass)
+                    graph = graph or self._capture(launches)
                     graph.replay()
                     self.prefill_replays += 1
                 else:
-                    run_pass()
+                    launches()
                 self.cache.mark_used()
         finally:
             for h in (h for hs in pending for h in hs):
                 h.release()
-        if total is None:
-            total = y.view(t, k, -1).sum(dim=1, dtype=torch.float32)
-        return total.to(x.dtype)
+        return launches.result()
 
     def _capture(self, fn) -> torch.cuda.CUDAGraph:
         """fn's launches captured, not run, into a CUDA graph on a side stream ordered after the work queued
@@ -506,3 +461,54 @@ class GpuExperts:
         for h in self._resident_handles:
             h.release()
         self._resident_handles = []
+
+
+class _PassLaunches:
+    """A prompt call's expert launches for one pass, the same launches, shapes and addresses in every pass
+    (only the slot map and the slots' contents differ), with the buffers they fill.
+
+    One row per (token, k) pair of a chunk, filled pass by pass: the kernel skips pairs whose expert is not
+    in the pass (mapped to -1), so no pass reads the routing back or gathers its tokens. A span of several
+    chunks keeps the passes outer (each block fetched once) and adds each (pass, chunk)'s rows into an FP32
+    sum, zeroing them first. Every buffer is allocated here, so a captured pass allocates nothing.
+    """
+
+    def __init__(self, bank: GpuExperts, x, expert_ids, weights, distinct: int):
+        t, self.k = expert_ids.shape
+        chunk = min(t, bank.prefill_chunk or t)
+        self.bank, self.x, self.expert_ids, self.weights = bank, x, expert_ids, weights.float()
+        self.bounds = [(a, min(a + chunk, t)) for a in range(0, t, chunk)]
+        f32 = dict(dtype=torch.float32, device=x.device)
+        self.y = torch.empty(chunk * self.k, x.shape[1], dtype=x.dtype, device=x.device)  # [chunk K, H]
+        self.total = torch.zeros(t, x.shape[1], **f32) if len(self.bounds) > 1 else None  # [T, H]
+        self.rows_sum = torch.empty(chunk, x.shape[1], **f32) if self.total is not None else None
+        # each chunk's pairs sorted by expert once; every pass reuses the order (its kernels skip the tiles
+        # of experts outside the pass)
+        self.orders = [
+            nvfp4_moe.order_pairs(expert_ids[a:b], bank.num_experts, bank.layout, distinct=distinct)
+            for a, b in self.bounds
+        ]
+        rows = max(o.pair_ids.numel() for o in self.orders)  # the kernels' scratch, shared by the chunks
+        self.work = torch.empty(rows, bank.layout.intermediate_size, dtype=x.dtype, device=x.device)
+
+    def __call__(self) -> None:
+        bank, k = self.bank, self.k
+        for (a, b), order in zip(self.bounds, self.orders):
+            rows = self.y[: (b - a) * k]
+            if self.total is not None:
+                rows.zero_()
+            nvfp4_moe.nvfp4_moe_prefill_pairs(
+                self.x[a:b], bank.cache.slots, self.expert_ids[a:b], bank.expert_to_slot, bank.cache.ws2,
+                self.weights[a:b], bank.layout, rows, order=order, work=self.work,
+            )  # fmt: skip
+            if self.total is not None:
+                part = self.rows_sum[: b - a]
+                torch.sum(rows.view(b - a, k, -1), dim=1, dtype=torch.float32, out=part)
+                self.total[a:b] += part
+
+    def result(self) -> torch.Tensor:
+        """[T, H] in x.dtype once every pass ran."""
+        total = self.total
+        if total is None:
+            total = self.y.view(self.x.shape[0], self.k, -1).sum(dim=1, dtype=torch.float32)
+        return total.to(self.x.dtype)
