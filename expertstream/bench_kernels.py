@@ -120,11 +120,20 @@ def decode_calls(layout, slots, ws2, place: str, config: dict | None = None) -> 
 PASS_CHUNK, PASS_EXPERTS = 768, 14  # the real 8 GiB plan's prefill chunk, and half its 28 slots
 
 
-def pass_calls(layout, slots, ws2, n: int = 4, chunk: int = PASS_CHUNK, group: int = PASS_EXPERTS):
+def pass_calls(
+    layout,
+    slots,
+    ws2,
+    n: int = 4,
+    chunk: int = PASS_CHUNK,
+    group: int = PASS_EXPERTS,
+    launch: dict | None = None,
+):
     """n prefill passes as the engine runs them (runtime/gpu_experts.py): one `chunk`-token chunk's pairs
     sorted by expert once, each pass mapping another `group` of its experts to their slots (expert e in
     slot e; the rest map to -1 and their tiles exit at once); 4 x 14 real blocks are past L2. Returns
-    (calls, the chunk's routed ids [chunk, K], the per-pair output rows they write [chunk K, H])."""
+    (calls, the chunk's routed ids [chunk, K], the per-pair output rows they write [chunk K, H]); launch: the
+    kernels' block_n, block_k, num_warps, num_stages (default: the order's)."""
     import torch
 
     from expertstream.kernels.nvfp4_moe import nvfp4_moe_prefill_pairs, order_pairs
@@ -142,7 +151,8 @@ def pass_calls(layout, slots, ws2, n: int = 4, chunk: int = PASS_CHUNK, group: i
         members = touched[i * group : (i + 1) * group]
         e2s[members] = members.to(torch.int32)
         maps.append(e2s)
-    calls = [lambda e2s=e2s: nvfp4_moe_prefill_pairs(x, slots, ids, e2s, ws2, w, layout, out, order=order)
+    run = dict(order=order, launch=launch)
+    calls = [lambda e2s=e2s: nvfp4_moe_prefill_pairs(x, slots, ids, e2s, ws2, w, layout, out, **run)
              for e2s in maps]  # fmt: skip
     return calls, ids, out
 
@@ -329,7 +339,13 @@ PREFILL_SWEEP = [
 ]  # fmt: skip
 
 
-SWEPT = ("fp8_gemv", "nvfp4_decode", "nvfp4_prefill")
+PASS_SWEEP = [
+    dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+    for bn, bk, nw, ns in [(64, 32, 4, 4), (32, 32, 4, 4), (16, 32, 4, 4), (16, 64, 4, 3), (32, 64, 8, 3)]
+]  # fmt: skip
+
+
+SWEPT = ("fp8_gemv", "nvfp4_decode", "nvfp4_prefill", "nvfp4_prefill_pass")
 
 
 def sweep_configs(
@@ -386,6 +402,9 @@ def sweep_configs(
             args = (x, slots, ids, e2s, ws2, w, layout)
             pick("nvfp4_prefill", f"{HIDDEN}x{INTER}x{prefill_bucket(t * TOPK, EXPERTS)}", f"prefill T={t}",
                  PREFILL_SWEEP, lambda cfg: [lambda: nvfp4_moe_prefill(*args, config=cfg)])  # noqa: B023  # fmt: skip
+    if "nvfp4_prefill_pass" in kernels:  # one engine pass: few experts mapped, the tiles made for all
+        pick("nvfp4_prefill", f"{HIDDEN}x{INTER}xpass", "prefill pass", PASS_SWEEP,
+             lambda cfg: pass_calls(layout, slots, ws2, launch=cfg)[0])  # fmt: skip
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     print(json.dumps(data))

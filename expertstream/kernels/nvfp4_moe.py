@@ -406,6 +406,7 @@ def nvfp4_moe_prefill_pairs(
     config: dict | None = None,
     order: PairOrder | None = None,
     work: torch.Tensor | None = None,
+    launch: dict | None = None,
 ) -> None:
     """Per-pair weighted outputs, out[t K + k] = weights[t, k] expert_{t,k}(x[t]), for the pairs whose expert
     has a slot; rows of pairs whose expert maps to -1 are left as they are (a bank that fits a prompt's
@@ -414,7 +415,9 @@ def nvfp4_moe_prefill_pairs(
     Args: as `nvfp4_moe_prefill`, plus out [T*K, H] in x.dtype; distinct: the prompt's distinct routed
     experts (default min(E, T K)), which sets the mean pairs per expert that picks the tile size; order: the
     pairs already sorted by `order_pairs` for these expert_ids (passes over one chunk share it); work: scratch
-    for h, at least [NT * BLOCK_M, I] in x.dtype (default: allocated per call).
+    for h, at least [NT * BLOCK_M, I] in x.dtype (default: allocated per call); launch: block_n, block_k,
+    num_warps, num_stages for these launches in place of the order's (its block_m stays: the tiles are
+    made), e.g. the shape tuned for a bank's passes that map a few experts each.
     """
     _check_common(x, slots, layout)
     assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
@@ -430,7 +433,7 @@ def nvfp4_moe_prefill_pairs(
     )
     require_triton(x, ws2, expert_ids, expert_to_slot, weights, out)
     order = order or order_pairs(expert_ids, expert_to_slot.numel(), layout, distinct, config)
-    cfg = order.config
+    cfg = {**order.config, **(launch or {}), "block_m": order.config["block_m"]}
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     assert order.pair_ids.numel() == order.tile_expert.numel() * bm, "order made for another config"
     nt = order.tile_expert.numel()

@@ -22,6 +22,7 @@ import torch
 
 from expertstream.formats.expert_block import PROJ
 from expertstream.kernels import nvfp4_moe
+from expertstream.kernels.codec import tuned_config
 from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
 from expertstream.runtime.host_mirror import HostMirror
@@ -395,7 +396,10 @@ class GpuExperts:
         group = max(1, self.cache.n_slots // 2)
         groups = [experts[i : i + group] for i in range(0, len(experts), group)]
         self.prefill_passes += len(groups)
-        launches = _PassLaunches(self, x, expert_ids, weights, len(experts))
+        # passes of a few experts each may launch in a shape of their own (tuned_configs.json `HxIxpass`)
+        key = f"{self.layout.hidden_size}x{self.layout.intermediate_size}xpass"
+        launch = tuned_config("nvfp4_prefill", x.device, key) if len(groups) > 1 else None
+        launches = _PassLaunches(self, x, expert_ids, weights, len(experts), launch)
         # from the second pass on, passes replay a graph captured then (the first pass compiles and loads
         # what the kernels need for these shapes; neither may happen inside a capture)
         graph = None
@@ -473,10 +477,11 @@ class _PassLaunches:
     sum, zeroing them first. Every buffer is allocated here, so a captured pass allocates nothing.
     """
 
-    def __init__(self, bank: GpuExperts, x, expert_ids, weights, distinct: int):
+    def __init__(self, bank: GpuExperts, x, expert_ids, weights, distinct: int, launch: dict | None = None):
         t, self.k = expert_ids.shape
         chunk = min(t, bank.prefill_chunk or t)
         self.bank, self.x, self.expert_ids, self.weights = bank, x, expert_ids, weights.float()
+        self.launch = launch
         self.bounds = [(a, min(a + chunk, t)) for a in range(0, t, chunk)]
         f32 = dict(dtype=torch.float32, device=x.device)
         self.y = torch.empty(chunk * self.k, x.shape[1], dtype=x.dtype, device=x.device)  # [chunk K, H]
@@ -499,7 +504,7 @@ class _PassLaunches:
                 rows.zero_()
             nvfp4_moe.nvfp4_moe_prefill_pairs(
                 self.x[a:b], bank.cache.slots, self.expert_ids[a:b], bank.expert_to_slot, bank.cache.ws2,
-                self.weights[a:b], bank.layout, rows, order=order, work=self.work,
+                self.weights[a:b], bank.layout, rows, order=order, work=self.work, launch=self.launch,
             )  # fmt: skip
             if self.total is not None:
                 part = self.rows_sum[: b - a]
