@@ -449,8 +449,12 @@ def test_the_models_gdn_step_dispatch_uses_the_kernel_and_falls_back_once(monkey
 
 
 @pytest.mark.parametrize("first", [0, 3])
-def test_stage_blocks_copies_ram_guesses_and_points_the_working_row_at_them(first):
+@pytest.mark.parametrize("programs", [2, 32])  # 2: each program loops over several (guess, chunk) steps
+def test_stage_blocks_copies_ram_guesses_and_points_the_working_row_at_them(first, programs, monkeypatch):
+    from expertstream.kernels import stage_blocks as module
     from expertstream.kernels.stage_blocks import stage_blocks, stage_blocks_ref
+
+    monkeypatch.setattr(module, "PROGRAMS", programs)
 
     g = torch.Generator().manual_seed(first)
     b = 16 * 2500  # not a multiple of the kernel's chunk: the last chunk is partial

@@ -17,7 +17,12 @@ import torch
 
 from expertstream.kernels.codec import cdiv, jit, require_triton, tl
 
-CHUNK = 16384  # bytes per program: 169 programs per 2.7 MB block keep enough reads in flight over PCIe
+CHUNK = 16384  # bytes per step of a program (128 B per thread at 4 warps)
+# Programs of the copy, each looping over its share of the (guess, chunk) steps. Few on purpose: the copy
+# runs beside the next layer's attention, and one program per chunk (676 for 4 real blocks, the sixth
+# session's form) held warp slots on every SM for the whole copy while it waited on the bus; 32 programs of
+# 16 KB each keep ~0.5 MB of reads in flight, several times what 55 GB/s over ~2 us of latency needs.
+PROGRAMS = 32
 
 
 def stage_blocks_ref(ids, loc, host, slots, first: int, out_loc) -> None:
@@ -65,22 +70,28 @@ def stage_blocks(
     assert b % 16 == 0, "block rows must be 16-byte multiples (vector copies)"
     out_loc.copy_(loc)
     if g:
-        _stage_kernel[(g, cdiv(b, CHUNK))](ids, loc, host, slots, out_loc, first, b, CHUNK=CHUNK, num_warps=4)
+        steps = g * cdiv(b, CHUNK)
+        _stage_kernel[(min(PROGRAMS, steps),)](
+            ids, loc, host, slots, out_loc, first, b, steps, CHUNK=CHUNK, num_warps=4
+        )
 
 
 @jit
 def _stage_kernel(
-    ids_ptr, loc_ptr, host_ptr, slots_ptr, out_loc_ptr, first, block_bytes, CHUNK: tl.constexpr
+    ids_ptr, loc_ptr, host_ptr, slots_ptr, out_loc_ptr, first, block_bytes, steps, CHUNK: tl.constexpr
 ):
-    # program (guess g, chunk): one CHUNK of guess g's block, host row -> slot row first + g
-    g = tl.program_id(0)
-    part = tl.program_id(1)
-    e = tl.load(ids_ptr + g).to(tl.int64)
-    c = tl.load(loc_ptr + e).to(tl.int64)
-    if c < 0:
-        offs = part * CHUNK + tl.arange(0, CHUNK)
-        m = offs < block_bytes
-        v = tl.load(host_ptr + (-1 - c) * block_bytes + offs, mask=m)
-        tl.store(slots_ptr + (first + g) * block_bytes + offs, v, mask=m)
-        if part == 0:  # read only once the whole kernel is done (the consumer waits for this stream)
-            tl.store(out_loc_ptr + e, (first + g).to(tl.int32))
+    # program p: steps p, p + P, ... of the (guess g, chunk) steps, each one CHUNK of guess g's block,
+    # host row -> slot row first + g
+    chunks = tl.cdiv(block_bytes, CHUNK)
+    for step in range(tl.program_id(0), steps, tl.num_programs(0)):
+        g = step // chunks
+        part = step % chunks
+        e = tl.load(ids_ptr + g).to(tl.int64)
+        c = tl.load(loc_ptr + e).to(tl.int64)
+        if c < 0:
+            offs = part * CHUNK + tl.arange(0, CHUNK)
+            m = offs < block_bytes
+            v = tl.load(host_ptr + (-1 - c) * block_bytes + offs, mask=m)
+            tl.store(slots_ptr + (first + g) * block_bytes + offs, v, mask=m)
+            if part == 0:  # read only once the whole kernel is done (the consumer waits for this stream)
+                tl.store(out_loc_ptr + e, (first + g).to(tl.int32))
