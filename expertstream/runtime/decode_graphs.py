@@ -27,6 +27,7 @@ import torch
 
 from expertstream.log import get_logger
 from expertstream.models.qwen4_exp import DecoderLayer, Qwen4ExpModel, Rope, kv_bucket
+from expertstream.runtime.capture import capture
 from expertstream.state import State
 
 log = get_logger(__name__)
@@ -165,13 +166,12 @@ class DecodeGraphs:
         self._states: weakref.WeakKeyDictionary[State, _StateGraphs] = weakref.WeakKeyDictionary()
         self._stream = torch.cuda.Stream(model.device) if capture else None
         self.captures = 0  # (state, KV bucket) programs captured so far (stats)
+        self._banks = _banks(model)
         # host work a bank starts once the device work before it is queued (the next layer's guesses)
-        self._launched = [b.decode_launched for b in _banks(model) if hasattr(b, "decode_launched")]
+        self._launched = [b.decode_launched for b in self._banks if hasattr(b, "decode_launched")]
         # per bank, the routed blocks one token reads: what a fixed bank counts without decode_prepare
-        self._reads = {
-            id(b): sum(layer.mlp.bank is b for layer in model.layers) * model.args.num_experts_per_tok
-            for b in _banks(model)
-        }
+        k = model.args.num_experts_per_tok
+        self._reads = [sum(layer.mlp.bank is b for layer in model.layers) * k for b in self._banks]
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, st: State) -> torch.Tensor:
@@ -181,7 +181,8 @@ class DecodeGraphs:
         st.check_room(1)
         ids = ids.cpu()
         step, kv_len = _Step(ids, st), kv_bucket(st.pos + 1, st.max_model_len)
-        fixed = [b for b in _banks(self.model) if getattr(b, "decode_fixed", False)]
+        # which banks have every block placed for good: the program (and its graphs) depend on it
+        fixed = tuple(getattr(b, "decode_fixed", False) for b in self._banks)
         if not self.capture or not self.warm:
             env: dict = {}
             for graphable, fns in decode_program(self.model, st, kv_len):
@@ -192,15 +193,16 @@ class DecodeGraphs:
             self.warm = True
         else:
             graphs = self._states.setdefault(st, _StateGraphs())
-            key = (kv_len, tuple(getattr(b, "decode_fixed", False) for b in _banks(self.model)))
+            key = (kv_len, fixed)
             cap = graphs.by_window.get(key)
             if cap is None:
                 cap = graphs.by_window[key] = self._capture(graphs, st, step, kv_len)
             else:
                 self._replay(cap, step)
             h = cap.h.clone()
-        for b in fixed:  # fixed when the program was built: its reads are counted here, not per layer
-            b.decode_fixed_reads(self._reads[id(b)])
+        for b, was_fixed, n in zip(self._banks, fixed, self._reads):
+            if was_fixed:  # fixed when the program was built: its reads are counted here, not per layer
+                b.decode_fixed_reads(n)
         st.advance(ids)
         return h
 
@@ -210,17 +212,8 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.model.device)
         for graphable, fns in decode_program(self.model, st, kv_len):
             if graphable:
-                g = torch.cuda.CUDAGraph()
-                self._stream.wait_stream(torch.cuda.current_stream(self.model.device))
-                with torch.cuda.stream(self._stream):
-                    # thread_local: the store's reader threads keep synchronising their copy events meanwhile
-                    g.capture_begin(pool=graphs.pool, capture_error_mode="thread_local")
-                    try:
-                        out = _run(fns, env, None)
-                    finally:
-                        g.capture_end()
+                g, out = capture(lambda fns=fns: _run(fns, env, None), self._stream, graphs.pool)
                 graphs.pool = graphs.pool or g.pool()  # the state's graphs share the first one's pool
-                torch.cuda.current_stream(self.model.device).wait_stream(self._stream)
                 g.replay()
                 self._after_launch()
                 cap.segments.append(("graph", g))

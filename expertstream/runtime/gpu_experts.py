@@ -25,6 +25,7 @@ from expertstream.kernels import nvfp4_moe
 from expertstream.kernels.codec import tuned_config
 from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
+from expertstream.runtime.capture import capture
 from expertstream.runtime.host_mirror import HostMirror
 from expertstream.runtime.speculation import Speculator
 from expertstream.runtime.vram_cache import VramExpertCache
@@ -413,7 +414,10 @@ class GpuExperts:
                 for h in pending.pop(0):
                     h.release()
                 if self.prefill_graphs and g > 0 and len(groups) > 2:
-                    graph = graph or self._capture(launches)
+                    if graph is None:
+                        self._capture_stream = self._capture_stream or torch.cuda.Stream(x.device)
+                        graph = capture(launches, self._capture_stream)[0]
+                        self.prefill_captures += 1
                     graph.replay()
                     self.prefill_replays += 1
                 else:
@@ -423,24 +427,6 @@ class GpuExperts:
             for h in (h for hs in pending for h in hs):
                 h.release()
         return launches.result()
-
-    def _capture(self, fn) -> torch.cuda.CUDAGraph:
-        """fn's launches captured, not run, into a CUDA graph on a side stream ordered after the work queued
-        so far; its own memory pool lives as long as the graph."""
-        dev = self.cache.device
-        self._capture_stream = self._capture_stream or torch.cuda.Stream(dev)
-        graph = torch.cuda.CUDAGraph()
-        self._capture_stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(self._capture_stream):
-            # thread_local: the store's reader threads keep synchronising their copy events meanwhile
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                fn()
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream(dev).wait_stream(self._capture_stream)
-        self.prefill_captures += 1
-        return graph
 
     @property
     def bytes_in_place(self) -> int:
