@@ -69,7 +69,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         nargs="+",
         help="decode, prefill: run only these regimes (names as in the table, spaces and commas as _: "
         "decode: vram, vram_eager, ram, ram_staged, disk, disk_24_GiB_VRAM; prefill: vram, ram, "
-        "ram_graphs, disk); default all",
+        "disk); default all",
     )
     p.add_argument(
         "--no-speculation", action="store_true", help="decode, prefill: run the engine without speculation"

@@ -117,7 +117,7 @@ def decode_calls(layout, slots, ws2, place: str, config: dict | None = None) -> 
             for r in range(ROTATE)]  # fmt: skip
 
 
-PASS_CHUNK, PASS_EXPERTS = 768, 14  # the real 8 GiB plan's prefill chunk, and half its 28 slots
+PASS_TOKENS, PASS_EXPERTS = 2560, 15  # the real 8 GiB plan's prefill span, and half its 30 slots
 
 
 def pass_calls(
@@ -125,36 +125,46 @@ def pass_calls(
     slots,
     ws2,
     n: int = 4,
-    chunk: int = PASS_CHUNK,
+    tokens: int = PASS_TOKENS,
     group: int = PASS_EXPERTS,
     launch: dict | None = None,
 ):
-    """n prefill passes as the engine runs them (runtime/gpu_experts.py): one `chunk`-token chunk's pairs
-    sorted by expert once, each pass mapping another `group` of its experts to their slots (expert e in
-    slot e; the rest map to -1 and their tiles exit at once); 4 x 14 real blocks are past L2. Returns
-    (calls, the chunk's routed ids [chunk, K], the per-pair output rows they write [chunk K, H]); launch: the
-    kernels' block_n, block_k, num_warps, num_stages (default: the order's)."""
+    """n prefill passes as the engine runs them (runtime/gpu_experts.py): one `tokens`-token span's pairs
+    sorted by expert once, each pass mapping the next `group` of its experts to their slots (expert e in
+    slot e; the rest map to -1), launching over those experts' tiles and adding their rows into the FP32
+    token sums; 4 x 15 real blocks are past L2. Returns (calls, the span's routed ids [tokens, K], the sums
+    [tokens, H] they fill); launch: the kernels' block_n, block_k, num_warps, num_stages (default: the
+    order's)."""
     import torch
 
-    from expertstream.kernels.nvfp4_moe import nvfp4_moe_prefill_pairs, order_pairs
+    from expertstream.kernels.nvfp4_moe import combine_rows, nvfp4_moe_prefill_rows, order_pairs, tile_starts
 
     experts, dev = slots.shape[0], slots.device
-    ids, w = route(chunk, experts, seed=1, device=dev)
-    x = torch.randn(chunk, layout.hidden_size, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+    ids, w = route(tokens, experts, seed=1, device=dev)
+    x = torch.randn(tokens, layout.hidden_size, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
                     device=dev)  # fmt: skip
-    order = order_pairs(ids, experts, layout)
-    out = torch.zeros(chunk * ids.shape[1], layout.hidden_size, dtype=x.dtype, device=dev)
-    touched = torch.unique(ids)
-    maps = []
+    counts = torch.bincount(ids.reshape(-1), minlength=experts).tolist()
+    touched = [e for e, c in enumerate(counts) if c]
+    order = order_pairs(ids, experts, layout, distinct=len(touched))
+    bm = order.config["block_m"]
+    starts = tile_starts(counts, bm)
+    passes = []
     for i in range(n):
-        e2s = torch.full((experts,), -1, dtype=torch.int32, device=dev)
         members = touched[i * group : (i + 1) * group]
-        e2s[members] = members.to(torch.int32)
-        maps.append(e2s)
-    run = dict(order=order, launch=launch)
-    calls = [lambda e2s=e2s: nvfp4_moe_prefill_pairs(x, slots, ids, e2s, ws2, w, layout, out, **run)
-             for e2s in maps]  # fmt: skip
-    return calls, ids, out
+        e2s = torch.full((experts,), -1, dtype=torch.int32, device=dev)
+        e2s[members] = torch.tensor(members, dtype=torch.int32, device=dev)
+        passes.append((e2s, (starts[members[0]], starts[members[-1] + 1])))
+    rows = max(b - a for _, (a, b) in passes) * bm
+    y = torch.empty(rows, layout.hidden_size, dtype=x.dtype, device=dev)
+    work = torch.empty(rows, layout.intermediate_size, dtype=x.dtype, device=dev)
+    total = torch.zeros(tokens, layout.hidden_size, dtype=torch.float32, device=dev)
+
+    def one(e2s, tiles, first):
+        nvfp4_moe_prefill_rows(x, slots, e2s, ws2, w, layout, order, tiles, y, work, launch=launch)
+        combine_rows(y, order, e2s, tiles, total, accumulate=not first)
+
+    calls = [lambda i=i, p=p: one(*p, i == 0) for i, p in enumerate(passes)]
+    return calls, ids, total
 
 
 def fp8_calls(n: int, k: int, m: int, config: dict | None = None, copies: int = 8) -> list:
@@ -238,11 +248,11 @@ def run_benchmarks() -> tuple[list[Row], dict]:
         nbytes = touched * payload + 2 * 2 * t * HIDDEN
         goal = ">= 50% roofline" if t >= 512 else "-"
         rows.append(_row("nvfp4_moe_prefill", f"T={t}", ms, nbytes, t * TOPK * flop_per_pair, bw, tf, goal))
-    # one pass of the engine's prefill: a chunk's pairs sorted once, PASS_EXPERTS of its experts with a slot
+    # one pass of the engine's prefill: a span's pairs sorted once, PASS_EXPERTS of its experts with a slot
     ms, nbytes = graph_ms(pass_calls(layout, slots, ws2)[0]), PASS_EXPERTS * payload
-    pairs = PASS_CHUNK * TOPK * PASS_EXPERTS / EXPERTS  # the pass's share of the pairs, on average
-    shape = f"T={PASS_CHUNK}, {PASS_EXPERTS} of {EXPERTS} experts (a pass)"
-    rows.append(_row("nvfp4_moe_prefill_pairs", shape, ms, nbytes, pairs * flop_per_pair, bw, tf, "-"))
+    pairs = PASS_TOKENS * TOPK * PASS_EXPERTS / EXPERTS  # the pass's share of the pairs, on average
+    shape = f"T={PASS_TOKENS}, {PASS_EXPERTS} of {EXPERTS} experts (a pass)"
+    rows.append(_row("prefill pass (rows + combine)", shape, ms, nbytes, pairs * flop_per_pair, bw, tf, "-"))
 
     for n, k in FP8_SHAPES:
         for m in FP8_M:

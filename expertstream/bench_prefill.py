@@ -1,11 +1,10 @@
 """`expertstream bench prefill`: prompt processing of the streaming runtime against its I/O bound.
 
 On the full-shape synthetic model of `bench decode`, under --gpu-memory-gb, it prefills prompts of
---prompts tokens (default 2,451 and 32,768) in four regimes: `vram` (every expert resident in VRAM, the
+--prompts tokens (default 2,451 and 32,768) in three regimes: `vram` (every expert resident in VRAM, the
 budget raised by the expert bytes: the engine's compute floor for that prompt), `ram` (every expert in the
-pinned RAM cache), `ram graphs` (the same with --prefill-graphs: each pass replayed from a CUDA graph) and
-`disk` (RAM cache = 25 % of the expert bytes; prompt misses bypass it). It reports
-time, expert bytes from disk and over PCIe, expert passes per layer (one fetch + grouped launches each),
+pinned RAM cache) and `disk` (RAM cache = 25 % of the expert bytes; prompt misses bypass it). It reports
+time, expert bytes from disk and over PCIe, expert passes per layer (one fetch + three launches each),
 peak VRAM against the budget, and the bound max(disk bytes / disk rate, PCIe bytes / PCIe rate, the `vram`
 time of the same prompt); efficiency = bound / actual.
 """
@@ -187,7 +186,6 @@ def run(args) -> int:
             wd.num_layers * wd.num_experts,
         ),
         "ram": (all_in_ram, vram_blocks),
-        "ram graphs": (dataclasses.replace(all_in_ram, prefill_graphs=True), vram_blocks),
         "disk": (dataclasses.replace(base, ram_cache_gb=0.25 * expert_bytes / GiB), vram_blocks),
     }
     results = {}

@@ -56,13 +56,6 @@ class EngineConfig:
             "experts to VRAM while the bus is idle (attention), on a side stream; 0: off"
         },
     )
-    prefill_graphs: bool = field(
-        default=False,
-        metadata={
-            "help": "replay a prompt's expert passes from a CUDA graph captured in its second pass (one "
-            "launch from Python per pass instead of ~10 per chunk); off until measured on a GPU"
-        },
-    )
     enforce_eager: bool = field(
         default=False,
         metadata={

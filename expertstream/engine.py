@@ -127,7 +127,6 @@ class Engine:
                 speculate,
                 config.speculation_width,
                 config.stage_guesses,
-                config.prefill_graphs,
             )
             t1 = time.perf_counter()
             self.bank.warm_up(self.dtype)  # a first prompt must not wait for Triton compiles
@@ -138,8 +137,6 @@ class Engine:
             )
             if config.stage_guesses:
                 log.warning("--stage-guesses ignored: it stages blocks into VRAM for the CUDA expert bank")
-            if config.prefill_graphs:
-                log.warning("--prefill-graphs ignored: it captures the CUDA expert bank's prefill passes")
         base.use_triton(gpu)
         if self.plan:
             piece, span, chunk = self.plan.prefill_piece, self.plan.prefill_span, self.plan.prefill_chunk

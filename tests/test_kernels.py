@@ -18,7 +18,14 @@ from expertstream.kernels import (
     nvfp4_moe_prefill,
     nvfp4_moe_prefill_ref,
 )
-from expertstream.kernels.nvfp4_moe import nvfp4_moe_prefill_pairs, sort_pairs
+from expertstream.kernels.nvfp4_moe import (
+    combine_rows,
+    combine_rows_ref,
+    nvfp4_moe_prefill_rows,
+    order_pairs,
+    sort_pairs,
+    tile_starts,
+)
 
 triton = pytest.importorskip("triton")
 tl = triton.language
@@ -182,9 +189,12 @@ def test_swapped_nibbles_fail(bank):
 
 def test_sort_pairs_groups_every_pair_once():
     slot_of_pair = torch.tensor([3, 0, 3, 3, 1, 3, 0, 3, 3, 3], device=DEV)
-    pair_ids, tile_slot = sort_pairs(slot_of_pair, num_groups=5, block_m=4)
+    pair_ids, tile_slot, row_of_pair = sort_pairs(slot_of_pair, num_groups=5, block_m=4)
     p = slot_of_pair.numel()
     assert tile_slot.tolist() == [0, 1, 3, 3, -1, -1, -1, -1]  # slots 2, 4 have no pairs
+    assert pair_ids[row_of_pair.long()].tolist() == list(range(p))  # each pair's row holds it
+    counts = torch.bincount(slot_of_pair, minlength=5).tolist()
+    assert tile_starts(counts, 4) == [0, 1, 2, 2, 4, 4]
     tiles = pair_ids.view(-1, 4)
     real = pair_ids[pair_ids < p]
     assert sorted(real.tolist()) == list(range(p))
@@ -196,15 +206,32 @@ def test_sort_pairs_groups_every_pair_once():
 
 def test_sort_pairs_leaves_out_unmapped_pairs():
     slot_of_pair = torch.tensor([3, -1, 3, -1, 1, 3, -1, 3, 3], device=DEV)
-    pair_ids, tile_slot = sort_pairs(slot_of_pair, num_groups=5, block_m=4)
+    pair_ids, tile_slot, row_of_pair = sort_pairs(slot_of_pair, num_groups=5, block_m=4)
     p = slot_of_pair.numel()
     assert tile_slot.tolist()[:3] == [1, 3, 3] and set(tile_slot.tolist()[3:]) == {-1}
     real = pair_ids[pair_ids < p]
     assert sorted(real.tolist()) == [0, 2, 4, 5, 7, 8]
+    assert (row_of_pair[slot_of_pair < 0] == pair_ids.numel()).all()  # left out: past the last row
 
 
-def test_prefill_passes_fill_only_their_pairs(bank):
-    """Pairs of experts mapped to -1 keep their rows; two passes over disjoint groups give the whole sum."""
+def _passes(ids, e2s, groups, block_m):
+    # (expert -> slot map of each pass, with the other experts at -1; its tile range) for groups of experts
+    order = order_pairs(ids, e2s.numel(), None, config=dict(block_m=block_m, block_n=16, block_k=16,
+                                                           num_warps=2, num_stages=2))  # fmt: skip
+    starts = tile_starts(torch.bincount(ids.reshape(-1), minlength=e2s.numel()).tolist(), block_m)
+    out = []
+    for members in groups:
+        m = torch.full_like(e2s, -1)
+        m[members] = e2s[members]
+        out.append((m, (starts[members[0]], starts[members[-1] + 1])))
+    return order, out
+
+
+@pytest.mark.parametrize("combine", [combine_rows, combine_rows_ref])
+def test_prefill_passes_over_tile_ranges_give_the_whole_sum(bank, combine):
+    """Passes over disjoint groups of consecutive experts, each launched over its experts' tiles only, add
+    up to the one-launch sum; a pass writes only its rows and its tokens' sums; an expert with no slot in
+    a pass's range (a gap) is neither computed nor read."""
     layout, slots, ws2 = bank
     g = torch.Generator().manual_seed(5)
     t, k = 12, 3
@@ -212,16 +239,51 @@ def test_prefill_passes_fill_only_their_pairs(bank):
     x = torch.randn(t, layout.hidden_size, generator=g).to(DEV)
     w = torch.rand(t, k, generator=g).to(DEV)
     e2s = torch.arange(6, dtype=torch.int32, device=DEV)
-    first, second = e2s.clone(), e2s.clone()
-    first[3:], second[:3] = -1, -1
-    out = torch.full((t * k, layout.hidden_size), 7.0, device=DEV)
-    nvfp4_moe_prefill_pairs(x, slots, ids, first, ws2, w, layout, out, distinct=6)
-    untouched = (ids.reshape(-1) >= 3).cpu()
-    assert (out[untouched.to(DEV)] == 7.0).all() and not (out[~untouched.to(DEV)] == 7.0).all()
-    # a pass may launch in another shape than the order's (block_n, block_k, warps; the tiles stay)
-    launch = dict(block_n=16, block_k=16, num_warps=2, num_stages=2)
-    nvfp4_moe_prefill_pairs(x, slots, ids, second, ws2, w, layout, out, distinct=6, launch=launch)
-    close(out.view(t, k, -1).sum(1), nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout), torch.float32)
+    order, passes = _passes(ids, e2s, [[0, 1, 2], [3, 4, 5]], block_m=4)
+    rows = max(b - a for _, (a, b) in passes) * 4
+    y = torch.empty(rows, layout.hidden_size, device=DEV)
+    work = torch.empty(rows, layout.intermediate_size, device=DEV)
+    total = torch.full((t, layout.hidden_size), 5.0, device=DEV)
+    for i, (m, tiles) in enumerate(passes):
+        launch = dict(block_n=32, block_k=8, num_warps=2, num_stages=2) if i else None  # another shape
+        y.fill_(7.0)
+        nvfp4_moe_prefill_rows(x, slots, m, ws2, w, layout, order, tiles, y, work, launch=launch)
+        used = (tiles[1] - tiles[0]) * 4
+        assert not (y[:used] == 7.0).all() and (y[used:] == 7.0).all()
+        combine(y, order, m, tiles, total, accumulate=i > 0)
+        if i == 0:  # tokens with no pair in the first group sum to 0
+            touched = (ids < 3).any(dim=1)
+            assert (total[~touched] == 0).all() and (total[touched] != 0).any(dim=1).all()
+    want = nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout)
+    close(total, want, torch.float32)
+    # a range that spans an unmapped expert (2) skips its tiles and its rows
+    m, _ = _passes(ids, e2s, [[1, 3]], block_m=4)[1][0]
+    starts = tile_starts(torch.bincount(ids.reshape(-1), minlength=6).tolist(), 4)
+    tiles = (starts[1], starts[4])
+    y.fill_(float("nan"))
+    nvfp4_moe_prefill_rows(x, slots, m, ws2, w, layout, order, tiles, y, work)
+    combine(y, order, m, tiles, total, accumulate=False)
+    ids13 = torch.where((ids == 1) | (ids == 3), ids, -1)
+    keep = (ids13 >= 0).float()
+    want = nvfp4_moe_prefill_ref(x, slots, ids13.clamp(min=0), e2s, ws2, w * keep, layout)
+    assert not total.isnan().any()
+    close(total, want, torch.float32)
+
+
+def test_combine_rows_equals_its_twin_bit_for_bit():
+    g = torch.Generator().manual_seed(3)
+    t, k, e, h = 9, 4, 7, 40
+    ids = torch.randint(0, e, (t, k), generator=g).to(DEV)
+    e2s = torch.arange(e, dtype=torch.int32, device=DEV)
+    e2s[4] = -1  # in the range, no slot: its rows are skipped
+    order, [(m, tiles)] = _passes(ids, e2s, [[1, 2, 3, 4, 5]], block_m=2)
+    y = torch.randn((tiles[1] - tiles[0]) * 2, h, generator=g).to(DEV)
+    for accumulate in (False, True):
+        start = torch.randn(t, h, generator=g).to(DEV)
+        got, want = start.clone(), start.clone()
+        combine_rows(y, order, m, tiles, got, accumulate)
+        combine_rows_ref(y, order, m, tiles, want, accumulate)
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -489,19 +551,16 @@ def test_stage_blocks_copies_ram_guesses_and_points_the_working_row_at_them(firs
     assert staged.tolist() == [-6, 3, -4, 2, -2, -1] and torch.equal(direct, through)
 
 
-def test_bench_pass_calls_write_only_their_groups_rows():
-    # `bench kernels`' engine-pass row: each call maps another group of the chunk's experts to slots, and
-    # its launch writes exactly the rows of the pairs routed to that group, as the full launch would
+def test_bench_pass_calls_fill_only_their_groups_tokens():
+    # `bench kernels`' engine-pass row: each call maps the next group of the span's experts to slots, and
+    # adds exactly the sums of the tokens routed to that group, as the one-launch kernel would
     from expertstream.bench_kernels import pass_calls
 
     layout = ExpertLayout.for_dims(64, 32, align=64)
     slots, ws2 = random_slots(layout, 24, seed=9)
-    calls, ids, out = pass_calls(layout, slots, ws2, n=2, chunk=12, group=3)
-    assert out.abs().sum() == 0
-    calls[0]()
+    calls, ids, total = pass_calls(layout, slots, ws2, n=2, tokens=12, group=3)
     groups = torch.unique(ids)
-    first = torch.isin(ids.reshape(-1), groups[:3])
-    assert torch.equal(out.abs().sum(dim=1) > 0, first)
-    calls[1]()
-    both = torch.isin(ids.reshape(-1), groups[:6])
-    assert torch.equal(out.abs().sum(dim=1) > 0, both)
+    for i, call in enumerate(calls):
+        call()
+        hit = torch.isin(ids, groups[: 3 * (i + 1)]).any(dim=1)
+        assert torch.equal(total.abs().sum(dim=1) > 0, hit)

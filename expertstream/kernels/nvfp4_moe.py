@@ -8,9 +8,10 @@ y[t] = sum_k w[t, k] * down_k(silu(gate_k x[t]) * up_k x[t]).
   block to finish (an atomic count) sums the partials in expert order, so the result is deterministic.
   Each expert's block is found through a location table: a VRAM slot, or a row of pinned host RAM that
   the kernel reads over the bus without a copy.
-- prefill (many tokens): (token, k) pairs sorted by expert and padded to BLOCK_M tiles (once per chunk of
-  tokens, shared by a bank's passes); each tile finds its expert's slot, dequantises weight tiles to the
-  activation dtype in registers and runs tl.dot; per-pair outputs [T*K, H] are summed.
+- prefill (many tokens): (token, k) pairs sorted by expert and padded to BLOCK_M tiles (once per prompt
+  call, shared by a bank's passes); a pass launches over its experts' tiles only, each tile finds its
+  expert's slot, dequantises weight tiles to the activation dtype in registers and runs tl.dot, writing
+  weighted rows by tile row; `combine_rows` adds each token's rows in k order into an FP32 sum.
 """
 
 from __future__ import annotations
@@ -295,9 +296,9 @@ def _prefill_config(num_pairs: int, num_experts: int, layout: ExpertLayout, devi
 
 def sort_pairs(
     group_of_pair: torch.Tensor, num_groups: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group (token, k) pairs by group id (an expert) into BLOCK_M tiles without a host sync; pairs of group
-    -1 are left out.
+    -1 are left out. Tiles run in group order, each group's pairs in pair order.
 
     Args:
         group_of_pair: [P] int64 group of each flattened pair p = t * K + k, or -1 (left out).
@@ -305,7 +306,8 @@ def sort_pairs(
         block_m: rows per tile.
 
     Returns:
-        (pair_ids [NT * block_m] int32, padding = P; tile_group [NT] int32, -1 past the last tile) where
+        (pair_ids [NT * block_m] int32, padding = P; tile_group [NT] int32, -1 past the last tile;
+        row_of_pair [P] int32, the row of pair_ids holding each pair, NT * block_m if left out) where
         NT = cdiv(P, block_m) + min(G, P) bounds the tiles needed.
     """
     p = group_of_pair.numel()
@@ -329,20 +331,36 @@ def sort_pairs(
     )
     pair_ids = torch.full((nt * block_m + 1,), p, dtype=torch.int32, device=dev)
     pair_ids[dest] = order.to(torch.int32)
+    row_of_pair = torch.empty(p, dtype=torch.int32, device=dev)
+    row_of_pair[order] = dest.to(torch.int32)
     tile_idx = torch.searchsorted(tile_end[:num_groups], torch.arange(nt, device=dev), right=True)  # [NT]
     tile_group = torch.where(tile_idx < num_groups, tile_idx, -1).to(torch.int32)
-    return pair_ids[:-1], tile_group
+    return pair_ids[:-1], tile_group, row_of_pair
+
+
+def tile_starts(counts: list[int], block_m: int) -> list[int]:
+    """First tile of each group in `sort_pairs`' order, from the pairs per group on the host: [G + 1], the
+    last entry the tiles in use. Consecutive groups g..h own tiles [starts[g], starts[h + 1])."""
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + cdiv(c, block_m))
+    return starts
 
 
 @dataclass
 class PairOrder:
     """A prefill launch's (token, k) pairs sorted by expert into tiles, and the launch config it was made for.
-    Made once per chunk of tokens (`order_pairs`); a bank that runs the chunk's experts in several passes
-    reuses it for every pass: the kernels skip tiles whose expert has no slot in `expert_to_slot`."""
+    Made once per prompt call (`order_pairs`); a bank that runs the experts in several passes launches each
+    pass over its experts' tiles only (`tile_starts`)."""
 
     pair_ids: torch.Tensor  # [NT * block_m] int32 pair per tile row, P for padding
     tile_expert: torch.Tensor  # [NT] int32 expert of each tile, -1 past the last
+    row_of_pair: torch.Tensor  # [P] int32 tile row of each pair
     config: dict
+
+    @property
+    def tiles(self) -> int:
+        return self.tile_expert.numel()
 
 
 def order_pairs(
@@ -356,8 +374,7 @@ def order_pairs(
     mean pairs per touched expert, with `distinct` touched experts, default min(E, T K))."""
     p = expert_ids.numel()
     cfg = config or _prefill_config(p, min(num_experts, distinct or num_experts), layout, expert_ids.device)
-    pair_ids, tile_expert = sort_pairs(expert_ids.reshape(-1).long(), num_experts, cfg["block_m"])
-    return PairOrder(pair_ids, tile_expert, cfg)
+    return PairOrder(*sort_pairs(expert_ids.reshape(-1).long(), num_experts, cfg["block_m"]), cfg)
 
 
 def nvfp4_moe_prefill(
@@ -386,78 +403,156 @@ def nvfp4_moe_prefill(
     Returns:
         [T, H] in x.dtype.
     """
-    t, k = expert_ids.shape
-    y = torch.empty(t * k, layout.hidden_size, dtype=x.dtype, device=x.device)  # weighted output per pair
-    nvfp4_moe_prefill_pairs(x, slots, expert_ids, expert_to_slot, ws2, weights, layout, y, config=config)
-    return y.view(t, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    order = order_pairs(expert_ids, expert_to_slot.numel(), layout, config=config)
+    tiles = (0, order.tiles)
+    rows = order.tiles * order.config["block_m"]
+    y = torch.empty(rows, layout.hidden_size, dtype=x.dtype, device=x.device)  # weighted output per row
+    work = torch.empty(rows, layout.intermediate_size, dtype=x.dtype, device=x.device)
+    nvfp4_moe_prefill_rows(x, slots, expert_to_slot, ws2, weights, layout, order, tiles, y, work)
+    total = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    combine_rows(y, order, expert_to_slot, tiles, total, accumulate=False)
+    return total.to(x.dtype)
 
 
-def nvfp4_moe_prefill_pairs(
+def nvfp4_moe_prefill_rows(
     x: torch.Tensor,
     slots: torch.Tensor,
-    expert_ids: torch.Tensor,
     expert_to_slot: torch.Tensor,
     ws2: torch.Tensor,
     weights: torch.Tensor,
     layout: ExpertLayout,
-    out: torch.Tensor,
+    order: PairOrder,
+    tiles: tuple[int, int],
+    y: torch.Tensor,
+    work: torch.Tensor,
     *,
-    distinct: int | None = None,
-    config: dict | None = None,
-    order: PairOrder | None = None,
-    work: torch.Tensor | None = None,
     launch: dict | None = None,
 ) -> None:
-    """Per-pair weighted outputs, out[t K + k] = weights[t, k] expert_{t,k}(x[t]), for the pairs whose expert
-    has a slot; rows of pairs whose expert maps to -1 are left as they are (a bank that fits a prompt's
-    experts in several passes remaps and calls once per pass, then sums the rows over k).
+    """Weighted expert outputs of the pairs in tiles [t0, t1) of `order`, by tile row: y[r - t0 BLOCK_M] =
+    weights[p] expert_p(x[token of p]) for the pair p in row r. Tiles whose expert maps to -1 are skipped
+    (their rows are left as they are). A bank that fits a prompt's experts in several passes launches each
+    pass over its experts' tiles and adds the rows into the token sums with `combine_rows`.
 
-    Args: as `nvfp4_moe_prefill`, plus out [T*K, H] in x.dtype; distinct: the prompt's distinct routed
-    experts (default min(E, T K)), which sets the mean pairs per expert that picks the tile size; order: the
-    pairs already sorted by `order_pairs` for these expert_ids (passes over one chunk share it); work: scratch
-    for h, at least [NT * BLOCK_M, I] in x.dtype (default: allocated per call); launch: block_n, block_k,
-    num_warps, num_stages for these launches in place of the order's (its block_m stays: the tiles are
-    made), e.g. the shape tuned for a bank's passes that map a few experts each.
+    Args: as `nvfp4_moe_prefill`, plus order: the pairs of expert_ids [T, K] sorted by `order_pairs`; tiles:
+    (t0, t1); y: [R, H] in x.dtype and work (h = silu(g) u): [R, I] in x.dtype, R >= (t1 - t0) BLOCK_M;
+    launch: block_n, block_k, num_warps, num_stages in place of the order's (its block_m stays: the tiles
+    are made), e.g. the shape tuned for a bank's passes of a few experts each.
     """
     _check_common(x, slots, layout)
     assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
-    assert x.dim() == 2 and expert_ids.dim() == 2 and expert_ids.shape[0] == x.shape[0], "x / expert_ids"
-    assert expert_ids.dtype in (torch.int32, torch.int64), f"expert_ids dtype {expert_ids.dtype}"
+    assert x.dim() == 2 and weights.shape[0] == x.shape[0], f"x {tuple(x.shape)} / weights {weights.shape}"
     assert expert_to_slot.dtype in (torch.int32, torch.int64) and expert_to_slot.dim() == 1
-    assert weights.dtype == torch.float32 and weights.shape == expert_ids.shape, f"weights {weights.shape}"
-    t, k = expert_ids.shape
+    assert weights.dtype == torch.float32 and weights.is_contiguous(), f"weights {weights.dtype}"
+    t, k = weights.shape
     h_size, i_size = layout.hidden_size, layout.intermediate_size
     p = t * k
-    assert out.shape == (p, h_size) and out.dtype == x.dtype and out.is_contiguous(), (
-        f"out {tuple(out.shape)}"
-    )
-    require_triton(x, ws2, expert_ids, expert_to_slot, weights, out)
-    order = order or order_pairs(expert_ids, expert_to_slot.numel(), layout, distinct, config)
     cfg = {**order.config, **(launch or {}), "block_m": order.config["block_m"]}
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    assert order.pair_ids.numel() == order.tile_expert.numel() * bm, "order made for another config"
-    nt = order.tile_expert.numel()
+    assert order.pair_ids.numel() == order.tiles * bm and order.row_of_pair.numel() == p, "order"
+    t0, t1 = tiles
+    assert 0 <= t0 <= t1 <= order.tiles, f"tiles {tiles} of {order.tiles}"
+    rows = (t1 - t0) * bm
+    for buf, width in ((y, h_size), (work, i_size)):
+        assert buf.dtype == x.dtype and buf.is_contiguous() and buf.dim() == 2, f"{buf.dtype} {buf.shape}"
+        assert buf.shape[0] >= rows and buf.shape[1] == width, f"buffer {tuple(buf.shape)} for {rows} rows"
+    require_triton(x, ws2, expert_to_slot, weights, y, work)
+    if t1 == t0:
+        return
     off = _offsets(layout)
-    if work is None:
-        work = torch.empty(nt * bm, i_size, dtype=x.dtype, device=x.device)
-    assert work.dtype == x.dtype and work.shape[0] >= nt * bm and work.shape[1:] == (i_size,), "work shape"
-    assert work.is_contiguous(), "work must be contiguous"
-    h = work[: nt * bm]  # silu(g) * u by padded sorted row
     common = dict(
         block_bytes=layout.block_bytes, H=h_size, I=i_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    tiles = (order.pair_ids, order.tile_expert, expert_to_slot)
+    tile_args = (order.pair_ids, order.tile_expert, expert_to_slot)
     launch_e2m1(
-        _prefill_gate_up_kernel, (nt, cdiv(i_size, bn)), x.device,
-        x, *tiles, slots, ws2, h, p, k, gw_off=off["gw_off"], uw_off=off["uw_off"],
+        _prefill_gate_up_kernel, (t1 - t0, cdiv(i_size, bn)), x.device,
+        x, *tile_args, slots, ws2, work, p, k, t0, gw_off=off["gw_off"], uw_off=off["uw_off"],
         gs_off=off["gs_off"], us_off=off["us_off"], **common,
     )  # fmt: skip
     launch_e2m1(
-        _prefill_down_kernel, (nt, cdiv(h_size, bn)), x.device,
-        h, *tiles, slots, ws2, weights.reshape(-1), out, p, dw_off=off["dw_off"],
-        ds_off=off["ds_off"], **common,
+        _prefill_down_kernel, (t1 - t0, cdiv(h_size, bn)), x.device,
+        work, *tile_args, slots, ws2, weights, y, p, t0, dw_off=off["dw_off"], ds_off=off["ds_off"], **common,
     )  # fmt: skip
+
+
+def _combine_args(y, order: PairOrder, expert_to_slot, tiles, total):
+    t0, t1 = tiles
+    bm = order.config["block_m"]
+    assert total.dtype == torch.float32 and total.dim() == 2 and total.is_contiguous(), f"total {total.dtype}"
+    assert y.dim() == 2 and y.shape[1] == total.shape[1] and y.shape[0] >= (t1 - t0) * bm, f"y {y.shape}"
+    assert order.row_of_pair.numel() % total.shape[0] == 0, "order made for another token count"
+    return t0 * bm, t1 * bm, order.row_of_pair.numel() // total.shape[0], bm
+
+
+def combine_rows_ref(y, order: PairOrder, expert_to_slot, tiles, total, accumulate: bool) -> None:
+    """Plain-torch twin of `combine_rows` (the same FP32 additions in the same order)."""
+    r0, r1, k, bm = _combine_args(y, order, expert_to_slot, tiles, total)
+    rows = order.row_of_pair.view(-1, k).long()  # [T, K]
+    acc = torch.zeros_like(total)
+    hit = torch.zeros(total.shape[0], dtype=torch.bool, device=total.device)
+    for j in range(k):
+        r = rows[:, j]
+        inside = (r >= r0) & (r < r1)
+        tile = torch.where(inside, r // bm, 0)
+        e = order.tile_expert[tile].long()
+        ok = inside & (e >= 0) & (expert_to_slot[e.clamp(min=0)] >= 0)
+        acc += torch.where(ok[:, None], y[torch.where(ok, r - r0, 0)].float(), 0.0)
+        hit |= ok
+    if accumulate:
+        total[hit] += acc[hit]
+    else:
+        total.copy_(acc)
+
+
+def combine_rows(
+    y: torch.Tensor,
+    order: PairOrder,
+    expert_to_slot: torch.Tensor,
+    tiles: tuple[int, int],
+    total: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """Add each token's pair rows from tiles [t0, t1) of `order` (written by `nvfp4_moe_prefill_rows`) in k
+    order, and write the sum into total [T, H] FP32 (accumulate: add it to total's rows of the tokens that
+    have such a pair). Rows of tiles whose expert maps to -1 are not read. Deterministic: no atomics."""
+    r0, r1, k, bm = _combine_args(y, order, expert_to_slot, tiles, total)
+    require_triton(y, expert_to_slot, total)
+    t, h = total.shape
+    block_t, block_n = 16, 128
+    _combine_rows_kernel[(cdiv(t, block_t), cdiv(h, block_n))](
+        y, order.row_of_pair, order.tile_expert, expert_to_slot, total, t, k, r0, r1, h,
+        ACCUMULATE=accumulate, BLOCK_M=bm, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4,
+    )  # fmt: skip
+
+
+@jit(do_not_specialize=("T", "K", "R0", "R1"))
+def _combine_rows_kernel(
+    y_ptr, row_ptr, tile_expert_ptr, e2s_ptr, total_ptr, T, K, R0, R1, H, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # program (token block, column block): total[t, n] (+)= sum over k of y[row(t, k) - R0, n] for the rows
+    # in [R0, R1) whose tile's expert has a slot
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < H
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    hit = tl.zeros([BLOCK_T], tl.int1)
+    for j in range(K):
+        r = tl.load(row_ptr + t.to(tl.int64) * K + j, mask=tmask, other=-1)
+        inside = (r >= R0) & (r < R1)
+        e = tl.load(tile_expert_ptr + r // BLOCK_M, mask=inside, other=-1)
+        s = tl.load(e2s_ptr + tl.maximum(e, 0), mask=inside & (e >= 0), other=-1)
+        ok = inside & (e >= 0) & (s >= 0)
+        yr = y_ptr + (r - R0).to(tl.int64)[:, None] * H + n[None, :]
+        acc += tl.load(yr, mask=ok[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        hit = hit | ok
+    out = total_ptr + t.to(tl.int64)[:, None] * H + n[None, :]
+    if ACCUMULATE:
+        m = (tmask & hit)[:, None] & nmask[None, :]
+        tl.store(out, tl.load(out, mask=m, other=0.0) + acc, mask=m)
+    else:
+        tl.store(out, acc, mask=tmask[:, None] & nmask[None, :])
 
 
 @jit
@@ -479,20 +574,20 @@ def _dequant_tile(
     return (lo * s).to(dtype), (hi * s).to(dtype)
 
 
-@jit(do_not_specialize=("P", "K"))  # pair counts vary per call: one compiled variant
+@jit(do_not_specialize=("P", "K", "T0"))  # pair counts and tile offsets vary per call: one variant
 def _prefill_gate_up_kernel(
-    x_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, h_ptr, P, K, block_bytes, H, I,
+    x_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, h_ptr, P, K, T0, block_bytes, H, I,
     gw_off, uw_off, gs_off, us_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # program (tile, n block): h[rows, n] = silu(x[tok] gate^T) * (x[tok] up^T), rows of one expert
-    tile = tl.program_id(0)
+    # program (tile T0 + i, n block): h[i BM + m, n] = silu(x[tok] gate^T) * (x[tok] up^T), rows of one expert
+    tile = T0 + tl.program_id(0)
     slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
     if slot < 0:  # past the last tile, or its expert is not in this pass
         return
     blk = slots_ptr + slot * block_bytes
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + rows)
+    pair = tl.load(pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # of h
     valid = pair < P
     tok = (pair // K).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -519,21 +614,21 @@ def _prefill_gate_up_kernel(
     tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=hm)
 
 
-@jit(do_not_specialize=("P",))
+@jit(do_not_specialize=("P", "T0"))
 def _prefill_down_kernel(
-    h_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, w_ptr, y_ptr, P, block_bytes, H, I, dw_off,
-    ds_off,
+    h_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, w_ptr, y_ptr, P, T0, block_bytes, H, I,
+    dw_off, ds_off,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # program (tile, n block): y[pair, n] = w[pair] * h[rows] down^T for the rows of one expert
-    tile = tl.program_id(0)
+    # program (tile T0 + i, n block): y[i BM + m, n] = w[pair] * h[i BM + m] down^T, rows of one expert
+    tile = T0 + tl.program_id(0)
     slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
     if slot < 0:  # past the last tile, or its expert is not in this pass
         return
     blk = slots_ptr + slot * block_bytes
-    rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    pair = tl.load(pair_ptr + rows)
+    pair = tl.load(pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # of h and y
     valid = pair < P
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
@@ -551,4 +646,4 @@ def _prefill_down_kernel(
     rw = tl.load(w_ptr + pair, mask=valid, other=0.0)
     acc = acc * tl.load(ws2_ptr + slot * 3 + 2) * rw[:, None]
     ym = valid[:, None] & nmask[None, :]
-    tl.store(y_ptr + pair[:, None].to(tl.int64) * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)
+    tl.store(y_ptr + rows[:, None] * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)

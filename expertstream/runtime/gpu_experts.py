@@ -25,7 +25,6 @@ from expertstream.kernels import nvfp4_moe
 from expertstream.kernels.codec import tuned_config
 from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
-from expertstream.runtime.capture import capture
 from expertstream.runtime.host_mirror import HostMirror
 from expertstream.runtime.speculation import Speculator
 from expertstream.runtime.vram_cache import VramExpertCache
@@ -83,8 +82,6 @@ class GpuExperts:
         speculation_width: guesses per layer as a multiple of K.
         stage_guesses: with every block in RAM, copy this many of the next layer's guesses to VRAM early
             (2 x this many of the slots become staging rows); 0: off.
-        prefill_graphs: on CUDA, replay a prompt's expert passes from a CUDA graph captured in its second
-            pass (one launch from Python per pass instead of ~10 per chunk of tokens).
     """
 
     def __init__(
@@ -97,7 +94,6 @@ class GpuExperts:
         speculate: bool = True,
         speculation_width: float = 1.0,
         stage_guesses: int = 0,
-        prefill_graphs: bool = False,
     ):
         self.layout = workdir.layout
         self.store, self.control = store, control
@@ -145,11 +141,9 @@ class GpuExperts:
         # for the GPU to finish everything queued before: earlier layers, copies, the router)
         self.decode_seconds = self.sync_seconds = 0.0
         self.spec_seconds = 0.0  # ... of which queueing the next layer's guessed disk reads
-        self.prefill_passes = 0  # expert groups run by prefill (one fetch + grouped launches each)
-        self.prefill_chunk: int | None = None  # tokens per prefill launch (the plan's piece); None: all
-        self.prefill_graphs = prefill_graphs and dev.type == "cuda"
-        self.prefill_captures = self.prefill_replays = 0  # pass graphs captured, and passes run from one
-        self._capture_stream = None
+        self.prefill_passes = 0  # expert groups run by prefill (one fetch + three launches each)
+        # a pass's rows of h and output are at most this many tokens' K pairs (the plan's MoE workspace)
+        self.prefill_chunk: int | None = None  # None: a call's tokens
         # prompt passes read one group ahead, and a group's buffers wait for its copies: three groups' worth
         store.keep_spare(3 * max(1, n_slots // 2))
         self._launch_pending = False  # a prepared decode whose kernel has not been marked used yet
@@ -203,11 +197,13 @@ class GpuExperts:
             return self._decode(layer, x, expert_ids, weights)
         self._mark_launched()
         self._guess = None
-        experts = torch.unique(expert_ids).tolist()
+        # pairs per expert: the call's one host sync
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).tolist()
         self.host_syncs += 1
+        experts = [e for e, c in enumerate(counts) if c]
         if self.spec is not None:
             self.spec.score(layer, experts)
-        return self._prefill(layer, x, expert_ids, weights, experts)
+        return self._prefill(layer, x, expert_ids, weights, counts, experts)
 
     def _map_pass(self, experts: list[int], slots: list[int]) -> None:
         """Point `expert_to_slot` at a prefill pass's slots, every other expert at -1 (the pass skips their
@@ -392,18 +388,23 @@ class GpuExperts:
         keys = [(layer, e) for e in experts if (layer, e) not in self.cache.lru]
         return self.store.request(keys, cache=self._cache_reads)
 
-    def _prefill(self, layer, x, expert_ids, weights, experts) -> torch.Tensor:
-        # groups of half the slots: the previous group's slots stay protected while its kernel runs
-        group = max(1, self.cache.n_slots // 2)
-        groups = [experts[i : i + group] for i in range(0, len(experts), group)]
+    def _prefill(self, layer, x, expert_ids, weights, counts, experts) -> torch.Tensor:
+        # the call's (token, k) pairs sorted by expert once; tiles run in expert order, so a group of
+        # consecutive experts is one range of tiles, and a pass launches over that range only
+        order = nvfp4_moe.order_pairs(expert_ids, self.num_experts, self.layout, distinct=len(experts))
+        bm = order.config["block_m"]
+        starts = nvfp4_moe.tile_starts(counts, bm)
+        groups = self._groups(experts, starts, bm, expert_ids.shape[1])
         self.prefill_passes += len(groups)
+        tiles = [(starts[g[0]], starts[g[-1] + 1]) for g in groups]
+        rows = max(b - a for a, b in tiles) * bm
+        y = torch.empty(rows, self.layout.hidden_size, dtype=x.dtype, device=x.device)  # weighted rows
+        work = torch.empty(rows, self.layout.intermediate_size, dtype=x.dtype, device=x.device)  # h
+        total = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # [T, H] routed sum
+        weights = weights.float().contiguous()
         # passes of a few experts each may launch in a shape of their own (tuned_configs.json `HxIxpass`)
         key = f"{self.layout.hidden_size}x{self.layout.intermediate_size}xpass"
         launch = tuned_config("nvfp4_prefill", x.device, key) if len(groups) > 1 else None
-        launches = _PassLaunches(self, x, expert_ids, weights, len(experts), launch)
-        # from the second pass on, passes replay a graph captured then (the first pass compiles and loads
-        # what the kernels need for these shapes; neither may happen inside a capture)
-        graph = None
         # reads run one group ahead: group g+1's disk reads proceed while group g is copied and computed
         # (with one group its fetch is the only request)
         pending = [self._read_ahead(layer, groups[0]) if len(groups) > 1 else []]
@@ -413,20 +414,31 @@ class GpuExperts:
                 self._map_pass(members, self.cache.fetch(layer, members))
                 for h in pending.pop(0):
                     h.release()
-                if self.prefill_graphs and g > 0 and len(groups) > 2:
-                    if graph is None:
-                        self._capture_stream = self._capture_stream or torch.cuda.Stream(x.device)
-                        graph = capture(launches, self._capture_stream)[0]
-                        self.prefill_captures += 1
-                    graph.replay()
-                    self.prefill_replays += 1
-                else:
-                    launches()
+                nvfp4_moe.nvfp4_moe_prefill_rows(
+                    x, self.cache.slots, self.expert_to_slot, self.cache.ws2, weights, self.layout, order,
+                    tiles[g], y, work, launch=launch,
+                )  # fmt: skip
+                nvfp4_moe.combine_rows(y, order, self.expert_to_slot, tiles[g], total, accumulate=g > 0)
                 self.cache.mark_used()
         finally:
             for h in (h for hs in pending for h in hs):
                 h.release()
-        return launches.result()
+        return total.to(x.dtype)
+
+    def _groups(self, experts: list[int], starts: list[int], bm: int, k: int) -> list[list[int]]:
+        """Consecutive experts in passes of at most half the slots (the previous pass's slots stay protected
+        while its kernels run) and at most `prefill_chunk` tokens' K rows (one expert may exceed it)."""
+        size = max(1, self.cache.n_slots // 2)
+        max_rows = self.prefill_chunk * k if self.prefill_chunk else None
+        groups: list[list[int]] = []
+        for e in experts:
+            g = groups[-1] if groups else None
+            full = g is not None and max_rows is not None and (starts[e + 1] - starts[g[0]]) * bm > max_rows
+            if g is None or len(g) == size or full:
+                groups.append([e])
+            else:
+                g.append(e)
+        return groups
 
     @property
     def bytes_in_place(self) -> int:
@@ -451,55 +463,3 @@ class GpuExperts:
         for h in self._resident_handles:
             h.release()
         self._resident_handles = []
-
-
-class _PassLaunches:
-    """A prompt call's expert launches for one pass, the same launches, shapes and addresses in every pass
-    (only the slot map and the slots' contents differ), with the buffers they fill.
-
-    One row per (token, k) pair of a chunk, filled pass by pass: the kernel skips pairs whose expert is not
-    in the pass (mapped to -1), so no pass reads the routing back or gathers its tokens. A span of several
-    chunks keeps the passes outer (each block fetched once) and adds each (pass, chunk)'s rows into an FP32
-    sum, zeroing them first. Every buffer is allocated here, so a captured pass allocates nothing.
-    """
-
-    def __init__(self, bank: GpuExperts, x, expert_ids, weights, distinct: int, launch: dict | None = None):
-        t, self.k = expert_ids.shape
-        chunk = min(t, bank.prefill_chunk or t)
-        self.bank, self.x, self.expert_ids, self.weights = bank, x, expert_ids, weights.float()
-        self.launch = launch
-        self.bounds = [(a, min(a + chunk, t)) for a in range(0, t, chunk)]
-        f32 = dict(dtype=torch.float32, device=x.device)
-        self.y = torch.empty(chunk * self.k, x.shape[1], dtype=x.dtype, device=x.device)  # [chunk K, H]
-        self.total = torch.zeros(t, x.shape[1], **f32) if len(self.bounds) > 1 else None  # [T, H]
-        self.rows_sum = torch.empty(chunk, x.shape[1], **f32) if self.total is not None else None
-        # each chunk's pairs sorted by expert once; every pass reuses the order (its kernels skip the tiles
-        # of experts outside the pass)
-        self.orders = [
-            nvfp4_moe.order_pairs(expert_ids[a:b], bank.num_experts, bank.layout, distinct=distinct)
-            for a, b in self.bounds
-        ]
-        rows = max(o.pair_ids.numel() for o in self.orders)  # the kernels' scratch, shared by the chunks
-        self.work = torch.empty(rows, bank.layout.intermediate_size, dtype=x.dtype, device=x.device)
-
-    def __call__(self) -> None:
-        bank, k = self.bank, self.k
-        for (a, b), order in zip(self.bounds, self.orders):
-            rows = self.y[: (b - a) * k]
-            if self.total is not None:
-                rows.zero_()
-            nvfp4_moe.nvfp4_moe_prefill_pairs(
-                self.x[a:b], bank.cache.slots, self.expert_ids[a:b], bank.expert_to_slot, bank.cache.ws2,
-                self.weights[a:b], bank.layout, rows, order=order, work=self.work, launch=self.launch,
-            )  # fmt: skip
-            if self.total is not None:
-                part = self.rows_sum[: b - a]
-                torch.sum(rows.view(b - a, k, -1), dim=1, dtype=torch.float32, out=part)
-                self.total[a:b] += part
-
-    def result(self) -> torch.Tensor:
-        """[T, H] in x.dtype once every pass ran."""
-        total = self.total
-        if total is None:
-            total = self.y.view(self.x.shape[0], self.k, -1).sum(dim=1, dtype=torch.float32)
-        return total.to(self.x.dtype)
