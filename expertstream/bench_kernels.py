@@ -351,7 +351,8 @@ PREFILL_SWEEP = [
 
 PASS_SWEEP = [
     dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-    for bn, bk, nw, ns in [(64, 32, 4, 4), (32, 32, 4, 4), (16, 32, 4, 4), (16, 64, 4, 3), (32, 64, 8, 3)]
+    for bn, bk, nw, ns in [(64, 32, 4, 4), (32, 32, 4, 4), (16, 32, 4, 4), (16, 64, 4, 3), (32, 64, 8, 3),
+                           (16, 16, 4, 4), (16, 32, 2, 4), (32, 32, 4, 2)]
 ]  # fmt: skip
 
 

@@ -245,7 +245,7 @@ def test_prefill_passes_over_tile_ranges_give_the_whole_sum(bank, combine):
     work = torch.empty(rows, layout.intermediate_size, device=DEV)
     total = torch.full((t, layout.hidden_size), 5.0, device=DEV)
     for i, (m, tiles) in enumerate(passes):
-        launch = dict(block_n=32, block_k=8, num_warps=2, num_stages=2) if i else None  # another shape
+        launch = dict(block_n=32, block_k=16, num_warps=2, num_stages=2) if i else None  # another shape
         y.fill_(7.0)
         nvfp4_moe_prefill_rows(x, slots, m, ws2, w, layout, order, tiles, y, work, launch=launch)
         used = (tiles[1] - tiles[0]) * 4
