@@ -351,9 +351,9 @@ PREFILL_SWEEP = [
 
 PASS_SWEEP = [
     dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-    for bn, bk, nw, ns in [(64, 32, 4, 4), (32, 32, 4, 4), (16, 32, 4, 4), (16, 64, 4, 3), (32, 64, 8, 3),
-                           (16, 16, 4, 4), (16, 32, 2, 4), (32, 32, 4, 2)]
-]  # fmt: skip
+    for bn, bk, nw, ns in [(64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 4), (128, 64, 8, 3),
+                           (128, 32, 8, 4), (64, 128, 4, 3), (128, 64, 4, 3)]
+]  # fmt: skip  # the first is the tiles' own (ps64) shape: a sweep never records worse; narrower tiles lost
 
 
 SWEPT = ("fp8_gemv", "nvfp4_decode", "nvfp4_prefill", "nvfp4_prefill_pass")
