@@ -563,34 +563,13 @@ def _tile_slot(tile_expert_ptr, e2s_ptr, tile):
 
 
 @jit
-def _pairs_tile(src, rows, valid, k0, width, BLOCK_K: tl.constexpr):
-    # activations of rows [BM] over column pairs k0 .. k0 + BK of a [*, width] matrix: even and odd
-    # columns [BM, BK] (zero past the row's end or for padding rows)
-    kk = k0 + tl.arange(0, BLOCK_K)
-    m = valid[:, None] & (kk < width // 2)[None, :]
-    ptr = src + rows[:, None] * width + 2 * kk[None, :]
-    return tl.load(ptr, mask=m, other=0.0), tl.load(ptr + 1, mask=m, other=0.0)
-
-
-@jit
-def _tile_bytes(blk, w_off, s_off, k0, n, nmask, row_bytes, BLOCK_K: tl.constexpr):
-    # raw bytes of the W^T tile of rows n [BN] over packed bytes k0 .. k0 + BK: codes [BK, BN] and their
-    # E4M3 scales [BK / 8, BN] (one per 8 bytes = 16 elements), zero past the row's end
-    kk = k0 + tl.arange(0, BLOCK_K)
-    gg = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    b = tl.load(blk + w_off + n[None, :] * row_bytes + kk[:, None],
-                mask=(kk < row_bytes)[:, None] & nmask[None, :], other=0)  # fmt: skip
-    sb = tl.load(blk + s_off + n[None, :] * (row_bytes // 8) + gg[:, None],
-                 mask=(gg < row_bytes // 8)[:, None] & nmask[None, :], other=0)  # fmt: skip
-    return b, sb
-
-
-@jit
-def _dequant(b, sb, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, USE_PTX: tl.constexpr, dtype: tl.constexpr):
-    # `_tile_bytes` -> (even-column, odd-column) halves [BK, BN] in dtype; each scale broadcast over its
-    # 8 bytes in registers (loading it per byte would double the tile's load instructions)
-    s = e4m3_f16(sb).to(tl.float32) * nvfp4_unit(USE_PTX)  # [BK / 8, BN]
-    s = tl.reshape(tl.broadcast_to(s[:, None, :], [BLOCK_K // 8, 8, BLOCK_N]), [BLOCK_K, BLOCK_N])
+def _dequant_tile(
+    blk, w_off, s_off, kk, n, row_bytes, row_groups, mask, USE_PTX: tl.constexpr, dtype: tl.constexpr
+):
+    # W^T tile of rows n [BN] over packed bytes kk [BK]: (even-column, odd-column) halves [BK, BN] in dtype
+    b = tl.load(blk + w_off + n[None, :] * row_bytes + kk[:, None], mask=mask, other=0)
+    sb = tl.load(blk + s_off + n[None, :] * row_groups + kk[:, None] // 8, mask=mask, other=0)
+    s = e4m3_f16(sb).to(tl.float32) * nvfp4_unit(USE_PTX)
     lo, hi = e2m1_pair(b, USE_PTX)
     return (lo * s).to(dtype), (hi * s).to(dtype)
 
@@ -615,22 +594,19 @@ def _prefill_gate_up_kernel(
     nmask = n < I
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # each step loads the next step's bytes before it dequantises and multiplies this one's, so the loads'
-    # latency hides behind the maths (the compiler pipelines only loads that feed tl.dot directly)
-    xe, xo = _pairs_tile(x_ptr, tok, valid, 0, H, BLOCK_K)
-    gb, gs = _tile_bytes(blk, gw_off, gs_off, 0, n, nmask, H // 2, BLOCK_K)
-    ub, us = _tile_bytes(blk, uw_off, us_off, 0, n, nmask, H // 2, BLOCK_K)
     for k0 in range(0, H // 2, BLOCK_K):
-        nxe, nxo = _pairs_tile(x_ptr, tok, valid, k0 + BLOCK_K, H, BLOCK_K)
-        ngb, ngs = _tile_bytes(blk, gw_off, gs_off, k0 + BLOCK_K, n, nmask, H // 2, BLOCK_K)
-        nub, nus = _tile_bytes(blk, uw_off, us_off, k0 + BLOCK_K, n, nmask, H // 2, BLOCK_K)
-        lo, hi = _dequant(gb, gs, BLOCK_K, BLOCK_N, USE_PTX, xe.dtype)
+        kk = k0 + tl.arange(0, BLOCK_K)  # packed bytes = column pairs (2kk, 2kk+1)
+        kmask = kk < H // 2
+        xm = valid[:, None] & kmask[None, :]
+        xe = tl.load(x_ptr + tok[:, None] * H + 2 * kk[None, :], mask=xm, other=0.0)  # [BM, BK]
+        xo = tl.load(x_ptr + tok[:, None] * H + 2 * kk[None, :] + 1, mask=xm, other=0.0)
+        wm = kmask[:, None] & nmask[None, :]
+        lo, hi = _dequant_tile(blk, gw_off, gs_off, kk, n, H // 2, H // 16, wm, USE_PTX, xe.dtype)
         acc_g = tl.dot(xe, lo, acc_g, input_precision=DOT_PRECISION)
         acc_g = tl.dot(xo, hi, acc_g, input_precision=DOT_PRECISION)
-        lo, hi = _dequant(ub, us, BLOCK_K, BLOCK_N, USE_PTX, xe.dtype)
+        lo, hi = _dequant_tile(blk, uw_off, us_off, kk, n, H // 2, H // 16, wm, USE_PTX, xe.dtype)
         acc_u = tl.dot(xe, lo, acc_u, input_precision=DOT_PRECISION)
         acc_u = tl.dot(xo, hi, acc_u, input_precision=DOT_PRECISION)
-        xe, xo, gb, gs, ub, us = nxe, nxo, ngb, ngs, nub, nus
     g = acc_g * tl.load(ws2_ptr + slot * 3)
     u = acc_u * tl.load(ws2_ptr + slot * 3 + 1)
     hv = g * tl.sigmoid(g) * u
@@ -657,15 +633,16 @@ def _prefill_down_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    he, ho = _pairs_tile(h_ptr, rows, valid, 0, I, BLOCK_K)  # loads one step ahead, as in gate+up
-    db, ds = _tile_bytes(blk, dw_off, ds_off, 0, n, nmask, I // 2, BLOCK_K)
     for k0 in range(0, I // 2, BLOCK_K):
-        nhe, nho = _pairs_tile(h_ptr, rows, valid, k0 + BLOCK_K, I, BLOCK_K)
-        ndb, nds = _tile_bytes(blk, dw_off, ds_off, k0 + BLOCK_K, n, nmask, I // 2, BLOCK_K)
-        lo, hi = _dequant(db, ds, BLOCK_K, BLOCK_N, USE_PTX, he.dtype)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < I // 2
+        hm = valid[:, None] & kmask[None, :]
+        he = tl.load(h_ptr + rows[:, None] * I + 2 * kk[None, :], mask=hm, other=0.0)  # [BM, BK]
+        ho = tl.load(h_ptr + rows[:, None] * I + 2 * kk[None, :] + 1, mask=hm, other=0.0)
+        wm = kmask[:, None] & nmask[None, :]
+        lo, hi = _dequant_tile(blk, dw_off, ds_off, kk, n, I // 2, I // 16, wm, USE_PTX, he.dtype)
         acc = tl.dot(he, lo, acc, input_precision=DOT_PRECISION)
         acc = tl.dot(ho, hi, acc, input_precision=DOT_PRECISION)
-        he, ho, db, ds = nhe, nho, ndb, nds
     rw = tl.load(w_ptr + pair, mask=valid, other=0.0)
     acc = acc * tl.load(ws2_ptr + slot * 3 + 2) * rw[:, None]
     ym = valid[:, None] & nmask[None, :]
