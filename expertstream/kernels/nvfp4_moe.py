@@ -563,12 +563,12 @@ def _tile_slot(tile_expert_ptr, e2s_ptr, tile):
 
 
 @jit
-def _dequant_rows(
+def _dequant_tile(
     blk, w_off, s_off, kk, n, row_bytes, row_groups, mask, USE_PTX: tl.constexpr, dtype: tl.constexpr
 ):
-    # W tile of rows n [BN] over packed bytes kk [BK]: (even-column, odd-column) halves [BN, BK] in dtype
-    b = tl.load(blk + w_off + n[:, None] * row_bytes + kk[None, :], mask=mask, other=0)
-    sb = tl.load(blk + s_off + n[:, None] * row_groups + kk[None, :] // 8, mask=mask, other=0)
+    # W^T tile of rows n [BN] over packed bytes kk [BK]: (even-column, odd-column) halves [BK, BN] in dtype
+    b = tl.load(blk + w_off + n[None, :] * row_bytes + kk[:, None], mask=mask, other=0)
+    sb = tl.load(blk + s_off + n[None, :] * row_groups + kk[:, None] // 8, mask=mask, other=0)
     s = e4m3_f16(sb).to(tl.float32) * nvfp4_unit(USE_PTX)
     lo, hi = e2m1_pair(b, USE_PTX)
     return (lo * s).to(dtype), (hi * s).to(dtype)
@@ -580,9 +580,7 @@ def _prefill_gate_up_kernel(
     gw_off, uw_off, gs_off, us_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # program (tile T0 + i, n block): h[i BM + m, n] = silu(x[tok] gate^T) * (x[tok] up^T), rows of one
-    # expert. Computed transposed, gate x^T [BN, BM]: the dequantised weights are tl.dot's first operand,
-    # which may stay in registers, and the activations, loaded straight into the second, are pipelined
+    # program (tile T0 + i, n block): h[i BM + m, n] = silu(x[tok] gate^T) * (x[tok] up^T), rows of one expert
     tile = T0 + tl.program_id(0)
     slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
     if slot < 0:  # past the last tile, or its expert is not in this pass
@@ -594,26 +592,26 @@ def _prefill_gate_up_kernel(
     tok = (pair // K).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
-    acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, H // 2, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)  # packed bytes = column pairs (2kk, 2kk+1)
         kmask = kk < H // 2
-        xm = kmask[:, None] & valid[None, :]
-        xe = tl.load(x_ptr + tok[None, :] * H + 2 * kk[:, None], mask=xm, other=0.0)  # x^T [BK, BM]
-        xo = tl.load(x_ptr + tok[None, :] * H + 2 * kk[:, None] + 1, mask=xm, other=0.0)
-        wm = nmask[:, None] & kmask[None, :]
-        lo, hi = _dequant_rows(blk, gw_off, gs_off, kk, n, H // 2, H // 16, wm, USE_PTX, xe.dtype)
-        acc_g = tl.dot(lo, xe, acc_g, input_precision=DOT_PRECISION)
-        acc_g = tl.dot(hi, xo, acc_g, input_precision=DOT_PRECISION)
-        lo, hi = _dequant_rows(blk, uw_off, us_off, kk, n, H // 2, H // 16, wm, USE_PTX, xe.dtype)
-        acc_u = tl.dot(lo, xe, acc_u, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(hi, xo, acc_u, input_precision=DOT_PRECISION)
+        xm = valid[:, None] & kmask[None, :]
+        xe = tl.load(x_ptr + tok[:, None] * H + 2 * kk[None, :], mask=xm, other=0.0)  # [BM, BK]
+        xo = tl.load(x_ptr + tok[:, None] * H + 2 * kk[None, :] + 1, mask=xm, other=0.0)
+        wm = kmask[:, None] & nmask[None, :]
+        lo, hi = _dequant_tile(blk, gw_off, gs_off, kk, n, H // 2, H // 16, wm, USE_PTX, xe.dtype)
+        acc_g = tl.dot(xe, lo, acc_g, input_precision=DOT_PRECISION)
+        acc_g = tl.dot(xo, hi, acc_g, input_precision=DOT_PRECISION)
+        lo, hi = _dequant_tile(blk, uw_off, us_off, kk, n, H // 2, H // 16, wm, USE_PTX, xe.dtype)
+        acc_u = tl.dot(xe, lo, acc_u, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(xo, hi, acc_u, input_precision=DOT_PRECISION)
     g = acc_g * tl.load(ws2_ptr + slot * 3)
     u = acc_u * tl.load(ws2_ptr + slot * 3 + 1)
-    hv = g * tl.sigmoid(g) * u  # [BN, BM]
-    hm = nmask[:, None] & valid[None, :]
-    tl.store(h_ptr + rows[None, :].to(tl.int64) * I + n[:, None], hv.to(h_ptr.dtype.element_ty), mask=hm)
+    hv = g * tl.sigmoid(g) * u
+    hm = valid[:, None] & nmask[None, :]
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=hm)
 
 
 @jit(do_not_specialize=("P", "T0"))
@@ -623,8 +621,7 @@ def _prefill_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # program (tile T0 + i, n block): y[i BM + m, n] = w[pair] * h[i BM + m] down^T, rows of one expert,
-    # computed transposed as in gate+up: down h^T [BN, BM]
+    # program (tile T0 + i, n block): y[i BM + m, n] = w[pair] * h[i BM + m] down^T, rows of one expert
     tile = T0 + tl.program_id(0)
     slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
     if slot < 0:  # past the last tile, or its expert is not in this pass
@@ -635,18 +632,18 @@ def _prefill_down_kernel(
     valid = pair < P
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I // 2, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < I // 2
-        hm = kmask[:, None] & valid[None, :]
-        he = tl.load(h_ptr + rows[None, :] * I + 2 * kk[:, None], mask=hm, other=0.0)  # h^T [BK, BM]
-        ho = tl.load(h_ptr + rows[None, :] * I + 2 * kk[:, None] + 1, mask=hm, other=0.0)
-        wm = nmask[:, None] & kmask[None, :]
-        lo, hi = _dequant_rows(blk, dw_off, ds_off, kk, n, I // 2, I // 16, wm, USE_PTX, he.dtype)
-        acc = tl.dot(lo, he, acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(hi, ho, acc, input_precision=DOT_PRECISION)
+        hm = valid[:, None] & kmask[None, :]
+        he = tl.load(h_ptr + rows[:, None] * I + 2 * kk[None, :], mask=hm, other=0.0)  # [BM, BK]
+        ho = tl.load(h_ptr + rows[:, None] * I + 2 * kk[None, :] + 1, mask=hm, other=0.0)
+        wm = kmask[:, None] & nmask[None, :]
+        lo, hi = _dequant_tile(blk, dw_off, ds_off, kk, n, I // 2, I // 16, wm, USE_PTX, he.dtype)
+        acc = tl.dot(he, lo, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(ho, hi, acc, input_precision=DOT_PRECISION)
     rw = tl.load(w_ptr + pair, mask=valid, other=0.0)
-    acc = acc * tl.load(ws2_ptr + slot * 3 + 2) * rw[None, :]
-    ym = nmask[:, None] & valid[None, :]
-    tl.store(y_ptr + rows[None, :] * H + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=ym)
+    acc = acc * tl.load(ws2_ptr + slot * 3 + 2) * rw[:, None]
+    ym = valid[:, None] & nmask[None, :]
+    tl.store(y_ptr + rows[:, None] * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)
