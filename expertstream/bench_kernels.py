@@ -167,6 +167,31 @@ def pass_calls(
     return calls, ids, total
 
 
+def prefill_calls(layout, slots, ws2, tokens: int, config: dict) -> list:
+    """One `nvfp4_moe_prefill` over a `tokens`-token prompt (expert e in slot e) in `config`, its pairs
+    sorted and its buffers made beforehand: what a CUDA graph can capture (the sort allocates)."""
+    import torch
+
+    from expertstream.kernels.nvfp4_moe import combine_rows, nvfp4_moe_prefill_rows, order_pairs
+
+    experts, dev = slots.shape[0], slots.device
+    ids, w = route(tokens, experts, seed=tokens, device=dev)
+    x = torch.randn(tokens, layout.hidden_size, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                    device=dev)  # fmt: skip
+    e2s = torch.arange(experts, dtype=torch.int32, device=dev)
+    order = order_pairs(ids, experts, layout, config=config)
+    rows, tiles = order.tiles * config["block_m"], (0, order.tiles)
+    y = torch.empty(rows, layout.hidden_size, dtype=x.dtype, device=dev)
+    work = torch.empty(rows, layout.intermediate_size, dtype=x.dtype, device=dev)
+    total = torch.empty(tokens, layout.hidden_size, dtype=torch.float32, device=dev)
+
+    def call():
+        nvfp4_moe_prefill_rows(x, slots, e2s, ws2, w, layout, order, tiles, y, work)
+        combine_rows(y, order, e2s, tiles, total, accumulate=False)
+
+    return [call]
+
+
 def fp8_calls(n: int, k: int, m: int, config: dict | None = None, copies: int = 8) -> list:
     """`copies` fp8_rows_matmul calls of [m, k] x [n, k]^T, each on its own copy of the weight (8 x 26 MB
     for the largest DeltaNet matrix is past L2)."""
@@ -370,7 +395,6 @@ def sweep_configs(
 
     import torch
 
-    from expertstream.kernels import nvfp4_moe_prefill
     from expertstream.kernels.nvfp4_moe import prefill_bucket
 
     def timed(make_calls):
@@ -406,13 +430,9 @@ def sweep_configs(
             pick("nvfp4_decode", key, f"decode k={TOPK} {place}", DECODE_SWEEP,
                  lambda cfg: decode_calls(layout, slots, ws2, place, cfg))  # noqa: B023  # fmt: skip
     if "nvfp4_prefill" in kernels:  # one call per graph: a prompt's experts are far past L2
-        e2s = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
         for t in (512, 2451, 8192):
-            ids, w = route(t, seed=t)
-            x = torch.randn(t, HIDDEN, dtype=torch.bfloat16, device="cuda")
-            args = (x, slots, ids, e2s, ws2, w, layout)
             pick("nvfp4_prefill", f"{HIDDEN}x{INTER}x{prefill_bucket(t * TOPK, EXPERTS)}", f"prefill T={t}",
-                 PREFILL_SWEEP, lambda cfg: [lambda: nvfp4_moe_prefill(*args, config=cfg)])  # noqa: B023  # fmt: skip
+                 PREFILL_SWEEP, lambda cfg: prefill_calls(layout, slots, ws2, t, cfg))  # noqa: B023  # fmt: skip
     if "nvfp4_prefill_pass" in kernels:  # one engine pass: few experts mapped, the tiles made for all
         pick("nvfp4_prefill", f"{HIDDEN}x{INTER}xpass", "prefill pass", PASS_SWEEP,
              lambda cfg: pass_calls(layout, slots, ws2, launch=cfg)[0])  # fmt: skip
