@@ -1,5 +1,4 @@
-"""Capture a function's launches into a CUDA graph without running them: the decode graphs and the prefill
-pass graphs share this."""
+"""Capture a function's launches into a CUDA graph without running them (the decode graphs)."""
 
 from __future__ import annotations
 

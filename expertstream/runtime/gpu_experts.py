@@ -8,8 +8,9 @@ their disk reads early). Once every block has a fixed place (all in RAM, or all 
 and decode runs without reading anything back (docs/runtime.md). With every block in RAM, `stage_guesses`
 G copies layer L+1's G best guesses into VRAM rows on a side stream while the rest of layer L and L+1's
 attention run (the bus idles then); L+1's kernel reads those from VRAM through a working location row.
-Prefill: the layer's distinct experts are processed in groups that fit the slots; each group's (token, k)
-pairs run through the grouped tensor-core kernel and are summed into [T, H].
+Prefill: the call's (token, k) pairs are sorted by expert into tiles once; its distinct experts run in passes
+of consecutive experts that fit the slots, each launched over its own tiles, and every pass's rows are added
+per token into the FP32 sum [T, H].
 """
 
 from __future__ import annotations
