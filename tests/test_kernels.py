@@ -564,3 +564,73 @@ def test_bench_pass_calls_fill_only_their_groups_tokens():
         call()
         hit = torch.isin(ids, groups[: 3 * (i + 1)]).any(dim=1)
         assert torch.equal(total.abs().sum(dim=1) > 0, hit)
+
+
+# cvt.rn.f16x2.e2m1x2 in sm_90 PTX, from the PTX ISA's definition: each nibble's E2M1 value as f16 bits
+# (magnitude m = 0: 0, 1: 0.5 = 0x3800, else (m + 28) << 9; the nibble's bit 3 is the sign), low nibble in
+# the low half. Not the hardware: it runs the path's byte packing, half extraction and unit on this GPU.
+_EMULATED_CVT = (
+    """{{
+.reg .b32 c, m, v, s, lo, hi;
+.reg .pred p;
+cvt.u32.u8 c, {b};
+"""
+    + "".join(
+        f"""and.b32 m, c, 7;
+add.u32 v, m, 28;
+shl.b32 v, v, 9;
+setp.lt.u32 p, m, 2;
+selp.b32 v, 0x3800, v, p;
+setp.eq.u32 p, m, 0;
+selp.b32 v, 0, v, p;
+and.b32 s, c, 8;
+shl.b32 s, s, 12;
+or.b32 {half}, v, s;
+shr.u32 c, c, 4;
+"""
+        for half in ("lo", "hi")
+    )
+    + """shl.b32 hi, hi, 16;
+or.b32 {d}, lo, hi;
+}}"""
+)
+
+_PTX_PATH_SCRIPT = """
+import torch, triton.language as tl
+from expertstream.formats.expert_block import ExpertLayout
+from expertstream.kernels import codec, nvfp4_moe_decode, nvfp4_moe_prefill
+codec.E2M1X4_ASM = tl.constexpr(codec.e2m1x4_asm(CVT))  # before any kernel compiles in this process
+layout = ExpertLayout.for_dims(256, 128, align=64)
+g = torch.Generator().manual_seed(3)
+slots = torch.randint(0, 256, (12, layout.block_bytes), dtype=torch.uint8, generator=g)
+for p in layout.parts:
+    if p.dtype == "float8_e4m3fn":
+        s = torch.randint(0, 0x40, (12, p.nbytes), dtype=torch.uint8, generator=g)
+        slots[:, p.offset : p.offset + p.nbytes] = s
+slots, ws2 = slots.cuda(), (torch.rand(12, 3, generator=g) * 0.05 + 0.01).cuda()
+x = torch.randn(40, 256, generator=g).cuda().to(torch.bfloat16)
+ids = torch.randint(0, 12, (40, 4), generator=g).cuda()
+w = torch.rand(40, 4, generator=g).cuda()
+loc = torch.arange(12, dtype=torch.int32, device="cuda")
+host = slots[8:].cpu().pin_memory()
+host_loc = torch.cat((loc[:8], -1 - torch.arange(4, dtype=torch.int32, device="cuda")))
+outs = []
+for ptx in (False, True):
+    codec.e2m1_uses_ptx = lambda cap, ptx=ptx: ptx
+    outs.append([nvfp4_moe_decode(x[0], ids[0], loc, ws2, w[0], layout, slots),
+                 nvfp4_moe_decode(x[1], ids[1], host_loc, ws2, w[1], layout, slots, host),
+                 nvfp4_moe_prefill(x, slots, ids, loc, ws2, w, layout)])
+assert not codec._PTX_FAILED, codec._PTX_FAILED
+for soft, ptx in zip(*outs):
+    assert torch.equal(soft, ptx), (soft - ptx).abs().max()
+print("identical")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX runs on a GPU only")
+def test_ptx_path_equals_software_with_an_emulated_conversion():
+    # the PTX E2M1 path of every kernel, its conversion emulated (above), against the software path: the
+    # same bits. In a fresh process, since the conversion is a global each kernel compiles in.
+    script = _PTX_PATH_SCRIPT.replace("CVT", repr(_EMULATED_CVT))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "identical" in run.stdout, run.stderr[-3000:]

@@ -89,22 +89,27 @@ def launch_e2m1(kernel, grid, device: torch.device, *args, **kwargs) -> None:
     kernel[grid](*args, **kwargs, USE_PTX=False)
 
 
+# Blackwell's conversion of one byte to f16x2 (low nibble in the low half); `e2m1x4_asm` applies it to the
+# four bytes inline_asm packs per register. A GPU test substitutes an emulation to run this path elsewhere.
+E2M1_CVT = "cvt.rn.f16x2.e2m1x2 {d}, {b};"
+
+
+def e2m1x4_asm(cvt: str = E2M1_CVT) -> str:
+    """The PTX of `e2m1_pair`: the bytes of $4 split, `cvt` (with {d} and {b}) writing $0..$3."""
+    body = "\n".join(cvt.format(d=f"${i}", b=f"b{i}") for i in range(4))
+    return "{\n.reg .b8 b0, b1, b2, b3;\nmov.b32 {b0, b1, b2, b3}, $4;\n" + body + "\n}"
+
+
+E2M1X4_ASM = tl.constexpr(e2m1x4_asm()) if HAVE_TRITON else e2m1x4_asm()
+
+
 @jit
 def e2m1_pair(b, USE_PTX: tl.constexpr):
     """Packed uint8 bytes -> (low-nibble, high-nibble) fp32 values; in software divided by E2M1_SOFT_UNIT."""
     if USE_PTX:
         # one byte -> f16x2 in a 32-bit register, low nibble in the low half
         r = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b8 b0, b1, b2, b3;
-            mov.b32 {b0, b1, b2, b3}, $4;
-            cvt.rn.f16x2.e2m1x2 $0, b0;
-            cvt.rn.f16x2.e2m1x2 $1, b1;
-            cvt.rn.f16x2.e2m1x2 $2, b2;
-            cvt.rn.f16x2.e2m1x2 $3, b3;
-            }
-            """,
+            asm=E2M1X4_ASM,
             constraints="=r,=r,=r,=r,r",
             args=[b],
             dtype=tl.int32,
