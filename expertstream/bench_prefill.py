@@ -4,9 +4,9 @@ On the full-shape synthetic model of `bench decode`, under --gpu-memory-gb, it p
 --prompts tokens (default 2,451 and 32,768) in three regimes: `vram` (every expert resident in VRAM, the
 budget raised by the expert bytes: the engine's compute floor for that prompt), `ram` (every expert in the
 pinned RAM cache) and `disk` (RAM cache = 25 % of the expert bytes; prompt misses bypass it). It reports
-time, expert bytes from disk and over PCIe, expert passes per layer (one fetch + three launches each),
-peak VRAM against the budget, and the bound max(disk bytes / disk rate, PCIe bytes / PCIe rate, the `vram`
-time of the same prompt); efficiency = bound / actual.
+time, expert bytes from disk and over PCIe, expert passes per layer (one fetch + three launches each; in
+brackets the passes the slots force), peak VRAM against the budget, and the bound max(disk bytes / disk
+rate, PCIe bytes / PCIe rate, the `vram` time of the same prompt); efficiency = bound / actual.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class PrefillPlan:
 def plan_prefill(
     prompt: int, piece: int, span: int, n_slots: int, num_experts: int, k: int, block_bytes: int
 ):
-    """What a prefill of `prompt` tokens does at most, per layer, with GpuExperts' grouping."""
+    """What a prefill of `prompt` tokens does at most, per layer, with GpuExperts' grouping by slots (a
+    bank with slots to spare, e.g. `vram`, may split passes further by its row budget: they fetch nothing)."""
     group = max(1, n_slots // 2)
     sizes = [min(span, prompt - i) for i in range(0, prompt, span)]
     distinct = [min(num_experts, t * k) for t in sizes]
