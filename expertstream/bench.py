@@ -65,6 +65,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="prefill: skip (and estimate) a regime and prompt whose expert bytes alone would take longer",
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="prefill: time each prompt this many times and report the fastest (one run of a short prompt "
+        "is host-bound and varies by half between runs)",
+    )
+    p.add_argument(
         "--regimes",
         nargs="+",
         help="decode, prefill: run only these regimes (names as in the table, spaces and commas as _: "
