@@ -4,8 +4,8 @@ the same run.
 Real dims: H 2560, I 640, k 10 of 512 experts, one block 2,764,800 B of codes and scales. Decode and the
 FP8 matrices run microseconds per call, so they are timed as the engine runs them: ROTATE calls captured in
 one CUDA graph (`graph_ms`), each on other blocks or weight copies so that they read HBM, not L2; one eager
-decode row shows what Python's launches add. Prefill and staging: triton.testing.do_bench (median, L2
-cleared before every call).
+decode row shows what Python's launches add. Prefill: one call per graph (its pairs sorted before the
+capture), and one engine pass. Staging: triton.testing.do_bench (median, L2 cleared before every call).
 Roofline time = max(bytes / bandwidth, FLOP / tensor-core rate); efficiency = roofline time / measured.
 """
 
@@ -146,7 +146,13 @@ def pass_calls(
     order's)."""
     import torch
 
-    from expertstream.kernels.nvfp4_moe import combine_rows, nvfp4_moe_prefill_rows, order_pairs, tile_starts
+    from expertstream.kernels.nvfp4_moe import (
+        combine_rows,
+        nvfp4_moe_prefill_rows,
+        order_pairs,
+        prefill_buffers,
+        tile_starts,
+    )
 
     experts, dev = slots.shape[0], slots.device
     ids, w, x = _prompt(layout, experts, tokens, 1, dev)
@@ -161,9 +167,7 @@ def pass_calls(
         e2s = torch.full((experts,), -1, dtype=torch.int32, device=dev)
         e2s[members] = torch.tensor(members, dtype=torch.int32, device=dev)
         passes.append((e2s, (starts[members[0]], starts[members[-1] + 1])))
-    rows = max(b - a for _, (a, b) in passes) * bm
-    y = torch.empty(rows, layout.hidden_size, dtype=x.dtype, device=dev)
-    work = torch.empty(rows, layout.intermediate_size, dtype=x.dtype, device=dev)
+    y, work = prefill_buffers(x, layout, max(b - a for _, (a, b) in passes) * bm)
     total = torch.zeros(tokens, layout.hidden_size, dtype=torch.float32, device=dev)
 
     def one(e2s, tiles, first):
@@ -174,28 +178,20 @@ def pass_calls(
     return calls, ids, total
 
 
-def prefill_calls(layout, slots, ws2, tokens: int, config: dict | None = None) -> list:
+def prefill_calls(layout, slots, ws2, tokens: int, config: dict | None = None):
     """One `nvfp4_moe_prefill` over a `tokens`-token prompt (expert e in slot e) in `config` (default: the
-    launcher's pick), its pairs sorted and its buffers made beforehand: the kernels alone, what a CUDA graph
-    can capture (the sort allocates)."""
+    launcher's pick) with its pairs sorted beforehand: what a CUDA graph can capture (the sort writes a host
+    scalar into a device tensor). Returns ([call], the prompt's routed ids [tokens, K])."""
     import torch
 
-    from expertstream.kernels.nvfp4_moe import combine_rows, nvfp4_moe_prefill_rows, order_pairs
+    from expertstream.kernels import nvfp4_moe_prefill
+    from expertstream.kernels.nvfp4_moe import order_pairs
 
     experts, dev = slots.shape[0], slots.device
     ids, w, x = _prompt(layout, experts, tokens, tokens, dev)
     e2s = torch.arange(experts, dtype=torch.int32, device=dev)
     order = order_pairs(ids, experts, layout, config=config)
-    rows, tiles = order.tiles * order.config["block_m"], (0, order.tiles)
-    y = torch.empty(rows, layout.hidden_size, dtype=x.dtype, device=dev)
-    work = torch.empty(rows, layout.intermediate_size, dtype=x.dtype, device=dev)
-    total = torch.empty(tokens, layout.hidden_size, dtype=torch.float32, device=dev)
-
-    def call():
-        nvfp4_moe_prefill_rows(x, slots, e2s, ws2, w, layout, order, tiles, y, work)
-        combine_rows(y, order, e2s, tiles, total, accumulate=False)
-
-    return [call]
+    return [lambda: nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, order=order)], ids
 
 
 def fp8_calls(n: int, k: int, m: int, config: dict | None = None, copies: int = 8) -> list:
@@ -269,8 +265,8 @@ def run_benchmarks() -> tuple[list[Row], dict]:
     rows.append(_row("stage_blocks", "G=4, host RAM -> VRAM", ms, 2 * staged, 0, bw, tf, bus))
 
     for t in PREFILL_T:  # the kernels of one call, graph-timed (the launcher's pair sort is not timed)
-        ms = graph_ms(prefill_calls(layout, slots, ws2, t), reps=10)
-        ids, _ = route(t, seed=t)  # prefill_calls' routing
+        calls, ids = prefill_calls(layout, slots, ws2, t)
+        ms = graph_ms(calls, reps=10)
         touched = int(torch.unique(ids).numel())
         nbytes = touched * payload + 2 * 2 * t * HIDDEN
         goal = ">= 50% roofline" if t >= 512 else "-"
@@ -434,7 +430,7 @@ def sweep_configs(
     if "nvfp4_prefill" in kernels:  # one call per graph: a prompt's experts are far past L2
         for t in (512, 2451, 8192):
             pick("nvfp4_prefill", f"{HIDDEN}x{INTER}x{prefill_bucket(t * TOPK, EXPERTS)}", f"prefill T={t}",
-                 PREFILL_SWEEP, lambda cfg: prefill_calls(layout, slots, ws2, t, cfg))  # noqa: B023  # fmt: skip
+                 PREFILL_SWEEP, lambda cfg: prefill_calls(layout, slots, ws2, t, cfg)[0])  # noqa: B023  # fmt: skip
     if "nvfp4_prefill_pass" in kernels:  # one engine pass: few experts mapped, the tiles made for all
         pick("nvfp4_prefill", f"{HIDDEN}x{INTER}xpass", "prefill pass", PASS_SWEEP,
              lambda cfg: pass_calls(layout, slots, ws2, launch=cfg)[0])  # fmt: skip

@@ -270,6 +270,19 @@ def test_prefill_passes_over_tile_ranges_give_the_whole_sum(bank, combine):
     close(total, want, torch.float32)
 
 
+def test_prefill_with_a_sorted_order_equals_the_launcher_sorting_itself(bank):
+    # `bench kernels` times prefill with its pairs sorted before the capture: the same bits
+    layout, slots, ws2 = bank
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 6, (10, 3), generator=g).to(DEV)
+    x = torch.randn(10, layout.hidden_size, generator=g).to(DEV)
+    w = torch.rand(10, 3, generator=g).to(DEV)
+    e2s = torch.arange(6, dtype=torch.int32, device=DEV)
+    order = order_pairs(ids, 6, layout)
+    got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, order=order)
+    assert torch.equal(got, nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout))
+
+
 def test_combine_rows_equals_its_twin_bit_for_bit():
     g = torch.Generator().manual_seed(3)
     t, k, e, h = 9, 4, 7, 40

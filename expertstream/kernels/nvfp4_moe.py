@@ -387,6 +387,7 @@ def nvfp4_moe_prefill(
     layout: ExpertLayout,
     *,
     config: dict | None = None,
+    order: PairOrder | None = None,
 ) -> torch.Tensor:
     """Routed expert sum for many tokens, grouped by expert, on tensor cores.
 
@@ -399,19 +400,25 @@ def nvfp4_moe_prefill(
         weights: [T, K] float32 router weights.
         layout: the block layout.
         config: block_m, block_n, block_k (bytes), num_warps, num_stages; default from the routing size.
+        order: expert_ids' pairs already sorted by `order_pairs` (its config is used): the call then has no
+            host-side step, so a CUDA graph can capture it.
 
     Returns:
         [T, H] in x.dtype.
     """
-    order = order_pairs(expert_ids, expert_to_slot.numel(), layout, config=config)
+    order = order or order_pairs(expert_ids, expert_to_slot.numel(), layout, config=config)
     tiles = (0, order.tiles)
-    rows = order.tiles * order.config["block_m"]
-    y = torch.empty(rows, layout.hidden_size, dtype=x.dtype, device=x.device)  # weighted output per row
-    work = torch.empty(rows, layout.intermediate_size, dtype=x.dtype, device=x.device)
+    y, work = prefill_buffers(x, layout, order.tiles * order.config["block_m"])
     nvfp4_moe_prefill_rows(x, slots, expert_to_slot, ws2, weights, layout, order, tiles, y, work)
     total = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     combine_rows(y, order, expert_to_slot, tiles, total, accumulate=False)
     return total.to(x.dtype)
+
+
+def prefill_buffers(x: torch.Tensor, layout: ExpertLayout, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [rows, H], work [rows, I]) in x.dtype: the scratch `nvfp4_moe_prefill_rows` fills."""
+    y = torch.empty(rows, layout.hidden_size, dtype=x.dtype, device=x.device)
+    return y, torch.empty(rows, layout.intermediate_size, dtype=x.dtype, device=x.device)
 
 
 def nvfp4_moe_prefill_rows(

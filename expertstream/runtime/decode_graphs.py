@@ -27,10 +27,26 @@ import torch
 
 from expertstream.log import get_logger
 from expertstream.models.qwen4_exp import DecoderLayer, Qwen4ExpModel, Rope, kv_bucket
-from expertstream.runtime.capture import capture
 from expertstream.state import State
 
 log = get_logger(__name__)
+
+
+def _capture_graph(fn, stream: torch.cuda.Stream, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, fn's return value): fn's launches captured on `stream`, ordered after the work queued on the
+    current stream so far, into `pool` (None: a pool of the graph's own). Nothing runs until a replay."""
+    dev = stream.device
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        # thread_local: the store's reader threads keep synchronising their copy events meanwhile
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    return graph, out
 
 
 @dataclass
@@ -212,7 +228,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.model.device)
         for graphable, fns in decode_program(self.model, st, kv_len):
             if graphable:
-                g, out = capture(lambda fns=fns: _run(fns, env, None), self._stream, graphs.pool)
+                g, out = _capture_graph(lambda fns=fns: _run(fns, env, None), self._stream, graphs.pool)
                 graphs.pool = graphs.pool or g.pool()  # the state's graphs share the first one's pool
                 g.replay()
                 self._after_launch()

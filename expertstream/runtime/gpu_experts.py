@@ -399,8 +399,7 @@ class GpuExperts:
         self.prefill_passes += len(groups)
         tiles = [(starts[g[0]], starts[g[-1] + 1]) for g in groups]
         rows = max(b - a for a, b in tiles) * bm
-        y = torch.empty(rows, self.layout.hidden_size, dtype=x.dtype, device=x.device)  # weighted rows
-        work = torch.empty(rows, self.layout.intermediate_size, dtype=x.dtype, device=x.device)  # h
+        y, work = nvfp4_moe.prefill_buffers(x, self.layout, rows)  # a pass's weighted rows, and h
         total = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # [T, H] routed sum
         weights = weights.float().contiguous()
         # passes of a few experts each may launch in a shape of their own (tuned_configs.json `HxIxpass`)
