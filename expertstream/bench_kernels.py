@@ -360,7 +360,8 @@ DECODE_SWEEP = [
     dict(block_n_gu=ngu, block_g_gu=ggu, block_n_down=nd, block_g_down=gd, split_down=sd, num_warps=nw)
     for ngu, ggu, nd, gd, sd, nw in [
         (4, 32, 16, 8, TOPK, 2), (4, 32, 8, 8, TOPK, 2), (4, 32, 32, 8, TOPK, 4), (2, 64, 16, 8, TOPK, 2),
-        (4, 32, 16, 8, 5, 2), (2, 64, 8, 8, 1, 2), (2, 64, 8, 8, TOPK, 2),
+        (4, 32, 16, 8, 5, 2), (2, 64, 8, 8, 1, 2), (2, 64, 8, 8, TOPK, 2), (8, 16, 16, 8, TOPK, 4),
+        (4, 16, 16, 4, TOPK, 2), (8, 32, 32, 4, TOPK, 4),
     ]
 ]  # fmt: skip
 PREFILL_SWEEP = [

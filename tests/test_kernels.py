@@ -462,6 +462,31 @@ def test_e4m3_word_codec_exact_on_every_byte():
     assert torch.equal((e4.cpu() * codec.E4M3_UNIT)[ok], fp8.e4m3_to_float(byte)[ok])
 
 
+@triton.jit
+def _decode_e2m1_words(w_ptr, out_ptr):
+    # out[c, i] = column c of word i, through the four (j, j + 4) patterns
+    i = tl.arange(0, 256)
+    ps = codec.e2m1_words(tl.load(w_ptr + i), False)
+    for j in tl.static_range(4):
+        lo, hi = codec.f16x2_halves(ps[j])
+        tl.store(out_ptr + j * 256 + i, lo)
+        tl.store(out_ptr + (j + 4) * 256 + i, hi)
+
+
+def test_e2m1_word_codec_exact_on_every_nibble():
+    # every code in every nibble position of a 32-bit word (byte 0's low nibble is column 0), -0.0 included
+    b = torch.arange(256, dtype=torch.int64)
+    words = (b | (((b + 85) % 256) << 8) | (((b + 170) % 256) << 16) | (((b + 37) % 256) << 24)).to(
+        torch.uint32
+    )
+    out = torch.empty(8, 256, device=DEV)
+    _decode_e2m1_words[(1,)](words.view(torch.int32).to(DEV), out)
+    raw = words.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    want = nvfp4.e2m1_table()[torch.stack([(raw >> (4 * c)) & 15 for c in range(8)])]  # [8, 256]
+    got = out.cpu() * codec.E2M1_SOFT_UNIT
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("gate", ["silu", "sigmoid"])
 def test_gdn_step_matches_its_twin(dtype, gate):
@@ -613,6 +638,7 @@ import torch, triton.language as tl
 from expertstream.formats.expert_block import ExpertLayout
 from expertstream.kernels import codec, nvfp4_moe_decode, nvfp4_moe_prefill
 codec.E2M1X4_ASM = tl.constexpr(codec.e2m1x4_asm(CVT))  # before any kernel compiles in this process
+codec.E2M1_WORD_ASM = tl.constexpr(codec.e2m1_word_asm(CVT))
 layout = ExpertLayout.for_dims(256, 128, align=64)
 g = torch.Generator().manual_seed(3)
 slots = torch.randint(0, 256, (12, layout.block_bytes), dtype=torch.uint8, generator=g)

@@ -100,7 +100,21 @@ def e2m1x4_asm(cvt: str = E2M1_CVT) -> str:
     return "{\n.reg .b8 b0, b1, b2, b3;\nmov.b32 {b0, b1, b2, b3}, $4;\n" + body + "\n}"
 
 
+def e2m1_word_asm(cvt: str = E2M1_CVT) -> str:
+    """The PTX of `e2m1_words`: word $4's nibbles regrouped so that byte j holds columns j and j + 4
+    (two prmt over the even and odd nibbles), then `cvt` on each byte writing $0..$3."""
+    body = "\n".join(cvt.format(d=f"${i}", b=f"b{i}") for i in range(4))
+    return (
+        "{\n.reg .b32 ev, od, lo, hi;\n.reg .b8 b0, b1, b2, b3;\n"
+        "and.b32 ev, $4, 0x0F0F0F0F;\nshr.b32 od, $4, 4;\nand.b32 od, od, 0x0F0F0F0F;\n"
+        # bytes of ev: columns 0 2 4 6, of od: 1 3 5 7; lo = (0, 1, 2, 3), hi = (4, 5, 6, 7) in byte order
+        "prmt.b32 lo, ev, od, 0x5140;\nprmt.b32 hi, ev, od, 0x7362;\nshl.b32 hi, hi, 4;\nor.b32 lo, lo, hi;\n"
+        "mov.b32 {b0, b1, b2, b3}, lo;\n" + body + "\n}"
+    )
+
+
 E2M1X4_ASM = tl.constexpr(e2m1x4_asm()) if HAVE_TRITON else e2m1x4_asm()
+E2M1_WORD_ASM = tl.constexpr(e2m1_word_asm()) if HAVE_TRITON else e2m1_word_asm()
 
 
 @jit
@@ -123,6 +137,31 @@ def e2m1_pair(b, USE_PTX: tl.constexpr):
         lo = (((c & 0x8) << 12) | ((c & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
         hi = (((c & 0x80) << 8) | ((c & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
     return lo.to(tl.float32), hi.to(tl.float32)
+
+
+@jit
+def e2m1_words(w, USE_PTX: tl.constexpr):
+    """int32 words of 8 E2M1 codes (nibble c = column c, the low nibble of byte 0 first) -> four uint32
+    fp16x2 bit patterns, pattern j holding column j (low half) and column j + 4 (high half); in software
+    the values divided by E2M1_SOFT_UNIT, with 11 integer ops per word (two codes per op, not a byte each)."""
+    if USE_PTX:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            asm=E2M1_WORD_ASM,
+            constraints="=r,=r,=r,=r,r",
+            args=[w],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        # nibble at bits 4j (and 16 + 4j): sign -> bit 15 (31), magnitude -> bits 9..11 (25..27), as in
+        # e2m1_pair; the masks drop what crosses between the halves
+        u = w.to(tl.uint32, bitcast=True)
+        p0 = ((u << 12) & 0x80008000) | ((u << 9) & 0x0E000E00)
+        p1 = ((u << 8) & 0x80008000) | ((u << 5) & 0x0E000E00)
+        p2 = ((u << 4) & 0x80008000) | ((u << 1) & 0x0E000E00)
+        p3 = (u & 0x80008000) | ((u >> 3) & 0x0E000E00)
+    return p0, p1, p2, p3
 
 
 @jit

@@ -26,7 +26,9 @@ from expertstream.kernels.codec import (
     cdiv,
     dot_precision,
     e2m1_pair,
+    e2m1_words,
     e4m3_f16,
+    f16x2_halves,
     jit,
     launch_e2m1,
     nvfp4_unit,
@@ -166,18 +168,44 @@ def _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes):
 
 
 @jit
+def _x_octets(x_ptr, w0, NW: tl.constexpr, BW: tl.constexpr):
+    # the 8 columns of words w0 .. w0 + BW - 1 of the fp32 / 16-bit vector x (zero past NW words) as eight
+    # [BW] fp32, column c of each word in the c-th: loaded contiguously and split in registers
+    kk = 8 * w0 + tl.arange(0, 8 * BW)
+    xv = tl.load(x_ptr + kk, mask=kk < 8 * NW, other=0.0).to(tl.float32)
+    ev, od = tl.split(tl.reshape(xv, [BW, 2, 2, 2]))  # by column bit 0, then bit 1, then bit 2
+    e0, e1 = tl.split(ev)
+    o0, o1 = tl.split(od)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@jit
 def _group_partial(
-    blk, w_off, s_off, n, gg, j, row_bytes, row_groups, nmask, gmask, xe, xo, USE_PTX: tl.constexpr
+    blk, w_off, s_off, n, g0, row_groups, nmask, xs, BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr
 ):
-    # rows n [BN] x groups gg [BG] of 16 elements: codes [BN, BG, 8] bytes, scales [BN, BG];
-    # xe / xo [BG, 8] are the even / odd input columns. Returns [BN, BG] in units of 1 / nvfp4_unit.
-    m2 = nmask[:, None] & gmask[None, :]
-    b = tl.load(
-        blk + w_off + n[:, None, None] * row_bytes + gg[None, :, None] * 8 + j[None, None, :],
-        mask=m2[:, :, None], other=0,
-    )  # fmt: skip
-    lo, hi = e2m1_pair(b, USE_PTX)
-    part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
+    # rows n [BN] x groups g0 .. g0 + BG - 1 of 16 elements: codes as int32 words [BN, 2 BG] (8 columns
+    # each), scales [BN, BG]; xs: the step's x columns from _x_octets. Returns [BN, BG] in units of
+    # 1 / nvfp4_unit
+    wi = 2 * g0 + tl.arange(0, 2 * BLOCK_G)
+    m = nmask[:, None] & (wi < 2 * row_groups)[None, :]
+    words = (blk + w_off).to(tl.pointer_type(tl.int32))
+    w = tl.load(words + n[:, None] * (2 * row_groups) + wi[None, :], mask=m, other=0)
+    p0, p1, p2, p3 = e2m1_words(w, USE_PTX)  # pattern j: columns j and j + 4
+    a, b = f16x2_halves(p0)
+    part = a * xs[0][None, :] + b * xs[4][None, :]
+    a, b = f16x2_halves(p1)
+    part += a * xs[1][None, :] + b * xs[5][None, :]
+    a, b = f16x2_halves(p2)
+    part += a * xs[2][None, :] + b * xs[6][None, :]
+    a, b = f16x2_halves(p3)
+    part += a * xs[3][None, :] + b * xs[7][None, :]
+    part = tl.sum(tl.reshape(part, [part.shape[0], BLOCK_G, 2]), axis=2)  # the two words of a group
+    gg = g0 + tl.arange(0, BLOCK_G)
+    m2 = nmask[:, None] & (gg < row_groups)[None, :]
     s = e4m3_f16(tl.load(blk + s_off + n[:, None] * row_groups + gg[None, :], mask=m2, other=0))
     return part * s.to(tl.float32)
 
@@ -194,17 +222,12 @@ def _decode_gate_up_kernel(
     blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
-    j = tl.arange(0, 8)
     acc_g = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     for g0 in tl.static_range(0, H // 16, BLOCK_G):
-        gg = g0 + tl.arange(0, BLOCK_G)
-        gmask = gg < H // 16
-        xi = gg[:, None] * 16 + 2 * j[None, :]  # [BG, 8] even input columns
-        xe = tl.load(x_ptr + xi, mask=gmask[:, None], other=0.0).to(tl.float32)
-        xo = tl.load(x_ptr + xi + 1, mask=gmask[:, None], other=0.0).to(tl.float32)
-        acc_g += _group_partial(blk, gw_off, gs_off, n, gg, j, H // 2, H // 16, nmask, gmask, xe, xo, USE_PTX)
-        acc_u += _group_partial(blk, uw_off, us_off, n, gg, j, H // 2, H // 16, nmask, gmask, xe, xo, USE_PTX)
+        xs = _x_octets(x_ptr, 2 * g0, H // 8, 2 * BLOCK_G)
+        acc_g += _group_partial(blk, gw_off, gs_off, n, g0, H // 16, nmask, xs, BLOCK_G, USE_PTX)
+        acc_u += _group_partial(blk, uw_off, us_off, n, g0, H // 16, nmask, xs, BLOCK_G, USE_PTX)
     unit = nvfp4_unit(USE_PTX)
     g = tl.sum(acc_g, axis=1) * (tl.load(scales_ptr + e * 3) * unit)
     u = tl.sum(acc_u, axis=1) * (tl.load(scales_ptr + e * 3 + 1) * unit)
@@ -223,7 +246,6 @@ def _decode_down_kernel(
     nb, s = tl.program_id(0), tl.program_id(1)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
-    j = tl.arange(0, 8)
     rows = tl.zeros([BLOCK_N], tl.float32)
     for kk in tl.static_range(PER):
         k = s * PER + kk
@@ -231,14 +253,8 @@ def _decode_down_kernel(
             blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes)
             acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
             for g0 in tl.static_range(0, I // 16, BLOCK_G):
-                gg = g0 + tl.arange(0, BLOCK_G)
-                gmask = gg < I // 16
-                hoff = k * I + gg[:, None] * 16 + 2 * j[None, :]
-                he = tl.load(h_ptr + hoff, mask=gmask[:, None], other=0.0)
-                ho = tl.load(h_ptr + hoff + 1, mask=gmask[:, None], other=0.0)
-                acc += _group_partial(
-                    blk, dw_off, ds_off, n, gg, j, I // 2, I // 16, nmask, gmask, he, ho, USE_PTX
-                )
+                hs = _x_octets(h_ptr + k * I, 2 * g0, I // 8, 2 * BLOCK_G)
+                acc += _group_partial(blk, dw_off, ds_off, n, g0, I // 16, nmask, hs, BLOCK_G, USE_PTX)
             rows += tl.sum(acc, axis=1) * (tl.load(scales_ptr + e * 3 + 2) * tl.load(w_ptr + k))
     tl.store(part_ptr + s * H + n, rows, mask=nmask)
     # the last of the block's splits to finish sums the partials in order. One thread does the atomic: the

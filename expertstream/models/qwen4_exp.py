@@ -134,9 +134,13 @@ class GatedResidual(nn.Module):
         return u, torch.sigmoid(inj[0]) if inj else None
 
 
-def inject(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    # x [T, N*H] + 2 c [T, N] (x) y [T, H], stream by stream, in one kernel
-    return torch.addcmul(x.unflatten(-1, (c.shape[1], -1)), c[:, :, None], y[:, None, :], value=2).flatten(-2)
+def inject(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    # x [T, N*H] + 2 c [T, N] (x) y [T, H], stream by stream, in one kernel (in_place: into x, the same bits)
+    xs = x.unflatten(-1, (c.shape[1], -1))
+    if in_place:
+        xs.addcmul_(c[:, :, None], y[:, None, :], value=2)
+        return x
+    return torch.addcmul(xs, c[:, :, None], y[:, None, :], value=2).flatten(-2)
 
 
 def conv_step(hist: torch.Tensor, w_t: torch.Tensor, dilation: int = 1) -> torch.Tensor:
@@ -529,8 +533,8 @@ class DecoderLayer(nn.Module):
         return (x, u, c, *self.mlp.route(u))
 
     @staticmethod
-    def moe_out(x, c, routed, shared_gate, shared) -> torch.Tensor:
-        return inject(x, torch.addcmul(routed, shared_gate, shared), c)
+    def moe_out(x, c, routed, shared_gate, shared, in_place: bool = False) -> torch.Tensor:
+        return inject(x, torch.addcmul(routed, shared_gate, shared), c, in_place)
 
     def pre_moe(self, x, ids, st: State, rope: Rope) -> tuple[torch.Tensor, ...]:
         """PLE, attention and router: (x, u, c, top_i, top_w, shared gate, shared), all per token."""
@@ -637,19 +641,22 @@ class Qwen4ExpModel(nn.Module):
         for a, b in bounds:
             st.pos = pos0 + a
             views.append((a, b, before[a : a + ctx0.shape[0]].clone(), self.rope(st, b - a)))
+        # the span's streams x [T, N*H] (made by forward) are updated in place, so a span holds one copy of
+        # them (memory_plan's per-span-token bytes): a piece's PLE, attention and router read only its own
+        # rows, and the experts' output is injected into them
         try:
             for layer in self.layers:
-                whole = None  # (x, u, c, top_i, top_w, shared gate, shared) for all t tokens
+                whole = None  # (u, c, top_i, top_w, shared gate, shared) for all t tokens
                 for a, b, ctx, rope in views:
                     st.pos, st.ple_ctx = pos0 + a, ctx
-                    part = layer.pre_moe(x[a:b], ids[a:b], st, rope)
+                    x[a:b], *part = layer.pre_moe(x[a:b], ids[a:b], st, rope)
                     if whole is None:
                         whole = [v.new_empty((t, *v.shape[1:])) for v in part]
                     for w, v in zip(whole, part):
                         w[a:b] = v
-                x, u, c, top_i, top_w, shared_gate, shared = whole
+                u, c, top_i, top_w, shared_gate, shared = whole
                 routed = layer.mlp.bank(layer.mlp.layer, u, top_i, top_w)
-                x = layer.moe_out(x, c, routed, shared_gate, shared)
+                layer.moe_out(x, c, routed, shared_gate, shared, in_place=True)
         finally:
             st.pos, st.ple_ctx = pos0, ctx0
         return x
