@@ -230,6 +230,7 @@ def decode_regime(
         "syncs_per_token": (s1.host_syncs - s0.host_syncs) / tokens,
         "all_syncs_per_token": all_syncs,
         "peak_gib": torch.cuda.max_memory_allocated() / GiB,  # against --gpu-memory-gb (x utilization)
+        "stage_guesses": eng.bank.stage_guesses,  # as the bank resolved --stage-guesses
         "profiled": profiled,
     }
     if s1.staged_blocks > s0.staged_blocks:  # RAM-resident decode acts on guesses only by staging them
@@ -369,8 +370,8 @@ def run(args) -> int:
     regimes = {
         "vram": (all_in_ram, wd.num_layers * wd.num_experts),
         "vram eager": (dataclasses.replace(all_in_ram, enforce_eager=True), wd.num_layers * wd.num_experts),
-        "ram": (all_in_ram, vram_blocks),
-        "ram staged": (dataclasses.replace(all_in_ram, stage_guesses=args.stage_guesses), vram_blocks),
+        "ram": (dataclasses.replace(all_in_ram, stage_guesses=args.stage_guesses), vram_blocks),
+        "ram unstaged": (dataclasses.replace(all_in_ram, stage_guesses=0), vram_blocks),
         "disk": (quarter_in_ram, vram_blocks),
         f"disk, {BIG_BUDGET_GB:g} GiB VRAM": (
             dataclasses.replace(quarter_in_ram, gpu_memory_gb=BIG_BUDGET_GB),
@@ -383,6 +384,7 @@ def run(args) -> int:
         results[name] = decode_regime(cfg, blocks, args.tokens, where)
         log.info("%s: %s", name, results[name])
     disk, disk_note = disk_rates(wd.experts_path, block, base.io_threads, disk)
+    staged = results.get("ram", {}).get("stage_guesses", args.stage_guesses)
     table = decode_table(results, disk, pcie, wd.num_layers)
     head = (
         f"Full-shape synthetic model, {wd.num_layers} layers x {wd.num_experts} experts "
@@ -392,8 +394,8 @@ def run(args) -> int:
         f"VRAM cache {vram_blocks} blocks "
         f"({share:.1f} per layer, the 48-layer plan's share; {share24:.1f} per layer at "
         f"{BIG_BUDGET_GB} GiB); "
-        f"CUDA graphs on except in `vram eager`; `ram staged` copies {args.stage_guesses} guesses per layer "
-        "to VRAM early (--stage-guesses); speculation "
+        f"CUDA graphs on except in `vram eager`; `ram` copies {staged} guesses per layer to VRAM early "
+        "(--stage-guesses), `ram unstaged` none; speculation "
         f"{'off' if args.no_speculation else f'on, {args.speculation_width:g} x K guesses'}.\n\n"
     )
     table = head + table

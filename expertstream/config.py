@@ -50,10 +50,11 @@ class EngineConfig:
         },
     )
     stage_guesses: int = field(
-        default=0,
+        default=-1,
         metadata={
             "help": "decode with every expert in the RAM cache: copy this many of the next layer's guessed "
-            "experts to VRAM while the bus is idle (attention), on a side stream; 0: off"
+            "experts to VRAM while the bus is idle (attention), on a side stream; 0: off; -1 (default): as "
+            "many as the expert slots leave room for, at most half the experts per token"
         },
     )
     enforce_eager: bool = field(
@@ -113,8 +114,8 @@ class EngineConfig:
             raise ValueError(
                 f"speculation_width must be >= 1 (K guesses or more), got {self.speculation_width}"
             )
-        if self.stage_guesses < 0:
-            raise ValueError(f"stage_guesses must be >= 0, got {self.stage_guesses}")
+        if self.stage_guesses < -1:
+            raise ValueError(f"stage_guesses must be >= 0, or -1 (auto), got {self.stage_guesses}")
         if self.cpu_affinity is not None:
             parse_cpu_list(self.cpu_affinity)
         for name in ("prefill_piece", "prefill_span"):

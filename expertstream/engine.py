@@ -135,7 +135,7 @@ class Engine:
             self.bank = StreamedExperts(
                 self.workdir, self.store, self.dtype, control, speculate, config.speculation_width
             )
-            if config.stage_guesses:
+            if config.stage_guesses > 0:
                 log.warning("--stage-guesses ignored: it stages blocks into VRAM for the CUDA expert bank")
         base.use_triton(gpu)
         if self.plan:

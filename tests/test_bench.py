@@ -181,13 +181,13 @@ def test_the_real_plans_prefill_span_is_what_the_bench_uses():
     tc = build_config("full-shape", None, None, 1024, collections.defaultdict(lambda: 7))["text_config"]
     wd = SimpleNamespace(text_config=tc, layout=ExpertLayout.for_dims(2560, 640))
     small, big = real_model_plan(wd, 8.0, 32768), real_model_plan(wd, 24.0, 32768)
-    assert (small.prefill_piece, small.prefill_span) == (256, 2560)
+    assert (small.prefill_piece, small.prefill_span) == (256, 4096)
     assert big.prefill_span > 4 * small.prefill_span
     block = wd.layout.block_bytes
     one = plan_prefill(2451, 4096, 4096, 2, 512, 10, block).max_expert_bytes_per_layer
     # a 2,451-token prompt fits one span: each expert once per layer (three times with 1,024-token pieces)
-    assert plan_prefill(2451, 256, 2560, 2, 512, 10, block).max_expert_bytes_per_layer == one
-    assert plan_prefill(32768, 256, 2560, 2, 512, 10, block).max_expert_bytes_per_layer == 13 * one
+    assert plan_prefill(2451, 256, 4096, 2, 512, 10, block).max_expert_bytes_per_layer == one
+    assert plan_prefill(32768, 256, 4096, 2, 512, 10, block).max_expert_bytes_per_layer == 8 * one
 
 
 def test_regimes_flag_picks_regimes_by_slug_and_names_unknown_ones():

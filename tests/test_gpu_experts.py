@@ -221,6 +221,11 @@ def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_de
         plain = GpuExperts(wd, store, 4 * k, kernel_device)
         staged = GpuExperts(wd, store, 4 * k, kernel_device, stage_guesses=2)
         assert staged.stage_guesses == 2 and staged.cache.n_slots == 4 * k - 4
+        # auto (the engine's default): at most K / 2, and only what two layers' slots leave
+        autos = [GpuExperts(wd, store, n, kernel_device, stage_guesses=-1) for n in (4 * k, 2 * k + 2, 2 * k)]
+        assert [a.stage_guesses for a in autos] == [k // 2, min(k // 2, 1), 0]
+        for a in autos:
+            a.close()
         for bank in (plain, staged):
             bank.set_router_weights({i: w.to(kernel_device) for i, w in routers.items()})
         hits, guess = 0, []

@@ -108,10 +108,14 @@ class GpuExperts:
         self._cache_reads = True
         scales = workdir.expert_scales()[0]  # [L, E, 3] weight_scale_2 (gate, up, down), read once
         k = workdir.text_config["num_experts_per_tok"]
-        # staging rows for two layers' guesses come out of the slots, when two layers' slots remain
+        # staging rows for two layers' guesses come out of the slots, when two layers' slots remain; auto
+        # (-1): as many as that leaves, at most K / 2 (4 and 5 of K = 10 paid on the H200, docs/runtime.md)
+        auto = stage_guesses < 0
+        if auto:
+            stage_guesses = max(0, min(k // 2, (n_slots - 2 * k) // 2))
         stage_guesses = min(stage_guesses, round(speculation_width * k))  # no more than are guessed
         self.stage_guesses = stage_guesses if speculate and n_slots - 2 * stage_guesses >= 2 * k else 0
-        if stage_guesses and not self.stage_guesses:
+        if stage_guesses and not self.stage_guesses and not auto:
             log.warning("stage_guesses %d needs speculation and %d slots; staging off", stage_guesses,
                         2 * (k + stage_guesses))  # fmt: skip
         rows = 2 * self.stage_guesses
