@@ -230,7 +230,6 @@ def decode_regime(
         "syncs_per_token": (s1.host_syncs - s0.host_syncs) / tokens,
         "all_syncs_per_token": all_syncs,
         "peak_gib": torch.cuda.max_memory_allocated() / GiB,  # against --gpu-memory-gb (x utilization)
-        "stage_guesses": eng.bank.stage_guesses,  # as the bank resolved --stage-guesses
         "profiled": profiled,
     }
     if s1.staged_blocks > s0.staged_blocks:  # RAM-resident decode acts on guesses only by staging them
@@ -356,6 +355,7 @@ def bench_model(args, what: str, max_model_len: int):
 
 def run(args) -> int:
     from expertstream.bench import chosen, emit, regime_slug
+    from expertstream.runtime.gpu_experts import stage_guesses_for
 
     wd, base = bench_model(args, "decode", args.max_model_len)
     block = wd.layout.block_bytes
@@ -364,13 +364,18 @@ def run(args) -> int:
     pcie = pcie_rate()
     share = real_model_cache_share(wd, args.gpu_memory_gb, args.max_model_len)
     vram_blocks = int(share * wd.num_layers)
+    # the staging rows are not per layer: `ram` gets the 48-layer plan's, on top of its cache share, so that
+    # the bank resolves --stage-guesses as the real model's engine would
+    real = real_model_plan(wd, args.gpu_memory_gb, args.max_model_len)
+    k = wd.text_config["num_experts_per_tok"]
+    staged = stage_guesses_for(args.stage_guesses, k, real.slots // block + real.vram_cache_blocks)
     share24 = real_model_cache_share(wd, BIG_BUDGET_GB, args.max_model_len)
     all_in_ram = dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1)
     quarter_in_ram = dataclasses.replace(base, ram_cache_gb=0.25 * expert_bytes / GiB)
     regimes = {
         "vram": (all_in_ram, wd.num_layers * wd.num_experts),
         "vram eager": (dataclasses.replace(all_in_ram, enforce_eager=True), wd.num_layers * wd.num_experts),
-        "ram": (dataclasses.replace(all_in_ram, stage_guesses=args.stage_guesses), vram_blocks),
+        "ram": (dataclasses.replace(all_in_ram, stage_guesses=staged), vram_blocks + 2 * staged),
         "ram unstaged": (dataclasses.replace(all_in_ram, stage_guesses=0), vram_blocks),
         "disk": (quarter_in_ram, vram_blocks),
         f"disk, {BIG_BUDGET_GB:g} GiB VRAM": (
@@ -384,7 +389,6 @@ def run(args) -> int:
         results[name] = decode_regime(cfg, blocks, args.tokens, where)
         log.info("%s: %s", name, results[name])
     disk, disk_note = disk_rates(wd.experts_path, block, base.io_threads, disk)
-    staged = results.get("ram", {}).get("stage_guesses", args.stage_guesses)
     table = decode_table(results, disk, pcie, wd.num_layers)
     head = (
         f"Full-shape synthetic model, {wd.num_layers} layers x {wd.num_experts} experts "

@@ -5,7 +5,7 @@ import torch
 
 from expertstream.kernels import nvfp4_moe
 from expertstream.layers.experts import StreamedExperts
-from expertstream.runtime.gpu_experts import GpuExperts
+from expertstream.runtime.gpu_experts import GpuExperts, stage_guesses_for
 from expertstream.store import ExpertStore
 from expertstream.workdir import Workdir
 
@@ -205,6 +205,13 @@ def test_ram_residency_stays_ram_when_vram_later_holds_every_block(tiny_workdir,
         bank.close()
 
 
+def test_stage_guesses_auto_takes_half_of_k_from_slots_beyond_three_banks():
+    # K = 10: the real 8 GiB plan's 30 slots leave none; its 0.9 x 8 GiB plan's 8 cache blocks buy 4
+    assert [stage_guesses_for(-1, 10, n) for n in (20, 30, 31, 38, 40, 5000)] == [0, 0, 0, 4, 5, 5]
+    # an explicit count needs two layers' K slots beside its 2 G rows
+    assert [stage_guesses_for(g, 10, 30) for g in (0, 5, 6)] == [0, 5, 0]
+
+
 def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_device, host_alloc):
     """Every block in RAM, 2 guesses staged per layer: decode equals the unstaged bank bit for bit, the
     routed experts found staged are counted, the bus bytes are the in-place reads left plus the staged
@@ -221,8 +228,8 @@ def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_de
         plain = GpuExperts(wd, store, 4 * k, kernel_device)
         staged = GpuExperts(wd, store, 4 * k, kernel_device, stage_guesses=2)
         assert staged.stage_guesses == 2 and staged.cache.n_slots == 4 * k - 4
-        # auto (the engine's default): at most K / 2, and only what two layers' slots leave
-        autos = [GpuExperts(wd, store, n, kernel_device, stage_guesses=-1) for n in (4 * k, 2 * k + 2, 2 * k)]
+        # auto (the engine's default): at most K / 2, and only from slots beyond three banks of K
+        autos = [GpuExperts(wd, store, n, kernel_device, stage_guesses=-1) for n in (5 * k, 3 * k + 2, 3 * k)]
         assert [a.stage_guesses for a in autos] == [k // 2, min(k // 2, 1), 0]
         for a in autos:
             a.close()

@@ -70,6 +70,16 @@ class _SwappedNibbles:
         self.handle.release()
 
 
+def stage_guesses_for(requested: int, k: int, n_slots: int) -> int:
+    """Guesses staged per layer for --stage-guesses `requested` with n_slots expert slots (staging rows for
+    two layers come out of them). Auto (-1): at most K / 2 (4 and 5 of K = 10 paid on the H200,
+    docs/runtime.md), from slots beyond the memory plan's three banks of K only, so that prompt passes keep
+    their 1.5 K experts; an explicit count needs two layers' K slots left beside its rows, else 0."""
+    g = min(k // 2, (n_slots - 3 * k) // 2) if requested < 0 else requested
+    g = max(0, g)
+    return g if n_slots - 2 * g >= 2 * k else 0
+
+
 class GpuExperts:
     """Bank with the `(layer, x, expert_ids, weights) -> routed sum` contract, on CUDA.
 
@@ -108,14 +118,9 @@ class GpuExperts:
         self._cache_reads = True
         scales = workdir.expert_scales()[0]  # [L, E, 3] weight_scale_2 (gate, up, down), read once
         k = workdir.text_config["num_experts_per_tok"]
-        # staging rows for two layers' guesses come out of the slots, when two layers' slots remain; auto
-        # (-1): as many as that leaves, at most K / 2 (4 and 5 of K = 10 paid on the H200, docs/runtime.md)
-        auto = stage_guesses < 0
-        if auto:
-            stage_guesses = max(0, min(k // 2, (n_slots - 2 * k) // 2))
-        stage_guesses = min(stage_guesses, round(speculation_width * k))  # no more than are guessed
-        self.stage_guesses = stage_guesses if speculate and n_slots - 2 * stage_guesses >= 2 * k else 0
-        if stage_guesses and not self.stage_guesses and not auto:
+        g = stage_guesses_for(stage_guesses, k, n_slots)
+        self.stage_guesses = min(g, round(speculation_width * k)) if speculate else 0  # no more than guessed
+        if stage_guesses > 0 and not self.stage_guesses:
             log.warning("stage_guesses %d needs speculation and %d slots; staging off", stage_guesses,
                         2 * (k + stage_guesses))  # fmt: skip
         rows = 2 * self.stage_guesses
