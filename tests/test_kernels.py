@@ -449,14 +449,17 @@ def _decode_words(w_ptr, e4_ptr):
     tl.store(e4_ptr + 768 + i, b3)
 
 
-def test_e4m3_word_codec_exact_on_every_byte():
+def every_byte_words() -> tuple[torch.Tensor, torch.Tensor]:
+    """256 int32 words holding every byte value in every byte position, and their bits as int64."""
     b = torch.arange(256, dtype=torch.int64)
-    words = (b | (((b + 85) % 256) << 8) | (((b + 170) % 256) << 16) | (((b + 37) % 256) << 24)).to(
-        torch.uint32
-    )
+    raw = b | (((b + 85) % 256) << 8) | (((b + 170) % 256) << 16) | (((b + 37) % 256) << 24)
+    return raw.to(torch.uint32).view(torch.int32), raw
+
+
+def test_e4m3_word_codec_exact_on_every_byte():
+    words, raw = every_byte_words()
     e4 = torch.empty(4, 256, device=DEV)
-    _decode_words[(1,)](words.view(torch.int32).to(DEV), e4)
-    raw = words.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    _decode_words[(1,)](words.to(DEV), e4)
     byte = torch.stack([(raw >> (8 * j)) & 255 for j in range(4)]).to(torch.uint8)  # [4, 256], byte j
     ok = (byte & 0x7F) != 0x7F
     assert torch.equal((e4.cpu() * codec.E4M3_UNIT)[ok], fp8.e4m3_to_float(byte)[ok])
@@ -475,13 +478,9 @@ def _decode_e2m1_words(w_ptr, out_ptr):
 
 def test_e2m1_word_codec_exact_on_every_nibble():
     # every code in every nibble position of a 32-bit word (byte 0's low nibble is column 0), -0.0 included
-    b = torch.arange(256, dtype=torch.int64)
-    words = (b | (((b + 85) % 256) << 8) | (((b + 170) % 256) << 16) | (((b + 37) % 256) << 24)).to(
-        torch.uint32
-    )
+    words, raw = every_byte_words()
     out = torch.empty(8, 256, device=DEV)
-    _decode_e2m1_words[(1,)](words.view(torch.int32).to(DEV), out)
-    raw = words.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    _decode_e2m1_words[(1,)](words.to(DEV), out)
     want = nvfp4.e2m1_table()[torch.stack([(raw >> (4 * c)) & 15 for c in range(8)])]  # [8, 256]
     got = out.cpu() * codec.E2M1_SOFT_UNIT
     assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
