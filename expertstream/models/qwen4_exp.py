@@ -489,17 +489,22 @@ class SparseMoe(nn.Module):
         self.shared_down_proj = w.linear(f"{p}.shared_expert.down_proj.weight", h, si)
         self.act = ACT[a.hidden_act]
 
-    def route(self, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """All but the routed sum: (top_i [T, K], top_w [T, K] FP32, shared gate [T, 1], shared [T, H])."""
+    def route(self, u: torch.Tensor, shared: bool = True) -> tuple[torch.Tensor, ...]:
+        """All but the routed sum: (top_i [T, K], top_w [T, K] FP32, shared gate [T, 1], shared [T, H]);
+        without `shared` the first two only (layer-major spans run the shared expert after the routed)."""
         logits = self.gate(u)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.k, dim=-1)
         if self.norm_topk:
             top_w = top_w / top_w.sum(-1, keepdim=True)
-        gate, up, shared_gate = self.shared_in(u)
-        shared = self.shared_down_proj(self.act(gate) * up)
         # rounded through the activation dtype as transformers does, passed on as FP32
-        return top_i, top_w.to(logits.dtype).float(), torch.sigmoid(shared_gate), shared
+        routing = (top_i, top_w.to(logits.dtype).float())
+        return routing + self.shared(u) if shared else routing
+
+    def shared(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared expert: (its gate [T, 1], its output [T, H])."""
+        gate, up, shared_gate = self.shared_in(u)
+        return torch.sigmoid(shared_gate), self.shared_down_proj(self.act(gate) * up)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         top_i, top_w, shared_gate, shared = self.route(u)
@@ -526,22 +531,24 @@ class DecoderLayer(nn.Module):
             return self.linear_attn(u, st)
         return self.self_attn(u, st, rope)
 
-    def moe_in(self, x, y, c) -> tuple[torch.Tensor, ...]:
-        """Attention output into the streams, then MoE input: (x, u, c, top_i, top_w, shared gate, shared)."""
+    def moe_in(self, x, y, c, shared: bool = True) -> tuple[torch.Tensor, ...]:
+        """Attention output into the streams, then MoE input: (x, u, c, top_i, top_w, shared gate, shared),
+        without the last two when not `shared`."""
         x = inject(x, y, c)
         u, c = self.mlp_hc(x)
-        return (x, u, c, *self.mlp.route(u))
+        return (x, u, c, *self.mlp.route(u, shared))
 
     @staticmethod
     def moe_out(x, c, routed, shared_gate, shared, in_place: bool = False) -> torch.Tensor:
         return inject(x, torch.addcmul(routed, shared_gate, shared), c, in_place)
 
-    def pre_moe(self, x, ids, st: State, rope: Rope) -> tuple[torch.Tensor, ...]:
-        """PLE, attention and router: (x, u, c, top_i, top_w, shared gate, shared), all per token."""
+    def pre_moe(self, x, ids, st: State, rope: Rope, shared: bool = True) -> tuple[torch.Tensor, ...]:
+        """PLE, attention and router: (x, u, c, top_i, top_w, shared gate, shared), all per token (without the
+        last two when not `shared`)."""
         if self.ple is not None:
             x = x + self.ple(x, ids, st)
         u, c = self.attn_hc(x)
-        return self.moe_in(x, self.attention(u, st, rope), c)
+        return self.moe_in(x, self.attention(u, st, rope), c, shared)
 
     def forward(self, x, ids, st: State, rope: Rope) -> torch.Tensor:
         x, u, c, top_i, top_w, shared_gate, shared = self.pre_moe(x, ids, st, rope)
@@ -641,22 +648,24 @@ class Qwen4ExpModel(nn.Module):
         for a, b in bounds:
             st.pos = pos0 + a
             views.append((a, b, before[a : a + ctx0.shape[0]].clone(), self.rope(st, b - a)))
-        # the span's streams x [T, N*H] (made by forward) are updated in place, so a span holds one copy of
-        # them (memory_plan's per-span-token bytes): a piece's PLE, attention and router read only its own
-        # rows, and the experts' output is injected into them
+        # what a span holds across a layer is memory_plan's per-span-token bytes: its streams x [T, N*H] (made
+        # by forward) are updated in place (a piece's PLE, attention and router read only its own rows), and
+        # the shared expert and the injection run piece by piece after the routed experts (on the pieces'
+        # rows, as the plain forward runs them before)
         try:
             for layer in self.layers:
-                whole = None  # (u, c, top_i, top_w, shared gate, shared) for all t tokens
+                whole = None  # (u, c, top_i, top_w) for all t tokens
                 for a, b, ctx, rope in views:
                     st.pos, st.ple_ctx = pos0 + a, ctx
-                    x[a:b], *part = layer.pre_moe(x[a:b], ids[a:b], st, rope)
+                    x[a:b], *part = layer.pre_moe(x[a:b], ids[a:b], st, rope, shared=False)
                     if whole is None:
                         whole = [v.new_empty((t, *v.shape[1:])) for v in part]
                     for w, v in zip(whole, part):
                         w[a:b] = v
-                u, c, top_i, top_w, shared_gate, shared = whole
+                u, c, top_i, top_w = whole
                 routed = layer.mlp.bank(layer.mlp.layer, u, top_i, top_w)
-                layer.moe_out(x, c, routed, shared_gate, shared, in_place=True)
+                for a, b, _, _ in views:
+                    layer.moe_out(x[a:b], c[a:b], routed[a:b], *layer.mlp.shared(u[a:b]), in_place=True)
         finally:
             st.pos, st.ple_ctx = pos0, ctx0
         return x
