@@ -364,19 +364,25 @@ DECODE_SWEEP = [
         (4, 16, 16, 4, TOPK, 2), (8, 32, 32, 4, TOPK, 4),
     ]
 ]  # fmt: skip
+# the `words` rows: word tiles (8 codes per int32 load, 8 dots of block_k / 4 per step; not yet timed)
 PREFILL_SWEEP = [
-    dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-    for bm, bn, bk, nw, ns in [
-        (16, 64, 32, 4, 4), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3),
-        (128, 64, 64, 8, 3),
+    dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, words=wd)
+    for bm, bn, bk, nw, ns, wd in [
+        (16, 64, 32, 4, 4, False), (16, 128, 64, 4, 3, False), (32, 64, 64, 4, 3, False),
+        (64, 64, 64, 4, 3, False), (64, 128, 64, 8, 3, False), (128, 64, 64, 8, 3, False),
+        (16, 64, 64, 4, 4, True), (64, 64, 64, 4, 3, True), (64, 64, 128, 4, 3, True),
+        (128, 64, 64, 8, 3, True),
     ]
 ]  # fmt: skip
 
 
 PASS_SWEEP = [
-    dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-    for bn, bk, nw, ns in [(64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 4), (128, 64, 8, 3),
-                           (128, 32, 8, 4), (64, 128, 4, 3), (128, 64, 4, 3)]
+    dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, words=wd)
+    for bn, bk, nw, ns, wd in [
+        (64, 64, 4, 3, False), (64, 64, 8, 3, False), (64, 64, 4, 4, False), (64, 32, 4, 4, False),
+        (128, 64, 8, 3, False), (128, 32, 8, 4, False), (64, 128, 4, 3, False), (128, 64, 4, 3, False),
+        (64, 64, 4, 3, True), (64, 128, 4, 3, True),
+    ]
 ]  # fmt: skip  # the first is the tiles' own (ps64) shape: a sweep never records worse; narrower tiles lost
 
 
