@@ -610,21 +610,25 @@ def _x_tiles(xrow, xmask, k0, K_IN, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
     # the step's input columns [BM, .] of rows xrow [BM, 1] (pointers), in the order _dot_step multiplies
     # them: bytes, (even, odd) columns of bytes k0 .. k0 + BK - 1; words, columns 8 w + c (c = 0 .. 7) of
     # words k0 / 4 .. (k0 + BK) / 4 - 1
+    # (one return: Triton compiles a function's returns to one type, and the two forms differ)
     if WORDS:
         kw = k0 // 4 + tl.arange(0, BLOCK_K // 4)
         m = xmask & (kw < K_IN // 8)[None, :]
         c = xrow + 8 * kw[None, :]
-        return (
+        xs = (
             tl.load(c, mask=m, other=0.0), tl.load(c + 1, mask=m, other=0.0),
             tl.load(c + 2, mask=m, other=0.0), tl.load(c + 3, mask=m, other=0.0),
             tl.load(c + 4, mask=m, other=0.0), tl.load(c + 5, mask=m, other=0.0),
             tl.load(c + 6, mask=m, other=0.0), tl.load(c + 7, mask=m, other=0.0),
         )  # fmt: skip
-    kk = k0 + tl.arange(0, BLOCK_K)
-    m = xmask & (kk < K_IN // 2)[None, :]
-    return tl.load(xrow + 2 * kk[None, :], mask=m, other=0.0), tl.load(
-        xrow + 2 * kk[None, :] + 1, mask=m, other=0.0
-    )
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        m = xmask & (kk < K_IN // 2)[None, :]
+        xs = (
+            tl.load(xrow + 2 * kk[None, :], mask=m, other=0.0),
+            tl.load(xrow + 2 * kk[None, :] + 1, mask=m, other=0.0),
+        )
+    return xs
 
 
 @jit
