@@ -189,9 +189,9 @@ def plan_memory(
     per_moe_tok = act_bytes * k * (2 * i_moe + h)
 
     # Per token of a span, held across a layer: the streams (updated in place, one copy), the MoE input, the
-    # routed output and its FP32 sum (both alive as the bank returns), the routing (the shared expert and the
-    # injection run piece by piece)
-    per_span_tok = act_bytes * (hc * h + 2 * h) + 4 * h + 16 * k
+    # routed FP32 sums (the bank returns them as they are), the routing; the shared expert, the cast of the
+    # routed sums and the injection run piece by piece
+    per_span_tok = act_bytes * (hc * h + h) + 4 * h + 16 * k
 
     embed = resident.get("embed_tokens.weight")
     weights = {n: v for n, v in resident.items() if n != "embed_tokens.weight"}

@@ -65,18 +65,19 @@ def test_8gib_plan_holds_the_real_model_with_32k_context():
     assert total <= plan.budget
     assert "VRAM plan" in plan.describe()
     # prompts run layer by layer in spans, each fetching its experts once per layer: the budget of a
-    # 1,024-token piece-major workspace buys 256-token pieces in 5,120-token spans (the streams updated in
-    # place, the shared expert run piece by piece), and the plan says what a full-context prompt costs
-    assert (plan.prefill_piece, plan.prefill_span) == (256, 5120)
-    assert "~7x the expert bytes of one pass" in plan.describe()
+    # 1,024-token piece-major workspace buys 256-token pieces in 5,888-token spans (the streams updated in
+    # place, the shared expert and the routed sums' cast run piece by piece), and the plan says what a
+    # full-context prompt costs
+    assert (plan.prefill_piece, plan.prefill_span) == (256, 5888)
+    assert "~6x the expert bytes of one pass" in plan.describe()
 
 
 def test_fp8_buys_the_target_prefill_piece_before_bf16_is_kept():
     # the default utilization (0.9 x 8 GiB): the DeltaNet matrices alone would leave 128-token pieces
     tight = plan_memory(real_text_config(), real_resident(), BLOCK, int(7.2 * GiB), 32768)
     assert "lm_head.weight" not in tight.fp8 and any("self_attn.o_proj" in n for n in tight.fp8)
-    # that budget (a 1,024-token piece-major workspace) is split into the longest span: 5,120 tokens
-    assert tight.prefill_span == 5120 and tight.prefill_span % tight.prefill_piece == 0
+    # that budget (a 1,024-token piece-major workspace) is split into the longest span: 5,888 tokens
+    assert tight.prefill_span == 5888 and tight.prefill_span % tight.prefill_piece == 0
     # the expert kernels of a span run after its attention, in the piece's workspace: 768 tokens a launch
     assert tight.prefill_chunk == 768 and tight.prefill_chunk % tight.prefill_piece == 0
     assert tight.prefill_span > PREFILL_TARGET

@@ -1,4 +1,6 @@
-"""The expert bank: `bank(layer, x [T, H], expert_ids [T, K] int64, weights [T, K] fp32) -> [T, H]`.
+"""The expert bank: `bank(layer, x [T, H], expert_ids [T, K] int64, weights [T, K] fp32) -> [T, H]`, in
+x.dtype or FP32: a bank that sums in FP32 may return its sums as they are and callers cast (a layer-major
+span then holds no second copy of them).
 
 Only the routed sum lives here (the router and shared expert stay in the model). Each expert is SwiGLU:
 down(silu(gate x) * up x), scaled by its routing weight. `DenseExperts` holds dense weights (tests,

@@ -508,7 +508,7 @@ class SparseMoe(nn.Module):
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         top_i, top_w, shared_gate, shared = self.route(u)
-        return torch.addcmul(self.bank(self.layer, u, top_i, top_w), shared_gate, shared)
+        return torch.addcmul(self.bank(self.layer, u, top_i, top_w).to(u.dtype), shared_gate, shared)
 
 
 class DecoderLayer(nn.Module):
@@ -540,7 +540,8 @@ class DecoderLayer(nn.Module):
 
     @staticmethod
     def moe_out(x, c, routed, shared_gate, shared, in_place: bool = False) -> torch.Tensor:
-        return inject(x, torch.addcmul(routed, shared_gate, shared), c, in_place)
+        # routed may be the bank's FP32 sums: cast here, piece by piece in layer-major spans
+        return inject(x, torch.addcmul(routed.to(shared.dtype), shared_gate, shared), c, in_place)
 
     def pre_moe(self, x, ids, st: State, rope: Rope, shared: bool = True) -> tuple[torch.Tensor, ...]:
         """PLE, attention and router: (x, u, c, top_i, top_w, shared gate, shared), all per token (without the

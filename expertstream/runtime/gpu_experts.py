@@ -432,7 +432,7 @@ class GpuExperts:
         finally:
             for h in (h for hs in pending for h in hs):
                 h.release()
-        return total.to(x.dtype)
+        return total  # FP32, cast by the caller (layers/experts.py)
 
     def _groups(self, experts: list[int], starts: list[int], bm: int, k: int) -> list[list[int]]:
         """Consecutive experts in passes of at most half the slots (the previous pass's slots stay protected
