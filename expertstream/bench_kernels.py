@@ -370,8 +370,8 @@ PREFILL_SWEEP = [
     for bm, bn, bk, nw, ns, wd in [
         (16, 64, 32, 4, 4, False), (16, 128, 64, 4, 3, False), (32, 64, 64, 4, 3, False),
         (64, 64, 64, 4, 3, False), (64, 128, 64, 8, 3, False), (128, 64, 64, 8, 3, False),
-        (16, 64, 64, 4, 4, True), (64, 64, 64, 4, 3, True), (64, 64, 128, 4, 3, True),
-        (128, 64, 64, 8, 3, True),
+        (16, 64, 64, 4, 4, True), (64, 64, 64, 4, 3, True), (64, 64, 64, 8, 3, True),
+        (64, 64, 128, 4, 3, True), (128, 64, 64, 8, 3, True),
     ]
 ]  # fmt: skip
 
@@ -381,7 +381,7 @@ PASS_SWEEP = [
     for bn, bk, nw, ns, wd in [
         (64, 64, 4, 3, False), (64, 64, 8, 3, False), (64, 64, 4, 4, False), (64, 32, 4, 4, False),
         (128, 64, 8, 3, False), (128, 32, 8, 4, False), (64, 128, 4, 3, False), (128, 64, 4, 3, False),
-        (64, 64, 4, 3, True), (64, 128, 4, 3, True),
+        (64, 64, 4, 3, True), (64, 64, 8, 3, True), (64, 128, 4, 3, True),
     ]
 ]  # fmt: skip  # the first is the tiles' own (ps64) shape: a sweep never records worse; narrower tiles lost
 

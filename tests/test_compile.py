@@ -19,6 +19,9 @@ except ImportError:  # pragma: no cover - another Triton layout
 from expertstream.kernels import fp8_gemv, gdn_decode, nvfp4_moe, stage_blocks  # noqa: E402
 
 H, I, K = 2560, 640, 10  # hidden, expert width, experts per token of the real model
+# what Triton's launch-time specialisation tells the compiler: pointers and these integers (sizes and byte
+# offsets of the real model's blocks) are multiples of 16, so loads vectorise as they do on the GPU
+DIV16 = {"block_bytes", "H", "I", "N", "gw_off", "uw_off", "gs_off", "us_off", "dw_off", "ds_off"}
 
 BLOCK = dict(slots_ptr="*u8", block_bytes="i32")
 DECODE_IN = dict(ids_ptr="*i64", loc_ptr="*i32", scales_ptr="*fp32", host_ptr="*u8", **BLOCK)
@@ -177,23 +180,45 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
     return out
 
 
-def compile_all(cap: int) -> list[str]:
-    """Compile every kernel for sm_<cap>; the failures, one line each."""
+def compile_all(cap: int, registers: bool = False) -> list[str]:
+    """Compile every kernel for sm_<cap>; the failures, one line each. `registers`: also print each kernel's
+    registers and spills as the bundled ptxas reports them (`python tests/test_compile.py 90 --registers`)."""
     failed = []
     for name, fn, types, consts, warps in kernels(cap):
         names = fn.arg_names
         assert set(types) | set(consts) == set(names), f"{name}: signature {sorted(set(names) ^ set(types))}"
+        div = [n for n, t in types.items() if t.startswith("*") or n in DIV16]
         src = ASTSource(
             fn,
             {n: "constexpr" if n in consts else types[n] for n in names},
             constexprs={(names.index(n),): v for n, v in consts.items()},
+            attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div},
         )
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": warps})
             assert compiled.asm.get("cubin"), "no cubin"
         except Exception as e:  # every failure listed, not only the first
             failed.append(f"{name} {consts}: {type(e).__name__} {str(e)[-400:]}")
+            continue
+        if registers:
+            print(f"{name} {consts}: {ptxas_resources(compiled.asm['ptx'], cap)}")
     return failed
+
+
+def ptxas_resources(ptx: str, cap: int) -> str:
+    """ptxas -v's register and spill lines for one kernel's PTX (the ptxas Triton ships and uses)."""
+    import tempfile
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        arch = f"sm_{cap}a"
+        out = subprocess.run(
+            [ptxas, "-v", "--gpu-name", arch, f.name, "-o", os.devnull], capture_output=True, text=True
+        )
+    lines = [ln.split("info    : ")[-1].strip() for ln in out.stderr.splitlines()]
+    return "; ".join(ln for ln in lines if "registers" in ln or "spill" in ln) or out.stderr.strip()[-300:]
 
 
 @pytest.mark.parametrize("cap", [90, 120], ids=["sm_90", "sm_120"])
@@ -206,6 +231,6 @@ def test_every_kernel_compiles_for_hopper_and_blackwell(cap):
 
 
 if __name__ == "__main__":
-    failures = compile_all(int(sys.argv[1]))
+    failures = compile_all(int(sys.argv[1]), registers="--registers" in sys.argv)
     print("\n".join(failures) or f"compiled {len(kernels(int(sys.argv[1])))} kernels")
     sys.exit(1 if failures else 0)

@@ -596,11 +596,11 @@ def _tile_slot(tile_expert_ptr, e2s_ptr, tile):
 @jit
 def _tile(tile_expert_ptr, e2s_ptr, pair_ptr, slots_ptr, block_bytes, T0, P, BLOCK_M: tl.constexpr):
     # program's tile T0 + program_id(0): (its expert's slot or -1, the slot's block, its pairs [BM] (P:
-    # padding), their rows in the range's buffers (int64), which pairs are real)
+    # padding), their rows in the range's buffers, which pairs are real)
     tile = T0 + tl.program_id(0)
     slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
     pair = tl.load(pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     return slot, slots_ptr + tl.maximum(slot, 0) * block_bytes, pair, rows, pair < P
 
 
@@ -701,7 +701,7 @@ def _prefill_gate_up_kernel(
     u = acc_u * tl.load(ws2_ptr + slot * 3 + 1)
     hv = g * tl.sigmoid(g) * u
     hm = valid[:, None] & nmask[None, :]
-    tl.store(h_ptr + rows[:, None] * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=hm)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=hm)
 
 
 @jit(do_not_specialize=("P", "T0"))
@@ -717,6 +717,7 @@ def _prefill_down_kernel(
     )
     if slot < 0:  # past the last tile, or its expert is not in this pass
         return
+    rows = rows.to(tl.int64)  # of h and y (int64 offsets: a long one-shot prompt passes 2^31 elements)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
