@@ -310,6 +310,9 @@ class GpuExperts:
             return
         self._loc.push()
         log.info("every expert block has a fixed place in %s: decode reads no routing back", self.resident)
+        if self.resident == "ram" and self.stage_guesses:
+            log.info("decode copies each next layer's %d best guesses to VRAM while the bus is idle "
+                     "(--stage-guesses)", self.stage_guesses)  # fmt: skip
 
     def decode_launched(self) -> None:
         """Call once the last prepare's compute is queued (its graph replayed, or launched eagerly): marks its
