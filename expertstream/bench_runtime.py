@@ -362,11 +362,11 @@ def run(args) -> int:
     expert_bytes = wd.num_layers * wd.num_experts * block
     disk = disk_rate(wd.experts_path, block, base.io_threads)
     pcie = pcie_rate()
-    share = real_model_cache_share(wd, args.gpu_memory_gb, args.max_model_len)
+    real = real_model_plan(wd, args.gpu_memory_gb, args.max_model_len)
+    share = real.vram_cache_blocks / REAL_LAYERS
     vram_blocks = int(share * wd.num_layers)
     # the staging rows are not per layer: `ram` gets the 48-layer plan's, on top of its cache share, so that
     # the bank resolves --stage-guesses as the real model's engine would
-    real = real_model_plan(wd, args.gpu_memory_gb, args.max_model_len)
     k = wd.text_config["num_experts_per_tok"]
     staged = stage_guesses_for(args.stage_guesses, k, real.slots // block + real.vram_cache_blocks)
     share24 = real_model_cache_share(wd, BIG_BUDGET_GB, args.max_model_len)

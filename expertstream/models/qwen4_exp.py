@@ -506,10 +506,6 @@ class SparseMoe(nn.Module):
         gate, up, shared_gate = self.shared_in(u)
         return torch.sigmoid(shared_gate), self.shared_down_proj(self.act(gate) * up)
 
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        top_i, top_w, shared_gate, shared = self.route(u)
-        return torch.addcmul(self.bank(self.layer, u, top_i, top_w).to(u.dtype), shared_gate, shared)
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, w: Weights, a: ModelArgs, i: int, bank, ple_table):
