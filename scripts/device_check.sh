@@ -25,6 +25,6 @@ python3 -c "from pathlib import Path; from expertstream.bench_runtime import ens
   >/dev/null 2>&1
 timeout ${CHECK_S:-200} python3 -m expertstream check $W/full-4-wd --snapshot $W/full-4 --dtype bfloat16 --device cuda \
   --prompts 2 --prefill-piece 16 --prefill-span 64 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_full4_cuda.txt
-${AFTER:-true}  # more work while the tests finish (e.g. a profiled bench)
+eval "${AFTER:-true}"  # more work while the tests finish (e.g. a profiled bench)
 wait
 cat $OUT/gpu_tests.txt
