@@ -123,6 +123,28 @@ def test_host_mirror_pushes_the_host_copy():
     assert dev.abs().sum() == 0
 
 
+def test_packed_upload_sends_every_part_into_fixed_tensors():
+    from expertstream.runtime.host_mirror import ALIGN, PackedUpload
+
+    up = PackedUpload("cpu")
+    on_device = torch.ones(2)  # the test's "device" is the CPU: device tensors are the ones not packed
+    parts = {
+        "row": torch.randn(1, 5).to(torch.bfloat16),
+        "positions": torch.tensor([7]),
+        "raw": torch.arange(7, dtype=torch.uint8).view(1, 7),
+        "vals": torch.randn(1, 3),
+    }
+    first = up(parts)
+    again = up({name: t + 1 for name, t in parts.items()})
+    for name, t in parts.items():
+        assert again[name] is first[name] and again[name].dtype == t.dtype and again[name].shape == t.shape
+        assert torch.equal(again[name], t + 1) and again[name].data_ptr() % ALIGN == 0
+        assert up.owns(again[name]) and not up.owns(t)
+    with pytest.raises(ValueError, match="parts changed"):
+        up({**parts, "raw": torch.zeros(1, 8, dtype=torch.uint8)})
+    assert PackedUpload("meta")({"d": on_device.to("meta")})["d"].device.type == "meta"
+
+
 def test_a_failed_read_hands_every_buffer_back():
     cache, log = make(8)
 

@@ -430,14 +430,18 @@ class PLELayer(nn.Module):
     def raw(self, ids: torch.Tensor, st: State, device: torch.device) -> torch.Tensor:
         """ids [T] on the host -> the table's raw rows [T, heads * width] on `device`: hashed and read on the
         host (one token in plain ints), uploaded as stored (FP8 bytes: a quarter of the values' bytes)."""
+        raw = self.raw_host(ids, st)
+        return upload(raw, device, raw.dtype)
+
+    def raw_host(self, ids: torch.Tensor, st: State) -> torch.Tensor:
+        """`raw` before its upload: the raw rows [T, heads * width] on the host."""
         if ids.shape[0] == 1:
             rows = ngram_rows_one(st.ple_ctx.tolist(), int(ids[0]), self.eos, *self._hash_lists)
         else:
             rows = ngram_row_ids(
                 st.ple_ctx, ids, self.eos, self.mult, self.vocab, self.offsets, self.heads_per_ngram
             )
-        raw = self.table.read(rows)
-        return upload(raw, device, raw.dtype)
+        return self.table.read(rows)
 
     def from_raw(self, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Raw rows on the device -> [T, ple_embed_dim] in dtype (device work only: graphs hold it)."""
@@ -598,7 +602,11 @@ class Qwen4ExpModel(nn.Module):
 
     def token_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Host ids [T] -> their embedding rows [T, H] on the device (gathered where the table lives)."""
-        return upload(self.embed[ids.to(self.embed.device)], self.device, self.dtype)
+        return upload(self.table_rows(ids), self.device, self.dtype)
+
+    def table_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Host ids [T] -> their embedding rows [T, H] in the compute dtype, where the table lives."""
+        return self.embed[ids.to(self.embed.device)].to(self.dtype)
 
     def streams(self, rows: torch.Tensor) -> torch.Tensor:
         """Embedding rows [T, H] on the device -> the N streams [T, N*H] (device work only)."""

@@ -27,6 +27,7 @@ import torch
 
 from expertstream.log import get_logger
 from expertstream.models.qwen4_exp import DecoderLayer, Qwen4ExpModel, Rope, kv_bucket
+from expertstream.runtime.host_mirror import PackedUpload
 from expertstream.state import State
 
 log = get_logger(__name__)
@@ -104,12 +105,13 @@ def _banks(model: Qwen4ExpModel) -> list:
     return list({id(layer.mlp.bank): layer.mlp.bank for layer in model.layers}.values())
 
 
-def _host_inputs(model: Qwen4ExpModel, s: _Step) -> dict:
-    out = {"row": model.token_rows(s.ids), "positions": model.positions(s.st, 1)}
+def _host_inputs(model: Qwen4ExpModel, s: _Step, upload: PackedUpload) -> dict:
+    # on the host (where the embedding table lives, it may be the device): one upload of all of them
+    out = {"row": model.table_rows(s.ids), "positions": torch.tensor([s.st.pos])}
     for i, layer in enumerate(model.layers):
         if layer.ple is not None:
-            out[f"ple_raw{i}"] = layer.ple.raw(s.ids, s.st, model.device)
-    return out
+            out[f"ple_raw{i}"] = layer.ple.raw_host(s.ids, s.st)
+    return upload(out)
 
 
 def _embed(model: Qwen4ExpModel, e: dict) -> dict:
@@ -117,14 +119,21 @@ def _embed(model: Qwen4ExpModel, e: dict) -> dict:
     return {"x": model.streams(e["row"]), "cos": rope.cos, "sin": rope.sin}
 
 
-def decode_program(model: Qwen4ExpModel, st: State, kv_len: int) -> list[tuple[bool, list]]:
-    """The one-token step, QSA over `kv_len` KV rows, as runs of graphable / eager stages, in order."""
+def decode_program(
+    model: Qwen4ExpModel, st: State, kv_len: int, upload: PackedUpload | None = None
+) -> list[tuple[bool, list]]:
+    """The one-token step, QSA over `kv_len` KV rows, as runs of graphable / eager stages, in order;
+    `upload` sends the token's host inputs (a fresh one if None)."""
     # host: the token's embedding row, its position and every PLE layer's raw rows (all known from the ids
     # and the state), in one eager stage; the streams, the RoPE rows and PLE decoding are static
+    upload = upload or PackedUpload(model.device)
     ops = [
-        (False, lambda e, s: _host_inputs(model, s)),
+        (False, lambda e, s: _host_inputs(model, s, upload)),
         (True, lambda e, s: _embed(model, e)),
     ]
+    for bank in _banks(model):  # layer 0's guesses to VRAM over its attention (side stream)
+        if hasattr(bank, "decode_stage_first") and not getattr(bank, "decode_fixed", False):
+            ops.append((True, lambda e, s, bank=bank: bank.decode_stage_first(e["row"]) or {}))
     for i, layer in enumerate(model.layers):
         ops += _layer_ops(model, i, layer, st, kv_len)
     ops.append((True, lambda e, s: {"h": model.mixer(e["x"])[0]}))
@@ -163,9 +172,10 @@ class _StateGraphs:
 
     def __init__(self):
         self.pool = None  # the first capture's pool, named by the later ones
-        # (KV window, banks with every block placed for good): a bank that becomes fixed gets a program
-        # without its eager point per layer, captured anew
-        self.by_window: dict[tuple[int, tuple[bool, ...]], _Captured] = {}
+        # (KV window, per bank: every block placed for good, and where blocks reside): a bank that becomes
+        # fixed gets a program without its eager point per layer, one that becomes resident in RAM a program
+        # with its staging copies (decided while capturing), each captured anew
+        self.by_window: dict[tuple, _Captured] = {}
 
 
 class DecodeGraphs:
@@ -181,6 +191,7 @@ class DecodeGraphs:
         self.warm = False  # one eager step first: Triton compiles and module loads cannot be captured
         self._states: weakref.WeakKeyDictionary[State, _StateGraphs] = weakref.WeakKeyDictionary()
         self._stream = torch.cuda.Stream(model.device) if capture else None
+        self._upload = PackedUpload(model.device)  # the token's host inputs: fixed device tensors
         self.captures = 0  # (state, KV bucket) programs captured so far (stats)
         self._banks = _banks(model)
         # host work a bank starts once the device work before it is queued (the next layer's guesses)
@@ -201,7 +212,7 @@ class DecodeGraphs:
         fixed = tuple(getattr(b, "decode_fixed", False) for b in self._banks)
         if not self.capture or not self.warm:
             env: dict = {}
-            for graphable, fns in decode_program(self.model, st, kv_len):
+            for graphable, fns in decode_program(self.model, st, kv_len, self._upload):
                 env.update(_run(fns, env, step))
                 if graphable:
                     self._after_launch()
@@ -209,7 +220,7 @@ class DecodeGraphs:
             self.warm = True
         else:
             graphs = self._states.setdefault(st, _StateGraphs())
-            key = (kv_len, fixed)
+            key = (kv_len, fixed, tuple(getattr(b, "resident", None) for b in self._banks))
             cap = graphs.by_window.get(key)
             if cap is None:
                 cap = graphs.by_window[key] = self._capture(graphs, st, step, kv_len)
@@ -226,7 +237,7 @@ class DecodeGraphs:
         """Build the state's graphs while running this step: each run is captured, then replayed at once."""
         cap, env, t0 = _Captured(), {}, time.perf_counter()
         torch.cuda.synchronize(self.model.device)
-        for graphable, fns in decode_program(self.model, st, kv_len):
+        for graphable, fns in decode_program(self.model, st, kv_len, self._upload):
             if graphable:
                 g, out = _capture_graph(lambda fns=fns: _run(fns, env, None), self._stream, graphs.pool)
                 graphs.pool = graphs.pool or g.pool()  # the state's graphs share the first one's pool
@@ -235,7 +246,8 @@ class DecodeGraphs:
                 cap.segments.append(("graph", g))
                 env.update(out)
             else:
-                out = {k: v.clone() for k, v in _run(fns, env, step).items()}
+                # fresh tensors get static copies; the upload's fixed tensors are static already
+                out = {k: v if self._upload.owns(v) else v.clone() for k, v in _run(fns, env, step).items()}
                 cap.segments.append(("eager", fns, dict(env), out))
                 env.update(out)
         cap.h = env["h"]
@@ -261,4 +273,5 @@ class DecodeGraphs:
             else:
                 _, fns, env, static = seg
                 for name, value in _run(fns, env, step).items():
-                    static[name].copy_(value)
+                    if static[name] is not value:
+                        static[name].copy_(value)

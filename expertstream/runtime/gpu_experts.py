@@ -117,7 +117,7 @@ class GpuExperts:
 
         self._cache_reads = True
         scales = workdir.expert_scales()[0]  # [L, E, 3] weight_scale_2 (gate, up, down), read once
-        k = workdir.text_config["num_experts_per_tok"]
+        self.k = k = workdir.text_config["num_experts_per_tok"]
         g = stage_guesses_for(stage_guesses, k, n_slots)
         self.stage_guesses = min(g, round(speculation_width * k)) if speculate else 0  # no more than guessed
         if stage_guesses > 0 and not self.stage_guesses:
@@ -244,9 +244,11 @@ class GpuExperts:
 
     @property
     def decode_fixed(self) -> bool:
-        """Every block has a fixed place that `loc` holds and no guess is staged: a layer's decode is device
-        work alone (decode_compute), so a graphed token needs no eager point per layer."""
-        return self.resident is not None and self.control == "none" and not self.stage_guesses
+        """Every block has a fixed place that `loc` holds and no guess is staged (none is once every block
+        sits in VRAM): a layer's decode is device work alone (decode_compute), so a graphed token needs no
+        eager point per layer."""
+        staging = self.stage_guesses and self.resident == "ram"
+        return self.resident is not None and self.control == "none" and not staging
 
     def decode_fixed_reads(self, n: int) -> None:
         """Count n blocks read through the fixed table by a token decoded without decode_prepare."""
@@ -374,6 +376,14 @@ class GpuExperts:
                 self._stage_counts[0] += g
             self._forked = True
         self._staged = nxt
+
+    def decode_stage_first(self, x: torch.Tensor) -> None:
+        """At a token's start (graphable): stage layer 0's guesses, its router on the token's embedding row
+        x [1, H] (the residual stream layer 0 starts from), over layer 0's attention; as `decode_stage`."""
+        if self.stage_guesses and self.resident == "ram" and self.spec is not None:
+            guess = self.spec.guess(-1, x, self.k)
+            if guess is not None:
+                self.decode_stage(-1, guess, 0)
 
     def decode_join(self) -> None:
         """The main stream waits for queued staging (graphable; a no-op when nothing is queued). Called at

@@ -1,0 +1,101 @@
+"""Where a decode token's wall time goes, without torch.profiler (its CUPTI hooks slow each graph launch ~10x,
+so its host gaps are not the engine's). Per stage of the decode program (DecodeGraphs segments: eager host
+work or a graph replay), the host time of the call and the GPU span between CUDA events recorded after
+each stage; then the tail (lm_head, argmax, the read-back). A GPU span much longer than the kernels in it
+means the GPU waited for the host. Usage on a lent GPU: python3 scripts/decode_timeline.py [vram|ram|...]
+"""
+
+import argparse
+import dataclasses
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from expertstream.bench_runtime import REAL_LAYERS, ensure_model, real_model_plan, warm_caches
+from expertstream.config import EngineConfig
+from expertstream.engine import Engine
+from expertstream.runtime import decode_graphs
+from expertstream.runtime.gpu_experts import stage_guesses_for
+from expertstream.workdir import Workdir
+
+p = argparse.ArgumentParser()
+p.add_argument("regimes", nargs="*", default=["vram", "ram"])
+p.add_argument("--layers", type=int, default=4)
+p.add_argument("--tokens", type=int, default=16)
+p.add_argument("--stage-guesses", type=int, default=-1)
+args = p.parse_args()
+
+work = ensure_model(Path("/tmp/expertstream-bench"), args.layers)
+wd = Workdir(work)
+block = wd.layout.block_bytes
+k = wd.text_config["num_experts_per_tok"]
+real = real_model_plan(wd, 8.0, 32768)
+vram_blocks = int(real.vram_cache_blocks / REAL_LAYERS * wd.num_layers)
+staged = stage_guesses_for(args.stage_guesses, k, real.slots // block + real.vram_cache_blocks)
+base = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768,
+                    ram_cache_gb=wd.num_layers * wd.num_experts * block / 2**30 + 0.1)  # fmt: skip
+regimes = {
+    "vram": (base, wd.num_layers * wd.num_experts),
+    "ram": (dataclasses.replace(base, stage_guesses=staged), vram_blocks + 2 * staged),
+    "ram_unstaged": (dataclasses.replace(base, stage_guesses=0), vram_blocks),
+}
+
+record: list = []  # (segment index, kind, host seconds, event) of the token being run
+
+
+def timed_replay(self, cap, step):
+    for i, seg in enumerate(cap.segments):
+        t0 = time.perf_counter()
+        if seg[0] == "graph":
+            seg[1].replay()
+            self._after_launch()
+        else:
+            _, fns, env, static = seg
+            for name, value in decode_graphs._run(fns, env, step).items():
+                static[name].copy_(value)
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        record.append((i, seg[0], time.perf_counter() - t0, ev))
+
+
+decode_graphs.DecodeGraphs._replay = timed_replay
+
+for name in args.regimes:
+    cfg, blocks = regimes[name]
+    eng = Engine(cfg, vram_cache_blocks=blocks)
+    warm_caches(eng, vram=name == "vram")
+    state = eng.new_state()
+    tok = int(eng.forward(state, list(range(1, 17))).argmax())
+    for _ in range(6):
+        tok = int(eng.forward(state, [tok]).argmax())
+    host, gpu, kinds = defaultdict(float), defaultdict(float), {}
+    walls, tails = [], []
+    torch.cuda.synchronize()
+    for _ in range(args.tokens):
+        record.clear()
+        start = torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        logits = eng.forward(state, [tok])
+        t1 = time.perf_counter()
+        tok = int(logits.argmax())
+        t2 = time.perf_counter()
+        walls.append(t2 - t0)
+        tails.append(t2 - t1)
+        torch.cuda.synchronize()
+        prev = start
+        for i, kind, sec, ev in record:
+            host[i] += sec
+            gpu[i] += prev.elapsed_time(ev) * 1e-3
+            kinds[i] = kind
+            prev = ev
+    n = args.tokens
+    print(f"\n{name}: wall {1e3 * sum(walls) / n:.3f} ms/token; argmax read-back (waits for the GPU) "
+          f"{1e3 * sum(tails) / n:.3f} ms")  # fmt: skip
+    print(" seg kind     host_us  gpu_span_us")
+    for i in sorted(host):
+        print(f" {i:3d} {kinds[i]:6s} {1e6 * host[i] / n:9.1f} {1e6 * gpu[i] / n:11.1f}")
+    print(f" sum        {1e6 * sum(host.values()) / n:9.1f} {1e6 * sum(gpu.values()) / n:11.1f}")
+    eng.close()
