@@ -1,0 +1,74 @@
+"""Where the host's time goes in `ram`-regime prefill and decode (every block in pinned RAM): cProfile of one
+prompt and of a few decode tokens on the 4-layer full-shape bench model, top functions by own time. The GPU
+waits for the host wherever the host cannot run ahead (a prompt's bank call reads its counts back), so host
+time per pass and per token is what bounds those paths when the GPU is mostly idle. Usage on a lent GPU:
+python3 scripts/host_profile.py [--prompt 2451] [--tokens 32]
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from expertstream.bench_runtime import ensure_model, warm_caches
+from expertstream.config import EngineConfig
+from expertstream.engine import Engine
+from expertstream.workdir import Workdir
+
+p = argparse.ArgumentParser()
+p.add_argument("--prompt", type=int, default=2451)
+p.add_argument("--tokens", type=int, default=32)
+p.add_argument("--top", type=int, default=28)
+args = p.parse_args()
+
+work = ensure_model(Path("/tmp/expertstream-bench"), 4)
+wd = Workdir(work)
+expert_gib = wd.num_layers * wd.num_experts * wd.layout.block_bytes / 2**30
+cfg = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768, ram_cache_gb=expert_gib + 0.1)
+eng = Engine(cfg)
+warm_caches(eng, vram=False)
+prompt = torch.randint(1, 200, (args.prompt,)).tolist()
+
+
+def report(what: str, prof: cProfile.Profile, seconds: float) -> None:
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
+    print(f"\n=== {what}: {seconds:.3f} s wall (unprofiled) ===")
+    print("\n".join(line[:150] for line in out.getvalue().splitlines()[6:]))
+
+
+for _ in range(2):  # the first compiles and warms; the second is timed, then profiled
+    st = eng.new_state()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    logits = eng.forward(st, prompt)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+passes = eng.bank.prefill_passes
+prof = cProfile.Profile()
+st = eng.new_state()
+prof.enable()
+logits = eng.forward(st, prompt)
+torch.cuda.synchronize()
+prof.disable()
+report(f"prefill {args.prompt} ({(eng.bank.prefill_passes - passes)} passes)", prof, wall)
+
+tok = int(logits.argmax())
+for _ in range(6):
+    tok = int(eng.forward(st, [tok]).argmax())
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+for _ in range(args.tokens):
+    tok = int(eng.forward(st, [tok]).argmax())
+wall = (time.perf_counter() - t0) / args.tokens
+prof = cProfile.Profile()
+prof.enable()
+for _ in range(args.tokens):
+    tok = int(eng.forward(st, [tok]).argmax())
+prof.disable()
+report(f"decode, {args.tokens} tokens ({1e3 * wall:.2f} ms/token)", prof, wall * args.tokens)
+eng.close()
