@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import bisect
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from expertstream.formats.fp8 import e4m3_to_float
@@ -110,15 +112,27 @@ class DenseTable:
         """Raw rows (on any device) -> float32 values."""
         return raw.float()
 
+    def read_ahead(self, rows: torch.Tensor | None) -> None:
+        """Nothing to read ahead: the table is in memory."""
+
 
 class PleTable:
     """The FP8 PLE table read in place from the snapshot shards: one `width`-byte `pread` per distinct row.
 
+    A prompt's rows are known before its layers run: `read_ahead` reads them on `read_threads` threads
+    (the drive sees that many reads in flight, and `pread` releases the GIL) while the layers before the PLE
+    layer compute; the PLE layer's `read` of them then only gathers. A 2,451-token prompt is 39,000 rows:
+    ~0.07 s of serial reads on the H200 box even from the page cache, and one drive latency each from NVMe.
+
     `ple` is the workdir manifest's ple block (shard paths absolute): dtype, width, scale, rows, shards.
     """
 
-    def __init__(self, ple: dict):
+    def __init__(self, ple: dict, read_threads: int = 8):
         self._fds: list[int] = []
+        self.read_threads = read_threads
+        self._pool: ThreadPoolExecutor | None = None  # started by the first read_ahead
+        # the last read_ahead: (its distinct rows, sorted [U] int64; their bytes [U, width]; the reads)
+        self._ahead: tuple[np.ndarray, np.ndarray, list[Future]] | None = None
         if ple.get("dtype") != "float8_e4m3fn":
             raise ValueError(
                 f"PLE table dtype {ple.get('dtype')!r} is not supported (expected float8_e4m3fn)"
@@ -145,6 +159,10 @@ class PleTable:
         self._luts: dict[torch.device, torch.Tensor] = {}
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # no read may land in a closed file
+            self._pool = None
+        self._ahead = None
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -152,25 +170,78 @@ class PleTable:
     def __del__(self):
         self.close()
 
-    def _read_row(self, r: int) -> bytes:
+    def _place(self, r: int) -> tuple[int, int]:
+        """Row r -> (shard index, byte offset in its file)."""
         if not 0 <= r < self.rows:
             raise IndexError(f"PLE row {r} outside the table of {self.rows} rows")
         i = bisect.bisect_right(self._first, r) - 1
-        off = self._offsets[i] + (r - self._first[i]) * self.width
+        return i, self._offsets[i] + (r - self._first[i]) * self.width
+
+    def _short(self, r: int, i: int, off: int, n: int) -> OSError:
+        return OSError(f"short read of PLE row {r} at byte {off} of shard {i}: {n} of {self.width} bytes")
+
+    def _read_row(self, r: int) -> bytes:
+        i, off = self._place(r)
         data = os.pread(self._fds[i], self.width, off)
         if len(data) != self.width:
-            raise OSError(
-                f"short read of PLE row {r} at byte {off} of shard {i}: {len(data)} of {self.width} bytes"
-            )
+            raise self._short(r, i, off, len(data))
         return data
+
+    def _read_into(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Rows [n] -> out [n, width], one pread straight into each row of out (a worker's share)."""
+        for r, dst in zip(rows.tolist(), out):
+            i, off = self._place(r)
+            n = os.preadv(self._fds[i], [dst], off)
+            if n != self.width:
+                raise self._short(r, i, off, n)
+
+    def read_ahead(self, rows: torch.Tensor | None) -> None:
+        """Start reading the distinct rows of rows [T, heads] (a prompt's) on the worker threads; a later
+        `read` whose rows are all among them waits for these reads and gathers. Replaces the last one;
+        None drops it (the prompt is done: one-token reads stop looking there)."""
+        if rows is None:
+            self._ahead = None
+            return
+        uniq = np.unique(rows.numpy().reshape(-1))
+        if uniq.size and not (0 <= uniq[0] and uniq[-1] < self.rows):
+            raise IndexError(f"PLE rows {uniq[0]}..{uniq[-1]} outside the table of {self.rows} rows")
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ple-read")
+        out = np.empty((uniq.size, self.width), dtype=np.uint8)
+        cuts = [uniq.size * j // self.read_threads for j in range(self.read_threads + 1)]
+        futures = [  # contiguous shares of the sorted rows, each written in place into its rows of out
+            self._pool.submit(self._read_into, uniq[a:b], out[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a
+        ]
+        self._ahead = (uniq, out, futures)
+        self.bytes_read += out.nbytes
+
+    def _from_ahead(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """rows [T, heads] from the last read_ahead (after its reads landed), or None if any is not there."""
+        if self._ahead is None:
+            return None
+        uniq, out, futures = self._ahead
+        flat = rows.numpy().reshape(-1)
+        idx = np.searchsorted(uniq, flat)
+        if not flat.size or (idx >= uniq.size).any() or (uniq[idx] != flat).any():
+            return None
+        for f in futures:
+            f.result()  # re-raises a failed read
+        return torch.from_numpy(out[idx]).view(rows.shape[0], -1)
 
     def read(self, rows: torch.Tensor | list[int]) -> torch.Tensor:
         """rows [T, heads] int64 (or one token's list of rows) -> FP8 bytes [T, heads * width] uint8 on the
         host; each distinct row read once."""
         if isinstance(rows, list):
+            # a prompt's one-token piece reads ahead too; decode (nothing ahead) skips the lookup
+            ahead = self._from_ahead(torch.tensor([rows])) if self._ahead is not None else None
+            if ahead is not None:
+                return ahead
             raw = b"".join(self._read_row(r) for r in rows)
             self.bytes_read += len(raw)
             return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(1, -1)
+        ahead = self._from_ahead(rows.cpu())
+        if ahead is not None:
+            return ahead
         uniq, inverse = torch.unique(rows.cpu(), return_inverse=True)
         raw = b"".join(self._read_row(r) for r in uniq.tolist())
         self.bytes_read += len(raw)

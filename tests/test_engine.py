@@ -12,7 +12,7 @@ from expertstream.formats import nvfp4
 from expertstream.formats.fp8 import dequantize_fp8_rows, e4m3_to_float
 from expertstream.layers.experts import DenseExperts
 from expertstream.models.qwen4_exp import Qwen4ExpModel
-from expertstream.ple import DenseTable
+from expertstream.ple import DenseTable, PleTable
 from expertstream.repack import setup_workdir
 from expertstream.state import State
 
@@ -166,11 +166,15 @@ def test_layer_major_spans_equal_the_piece_by_piece_forward(engine):
         st_b = engine.new_state()
         for layer in engine.model.layers:
             layer.mlp.bank = counting
+        direct = []  # PLE rows the pieces read themselves: none, the span read them all ahead
+        engine.ple._read_row = lambda r: direct.append(r) or PleTable._read_row(engine.ple, r)
         got = engine.forward(st_b, ids, all_logits=True)
     finally:
         for layer in engine.model.layers:
             layer.mlp.bank = engine.bank
+        del engine.ple._read_row
         engine.set_prefill(min(8192, engine.config.max_model_len), engine.config.max_model_len)
+    assert engine.args.ple_layers and direct == []
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert st_a.pos == st_b.pos == PROMPT and st_a.tokens == st_b.tokens
     assert torch.equal(st_a.ple_ctx, st_b.ple_ctx)

@@ -131,6 +131,40 @@ def test_ple_table_reads_only_the_needed_rows(tmp_path):
     table.close()
 
 
+def test_ple_table_reads_a_prompt_ahead_and_serves_its_pieces(tmp_path):
+    width, rows = 5, [40, 33, 27]
+    raw = torch.randint(0, 256, (sum(rows), width), dtype=torch.uint8)
+    shards = write_shards(tmp_path / "ple.bin", raw, rows)
+    meta = {"dtype": "float8_e4m3fn", "width": width, "scale": 1.0, "rows": sum(rows), "shards": shards}
+    table = PleTable(meta, read_threads=3)
+    prompt = torch.randint(0, sum(rows), (30, 4), generator=torch.Generator().manual_seed(0))
+    prompt[3] = torch.tensor([0, 39, 40, 99])  # shard edges
+    table.read_ahead(prompt)
+    assert table.bytes_read == prompt.unique().numel() * width  # each distinct row once, on the threads
+    assert torch.equal(table.read(prompt), raw[prompt].flatten(-2))  # waits for the reads
+    os.truncate(tmp_path / "ple.bin", 0)  # pieces of the prompt now come from the reads ahead only
+    for a, b in ((0, 7), (7, 30)):
+        assert torch.equal(table.read(prompt[a:b]), raw[prompt[a:b]].flatten(-2))
+    assert table.bytes_read == prompt.unique().numel() * width
+    outside = torch.tensor([[int(r) for r in range(100) if r not in prompt][0]])
+    with pytest.raises(OSError, match="short read"):  # a row not read ahead is read from the (empty) file
+        table.read(outside)
+    with pytest.raises(IndexError, match="100"):
+        table.read_ahead(torch.tensor([[100]]))
+    table.close()
+
+
+def test_ple_table_read_ahead_reports_a_failed_read(tmp_path):
+    raw = torch.zeros(8, 4, dtype=torch.uint8)
+    shards = write_shards(tmp_path / "ple.bin", raw, [8])
+    os.truncate(tmp_path / "ple.bin", shards[0]["offset"] + 4 * 5)
+    table = PleTable({"dtype": "float8_e4m3fn", "width": 4, "scale": 1.0, "rows": 8, "shards": shards})
+    table.read_ahead(torch.tensor([[1, 7]]))
+    with pytest.raises(OSError, match="short read of PLE row 7"):
+        table.read(torch.tensor([[1, 7]]))
+    table.close()
+
+
 def test_ple_table_reports_short_reads_and_bad_files(tmp_path):
     raw = torch.zeros(8, 4, dtype=torch.uint8)
     shards = write_shards(tmp_path / "ple.bin", raw, [8])

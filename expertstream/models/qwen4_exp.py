@@ -437,11 +437,16 @@ class PLELayer(nn.Module):
         """`raw` before its upload: the raw rows [T, heads * width] on the host."""
         if ids.shape[0] == 1:
             rows = ngram_rows_one(st.ple_ctx.tolist(), int(ids[0]), self.eos, *self._hash_lists)
-        else:
-            rows = ngram_row_ids(
-                st.ple_ctx, ids, self.eos, self.mult, self.vocab, self.offsets, self.heads_per_ngram
-            )
-        return self.table.read(rows)
+            return self.table.read(rows)
+        return self.table.read(self._rows(ids, st))
+
+    def read_ahead(self, ids: torch.Tensor, st: State) -> None:
+        """Let the table start reading the rows of a call's ids [T] (host); its pieces read them later."""
+        self.table.read_ahead(self._rows(ids, st))
+
+    def _rows(self, ids: torch.Tensor, st: State) -> torch.Tensor:
+        a = (self.mult, self.vocab, self.offsets, self.heads_per_ngram)
+        return ngram_row_ids(st.ple_ctx, ids, self.eos, *a)
 
     def from_raw(self, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Raw rows on the device -> [T, ple_embed_dim] in dtype (device work only: graphs hold it)."""
@@ -564,7 +569,8 @@ class Qwen4ExpModel(nn.Module):
         tensors: HF text names (prefix `model.language_model.` removed) -> tensors; `embed_tokens.weight`
             stays on its own device (it may live in host RAM).
         bank: the expert bank, `bank(layer, x [T, H], expert_ids [T, K], weights [T, K] fp32) -> [T, H]`.
-        ple_table: object with `read(rows [T, heads] | one token's list) -> raw rows on the host` and
+        ple_table: object with `read(rows [T, heads] | one token's list) -> raw rows on the host`,
+            `read_ahead(rows [T, heads] | None)` (a hint: those rows are read soon; None: no longer) and
             `decode(raw on any device) -> [T, ple_embed_dim] float32`, or None without PLE layers.
         dtype, device: activation dtype and compute device.
         fp8_row_scaled: names stored as float8_e4m3fn with a `<name>_scale` FP32 row scale.
@@ -633,13 +639,20 @@ class Qwen4ExpModel(nn.Module):
         st.check_room(t)
         # ids stay on the host (embedding rows, PLE hashing, the state's token list): nothing is read back
         ids = ids.cpu()
-        x = self.embed_rows(ids)
-        if piece is None or t <= piece:
-            rope = self.rope(st, t)
-            for layer in self.layers:
-                x = layer(x, ids, st, rope)
-        else:
-            x = self._layer_major(x, ids, st, piece)
+        ple = [layer.ple for layer in self.layers if layer.ple is not None and t > 1]
+        for p in ple:  # every piece's PLE rows are known now: their reads overlap the layers before
+            p.read_ahead(ids, st)
+        try:
+            x = self.embed_rows(ids)
+            if piece is None or t <= piece:
+                rope = self.rope(st, t)
+                for layer in self.layers:
+                    x = layer(x, ids, st, rope)
+            else:
+                x = self._layer_major(x, ids, st, piece)
+        finally:
+            for p in ple:
+                p.table.read_ahead(None)
         st.advance(ids)
         return self.mixer(x)[0]
 
