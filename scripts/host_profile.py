@@ -1,5 +1,6 @@
-"""Where the host's time goes in `ram`-regime prefill and decode (every block in pinned RAM): cProfile of one
-prompt and of a few decode tokens on the 4-layer full-shape bench model, top functions by own time. The GPU
+"""Where the host's time goes in `ram`-regime prefill and decode (every block in pinned RAM, the VRAM cache,
+pieces and spans of `bench prefill`'s ram regime): cProfile of one prompt and of a few decode tokens on the
+4-layer full-shape bench model, top functions by own time. The GPU
 waits for the host wherever the host cannot run ahead (a prompt's bank call reads its counts back), so host
 time per pass and per token is what bounds those paths when the GPU is mostly idle. Usage on a lent GPU:
 python3 scripts/host_profile.py [--prompt 2451] [--tokens 32]
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from expertstream.bench_runtime import ensure_model, warm_caches
+from expertstream.bench_runtime import REAL_LAYERS, ensure_model, real_model_plan, warm_caches
 from expertstream.config import EngineConfig
 from expertstream.engine import Engine
 from expertstream.workdir import Workdir
@@ -29,7 +30,10 @@ work = ensure_model(Path("/tmp/expertstream-bench"), 4)
 wd = Workdir(work)
 expert_gib = wd.num_layers * wd.num_experts * wd.layout.block_bytes / 2**30
 cfg = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768, ram_cache_gb=expert_gib + 0.1)
-eng = Engine(cfg)
+# as `bench prefill`'s ram regime: the 48-layer 8 GiB plan's VRAM cache share, pieces, spans and chunks
+real = real_model_plan(wd, 8.0, 32768)
+eng = Engine(cfg, vram_cache_blocks=int(real.vram_cache_blocks / REAL_LAYERS * wd.num_layers))
+eng.set_prefill(real.prefill_piece, real.prefill_span, real.prefill_chunk)
 warm_caches(eng, vram=False)
 prompt = torch.randint(1, 200, (args.prompt,)).tolist()
 
