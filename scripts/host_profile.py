@@ -39,10 +39,12 @@ prompt = torch.randint(1, 200, (args.prompt,)).tolist()
 
 
 def report(what: str, prof: cProfile.Profile, seconds: float) -> None:
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
     print(f"\n=== {what}: {seconds:.3f} s wall (unprofiled) ===")
-    print("\n".join(line[:150] for line in out.getvalue().splitlines()[6:]))
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
+        print(f"--- by {key}")
+        print("\n".join(line[:150] for line in out.getvalue().splitlines()[6:] if line.strip()))
 
 
 for _ in range(2):  # the first compiles and warms; the second is timed, then profiled
