@@ -188,12 +188,15 @@ class PleTable:
         return data
 
     def _read_into(self, rows: np.ndarray, out: np.ndarray) -> None:
-        """Rows [n] -> out [n, width], one pread straight into each row of out (a worker's share)."""
-        for r, dst in zip(rows.tolist(), out):
-            i, off = self._place(r)
-            n = os.preadv(self._fds[i], [dst], off)
+        """Rows [n] (valid, sorted) -> out [n, width], one pread straight into each row of out (a worker's
+        share). Shards and offsets come from numpy up front: the loop holds the GIL as little as it can."""
+        shard = np.searchsorted(self._first, rows, side="right") - 1
+        offs = np.asarray(self._offsets)[shard] + (rows - np.asarray(self._first)[shard]) * self.width
+        fds = [self._fds[i] for i in shard.tolist()]
+        for j, (fd, off, dst) in enumerate(zip(fds, offs.tolist(), out)):
+            n = os.preadv(fd, [dst], off)
             if n != self.width:
-                raise self._short(r, i, off, n)
+                raise self._short(int(rows[j]), int(shard[j]), off, n)
 
     def read_ahead(self, rows: torch.Tensor | None) -> None:
         """Start reading the distinct rows of rows [T, heads] (a prompt's) on the worker threads; a later
