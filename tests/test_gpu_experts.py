@@ -205,6 +205,23 @@ def test_ram_residency_stays_ram_when_vram_later_holds_every_block(tiny_workdir,
         bank.close()
 
 
+def test_a_vram_resident_bank_is_fixed_even_with_staging_configured(tiny_workdir, kernel_device, host_alloc):
+    # staging acts only on blocks in RAM: once every block has its own slot, no layer needs an eager point
+    wd = Workdir(tiny_workdir)
+    n_layers, n_experts, k = wd.num_layers, wd.num_experts, wd.text_config["num_experts_per_tok"]
+    with ExpertStore(wd, n_layers * n_experts * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
+        bank = GpuExperts(wd, store, n_layers * n_experts + 4, kernel_device, stage_guesses=2)
+        assert bank.stage_guesses == 2 and bank.cache.n_slots == n_layers * n_experts
+        x, _, w = routing(wd, 1, seed=0)
+        for layer in range(n_layers):
+            for e0 in range(0, n_experts, k):
+                assert not bank.decode_fixed
+                ids = (torch.arange(e0, e0 + k) % n_experts)[None]
+                bank(layer, *(v.to(kernel_device) for v in (x, ids, w)))
+        assert bank.resident == "vram" and bank.decode_fixed
+        bank.close()
+
+
 def test_stage_guesses_auto_takes_half_of_k_from_slots_beyond_three_banks():
     # K = 10: the real 8 GiB plan's 30 slots leave none; its 0.9 x 8 GiB plan's 8 cache blocks buy 4
     assert [stage_guesses_for(-1, 10, n) for n in (20, 30, 31, 38, 40, 5000)] == [0, 0, 0, 4, 5, 5]
@@ -252,9 +269,22 @@ def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_de
                 guess = torch.topk(routers.get(layer + 1, routers[0]) @ x[0], 2).indices.tolist()
         # the bank was RAM-resident from the first layer on: every layer but the last staged 2 guesses
         assert staged.resident == "ram" and staged.stage_counts() == (2 * 2 * (n_layers - 1), hits)
+        assert plain.decode_fixed and not staged.decode_fixed  # staging keeps an eager point per layer
         assert hits >= 2 * (n_layers - 1)
+        # a token's start: layer 0's 2 guesses from its embedding row (here x), bit for bit; the call then
+        # stages layer 1's 2 as every layer does
+        x, ids, w = routing(wd, 1, seed=7)
+        first = torch.topk(routers[0] @ x[0], 2).indices
+        if first[0] not in ids[0]:
+            ids[0, 0] = first[0]
+        staged.decode_stage_first(x.to(kernel_device))
+        args = [v.to(kernel_device) for v in (x, ids, w)]
+        assert torch.equal(plain(0, *args).cpu(), staged(0, *args).cpu())
+        found = len(set(ids[0].tolist()) & set(first.tolist()))
+        n_staged, hits = 2 * 2 * (n_layers - 1) + 2 + 2, hits + found
+        assert staged.stage_counts() == (n_staged, hits) and found >= 1
         block = wd.layout.block_bytes
-        assert staged.bytes_in_place == (staged.resident_ram_reads - hits + 2 * 2 * (n_layers - 1)) * block
+        assert staged.bytes_in_place == (staged.resident_ram_reads - hits + n_staged) * block
         xs, ids, ws = routing(wd, 12, seed=5)
         got = staged(1, *(v.to(kernel_device) for v in (xs, ids, ws))).cpu()
         want = ref(1, xs, ids, ws)
