@@ -18,6 +18,7 @@ from expertstream.config import EngineConfig
 from expertstream.engine import Engine
 from expertstream.runtime import decode_graphs
 from expertstream.runtime.gpu_experts import stage_guesses_for
+from expertstream.runtime.host_mirror import PackedUpload
 from expertstream.workdir import Workdir
 
 p = argparse.ArgumentParser()
@@ -62,6 +63,32 @@ def timed_replay(self, cap, step):
 
 decode_graphs.DecodeGraphs._replay = timed_replay
 
+
+def host_input_parts(eng, state, tok: int, reps: int = 200) -> None:
+    """Host us per call of each part of a token's host-input stage (segment 0), the GPU idle."""
+    model, ids = eng.model, torch.tensor([tok])
+    upload, stage_upload = PackedUpload(model.device), PackedUpload(model.device)
+    ple = [layer.ple for layer in model.layers if layer.ple is not None]
+    parts = {
+        "embedding row": lambda: model.table_rows(ids),
+        "position": lambda: torch.tensor([state.pos]),
+        "PLE rows (hash + preads)": lambda: [p.raw_host(ids, state) for p in ple],
+        "packed upload": lambda: upload(
+            {"row": model.table_rows(ids), "positions": torch.tensor([state.pos])}
+            | {f"ple{i}": p.raw_host(ids, state) for i, p in enumerate(ple)}
+        ),
+        "whole stage": lambda: decode_graphs._host_inputs(model, decode_graphs._Step(ids, state), stage_upload),
+    }
+    torch.cuda.synchronize()
+    for name, fn in parts.items():
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        print(f"  host inputs, {name}: {1e6 * (time.perf_counter() - t0) / reps:.1f} us")
+        torch.cuda.synchronize()
+
+
 for name in args.regimes:
     cfg, blocks = regimes[name]
     eng = Engine(cfg, vram_cache_blocks=blocks)
@@ -98,4 +125,5 @@ for name in args.regimes:
     for i in sorted(host):
         print(f" {i:3d} {kinds[i]:6s} {1e6 * host[i] / n:9.1f} {1e6 * gpu[i] / n:11.1f}")
     print(f" sum        {1e6 * sum(host.values()) / n:9.1f} {1e6 * sum(gpu.values()) / n:11.1f}")
+    host_input_parts(eng, state, tok)
     eng.close()
