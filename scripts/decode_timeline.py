@@ -67,6 +67,7 @@ decode_graphs.DecodeGraphs._replay = timed_replay
 def host_input_parts(eng, state, tok: int, reps: int = 200) -> None:
     """Host us per call of each part of a token's host-input stage (segment 0), the GPU idle."""
     model, ids = eng.model, torch.tensor([tok])
+    step = decode_graphs._Step(ids, state)
     upload, stage_upload = PackedUpload(model.device), PackedUpload(model.device)
     ple = [layer.ple for layer in model.layers if layer.ple is not None]
     parts = {
@@ -77,7 +78,7 @@ def host_input_parts(eng, state, tok: int, reps: int = 200) -> None:
             {"row": model.table_rows(ids), "positions": torch.tensor([state.pos])}
             | {f"ple{i}": p.raw_host(ids, state) for i, p in enumerate(ple)}
         ),
-        "whole stage": lambda: decode_graphs._host_inputs(model, decode_graphs._Step(ids, state), stage_upload),
+        "whole stage": lambda: decode_graphs._host_inputs(model, step, stage_upload),
     }
     torch.cuda.synchronize()
     for name, fn in parts.items():
