@@ -260,16 +260,28 @@ def _decode_gate_up_kernel(
     blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
-    acc_g = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    ws2 = scales_ptr + e * 3
+    h = _swiglu_rows(x_ptr, blk, ws2, gw_off, uw_off, gs_off, us_off, n, nmask, H, BLOCK_G, USE_PTX)
+    tl.store(h_ptr + k * I + n, h, mask=nmask)
+
+
+@jit
+def _swiglu_rows(
+    x_ptr, blk, ws2_ptr, gw_off, uw_off, gs_off, us_off, n, nmask, H: tl.constexpr, BLOCK_G: tl.constexpr,
+    USE_PTX: tl.constexpr,
+):  # fmt: skip
+    # h[n] = silu(gate[n] . x) * (up[n] . x) in fp32 for the expert rows n [BN] of block blk, ws2_ptr its
+    # (gate, up, down) global scales; rows masked off give 0
+    acc_g = tl.zeros([n.shape[0], BLOCK_G], tl.float32)
+    acc_u = tl.zeros([n.shape[0], BLOCK_G], tl.float32)
     for g0 in tl.static_range(0, H // 16, BLOCK_G):
         xs = _x_octets(x_ptr, 2 * g0, H // 8, 2 * BLOCK_G)
         acc_g += _group_partial(blk, gw_off, gs_off, n, g0, H // 16, nmask, xs, BLOCK_G, USE_PTX)
         acc_u += _group_partial(blk, uw_off, us_off, n, g0, H // 16, nmask, xs, BLOCK_G, USE_PTX)
     unit = nvfp4_unit(USE_PTX)
-    g = tl.sum(acc_g, axis=1) * (tl.load(scales_ptr + e * 3) * unit)
-    u = tl.sum(acc_u, axis=1) * (tl.load(scales_ptr + e * 3 + 1) * unit)
-    tl.store(h_ptr + k * I + n, g * tl.sigmoid(g) * u, mask=nmask)
+    g = tl.sum(acc_g, axis=1) * (tl.load(ws2_ptr) * unit)
+    u = tl.sum(acc_u, axis=1) * (tl.load(ws2_ptr + 1) * unit)
+    return g * tl.sigmoid(g) * u
 
 
 @jit
@@ -321,18 +333,10 @@ def _decode_fused_kernel(
     k, j = tl.program_id(0), tl.program_id(1)
     blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes)
     n = j * BLOCK_I + tl.arange(0, BLOCK_I)
-    nmask = n < I
-    acc_g = tl.zeros([BLOCK_I, BLOCK_G], tl.float32)
-    acc_u = tl.zeros([BLOCK_I, BLOCK_G], tl.float32)
-    for g0 in tl.static_range(0, H // 16, BLOCK_G):
-        xs = _x_octets(x_ptr, 2 * g0, H // 8, 2 * BLOCK_G)
-        acc_g += _group_partial(blk, gw_off, gs_off, n, g0, H // 16, nmask, xs, BLOCK_G, USE_PTX)
-        acc_u += _group_partial(blk, uw_off, us_off, n, g0, H // 16, nmask, xs, BLOCK_G, USE_PTX)
-    unit = nvfp4_unit(USE_PTX)
-    g = tl.sum(acc_g, axis=1) * (tl.load(scales_ptr + e * 3) * unit)
-    u = tl.sum(acc_u, axis=1) * (tl.load(scales_ptr + e * 3 + 1) * unit)
-    hs = _octets(g * tl.sigmoid(g) * u, BLOCK_I // 8)
-    wk = tl.load(scales_ptr + e * 3 + 2) * tl.load(w_ptr + k)
+    ws2 = scales_ptr + e * 3
+    h = _swiglu_rows(x_ptr, blk, ws2, gw_off, uw_off, gs_off, us_off, n, n < I, H, BLOCK_G, USE_PTX)
+    hs = _octets(h, BLOCK_I // 8)
+    wk = tl.load(ws2 + 2) * tl.load(w_ptr + k)
     row = (k * tl.num_programs(1) + j) * H
     # down's columns n are its groups j BLOCK_I / 16 ..; a loop over H, not unrolled (compile time)
     for r0 in range(0, H, BLOCK_H):
