@@ -353,23 +353,21 @@ def bench_model(args, what: str, max_model_len: int):
     return Workdir(work), base
 
 
-def run(args) -> int:
-    from expertstream.bench import chosen, emit, regime_slug
+def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, dict]:
+    """The decode regimes {name: (EngineConfig, VRAM cache blocks)} of the bench model `wd` under base's
+    budget, and what the table's header says of them (cache share, staged guesses)."""
     from expertstream.runtime.gpu_experts import stage_guesses_for
 
-    wd, base = bench_model(args, "decode", args.max_model_len)
     block = wd.layout.block_bytes
     expert_bytes = wd.num_layers * wd.num_experts * block
-    disk = disk_rate(wd.experts_path, block, base.io_threads)
-    pcie = pcie_rate()
-    real = real_model_plan(wd, args.gpu_memory_gb, args.max_model_len)
+    real = real_model_plan(wd, base.gpu_memory_gb, base.max_model_len)
     share = real.vram_cache_blocks / REAL_LAYERS
     vram_blocks = int(share * wd.num_layers)
     # the staging rows are not per layer: `ram` gets the 48-layer plan's, on top of its cache share, so that
     # the bank resolves --stage-guesses as the real model's engine would
     k = wd.text_config["num_experts_per_tok"]
-    staged = stage_guesses_for(args.stage_guesses, k, real.slots // block + real.vram_cache_blocks)
-    share24 = real_model_cache_share(wd, BIG_BUDGET_GB, args.max_model_len)
+    staged = stage_guesses_for(stage_guesses, k, real.slots // block + real.vram_cache_blocks)
+    share24 = real_model_cache_share(wd, BIG_BUDGET_GB, base.max_model_len)
     all_in_ram = dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1)
     quarter_in_ram = dataclasses.replace(base, ram_cache_gb=0.25 * expert_bytes / GiB)
     regimes = {
@@ -383,6 +381,19 @@ def run(args) -> int:
             int(share24 * wd.num_layers),
         ),
     }
+    return regimes, dict(vram_blocks=vram_blocks, share=share, share24=share24, staged=staged)
+
+
+def run(args) -> int:
+    from expertstream.bench import chosen, emit, regime_slug
+
+    wd, base = bench_model(args, "decode", args.max_model_len)
+    block = wd.layout.block_bytes
+    expert_bytes = wd.num_layers * wd.num_experts * block
+    disk = disk_rate(wd.experts_path, block, base.io_threads)
+    pcie = pcie_rate()
+    regimes, info = decode_regimes(wd, base, args.stage_guesses)
+    vram_blocks, share, share24, staged = (info[n] for n in ("vram_blocks", "share", "share24", "staged"))
     results = {}
     for name, (cfg, blocks) in chosen(args, regimes).items():
         where = Path(args.profile) / regime_slug(name) if args.profile else None

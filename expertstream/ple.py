@@ -8,7 +8,6 @@ PLE embedding.
 
 from __future__ import annotations
 
-import bisect
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -117,7 +116,7 @@ class DenseTable:
 
 
 class PleTable:
-    """The FP8 PLE table read in place from the snapshot shards: one `width`-byte `pread` per distinct row.
+    """The FP8 PLE table read in place from the snapshot shards: one `width`-byte `preadv` per distinct row.
 
     A prompt's rows are known before its layers run: `read_ahead` reads them on `read_threads` threads
     (the drive sees that many reads in flight, and `pread` releases the GIL) while the layers before the PLE
@@ -170,26 +169,25 @@ class PleTable:
     def __del__(self):
         self.close()
 
-    def _place(self, r: int) -> tuple[int, int]:
-        """Row r -> (shard index, byte offset in its file)."""
-        if not 0 <= r < self.rows:
-            raise IndexError(f"PLE row {r} outside the table of {self.rows} rows")
-        i = bisect.bisect_right(self._first, r) - 1
-        return i, self._offsets[i] + (r - self._first[i]) * self.width
+    def _check(self, rows: np.ndarray) -> None:
+        bad = rows[(rows < 0) | (rows >= self.rows)]
+        if bad.size:
+            raise IndexError(f"PLE row {int(bad[0])} outside the table of {self.rows} rows")
 
     def _short(self, r: int, i: int, off: int, n: int) -> OSError:
         return OSError(f"short read of PLE row {r} at byte {off} of shard {i}: {n} of {self.width} bytes")
 
-    def _read_row(self, r: int) -> bytes:
-        i, off = self._place(r)
-        data = os.pread(self._fds[i], self.width, off)
-        if len(data) != self.width:
-            raise self._short(r, i, off, len(data))
-        return data
+    def _read_now(self, rows: np.ndarray) -> np.ndarray:
+        """Rows [n] read on the calling thread -> their bytes [n, width]."""
+        self._check(rows)
+        out = np.empty((rows.size, self.width), dtype=np.uint8)
+        self._read_into(rows, out)
+        self.bytes_read += out.nbytes
+        return out
 
     def _read_into(self, rows: np.ndarray, out: np.ndarray) -> None:
-        """Rows [n] (valid, sorted) -> out [n, width], one pread straight into each row of out (a worker's
-        share). Shards and offsets come from numpy up front: the loop holds the GIL as little as it can."""
+        """Rows [n] (checked) -> out [n, width], one pread straight into each row of out (a worker's share,
+        or a whole read). Shards and offsets come from numpy up front: the loop holds the GIL little."""
         shard = np.searchsorted(self._first, rows, side="right") - 1
         offs = np.asarray(self._offsets)[shard] + (rows - np.asarray(self._first)[shard]) * self.width
         fds = [self._fds[i] for i in shard.tolist()]
@@ -206,8 +204,7 @@ class PleTable:
             self._ahead = None
             return
         uniq = np.unique(rows.numpy().reshape(-1))
-        if uniq.size and not (0 <= uniq[0] and uniq[-1] < self.rows):
-            raise IndexError(f"PLE rows {uniq[0]}..{uniq[-1]} outside the table of {self.rows} rows")
+        self._check(uniq)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ple-read")
         out = np.empty((uniq.size, self.width), dtype=np.uint8)
@@ -239,16 +236,12 @@ class PleTable:
             ahead = self._from_ahead(torch.tensor([rows])) if self._ahead is not None else None
             if ahead is not None:
                 return ahead
-            raw = b"".join(self._read_row(r) for r in rows)
-            self.bytes_read += len(raw)
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(1, -1)
+            return torch.from_numpy(self._read_now(np.asarray(rows, dtype=np.int64))).view(1, -1)
         ahead = self._from_ahead(rows.cpu())
         if ahead is not None:
             return ahead
         uniq, inverse = torch.unique(rows.cpu(), return_inverse=True)
-        raw = b"".join(self._read_row(r) for r in uniq.tolist())
-        self.bytes_read += len(raw)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(-1, self.width)[inverse].flatten(-2)
+        return torch.from_numpy(self._read_now(uniq.numpy()))[inverse].flatten(-2)
 
     def decode(self, raw: torch.Tensor) -> torch.Tensor:
         """FP8 bytes (on any device) -> float32 values (fp8 * scale) through a 256-entry table on that

@@ -6,42 +6,31 @@ means the GPU waited for the host. Usage on a lent GPU: python3 scripts/decode_t
 """
 
 import argparse
-import dataclasses
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from expertstream.bench_runtime import REAL_LAYERS, ensure_model, real_model_plan, warm_caches
+from expertstream.bench import regime_slug
+from expertstream.bench_runtime import decode_regimes, ensure_model, warm_caches
 from expertstream.config import EngineConfig
 from expertstream.engine import Engine
 from expertstream.runtime import decode_graphs
-from expertstream.runtime.gpu_experts import stage_guesses_for
 from expertstream.runtime.host_mirror import PackedUpload
 from expertstream.workdir import Workdir
 
 p = argparse.ArgumentParser()
-p.add_argument("regimes", nargs="*", default=["vram", "ram"])
+p.add_argument("regimes", nargs="*", default=["vram", "ram"], help="as `bench decode --regimes` names them")
 p.add_argument("--layers", type=int, default=4)
 p.add_argument("--tokens", type=int, default=16)
 p.add_argument("--stage-guesses", type=int, default=-1)
 args = p.parse_args()
 
+# `bench decode`'s model and regimes (its defaults: 8 GiB, a 32k context)
 work = ensure_model(Path("/tmp/expertstream-bench"), args.layers)
-wd = Workdir(work)
-block = wd.layout.block_bytes
-k = wd.text_config["num_experts_per_tok"]
-real = real_model_plan(wd, 8.0, 32768)
-vram_blocks = int(real.vram_cache_blocks / REAL_LAYERS * wd.num_layers)
-staged = stage_guesses_for(args.stage_guesses, k, real.slots // block + real.vram_cache_blocks)
-base = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768,
-                    ram_cache_gb=wd.num_layers * wd.num_experts * block / 2**30 + 0.1)  # fmt: skip
-regimes = {
-    "vram": (base, wd.num_layers * wd.num_experts),
-    "ram": (dataclasses.replace(base, stage_guesses=staged), vram_blocks + 2 * staged),
-    "ram_unstaged": (dataclasses.replace(base, stage_guesses=0), vram_blocks),
-}
+base = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768)
+regimes = {regime_slug(n): r for n, r in decode_regimes(Workdir(work), base, args.stage_guesses)[0].items()}
 
 record: list = []  # (segment index, kind, host seconds, event) of the token being run
 
@@ -68,17 +57,15 @@ def host_input_parts(eng, state, tok: int, reps: int = 200) -> None:
     """Host us per call of each part of a token's host-input stage (segment 0), the GPU idle."""
     model, ids = eng.model, torch.tensor([tok])
     step = decode_graphs._Step(ids, state)
-    upload, stage_upload = PackedUpload(model.device), PackedUpload(model.device)
+    upload = PackedUpload(model.device)
     ple = [layer.ple for layer in model.layers if layer.ple is not None]
     parts = {
         "embedding row": lambda: model.table_rows(ids),
         "position": lambda: torch.tensor([state.pos]),
         "PLE rows (hash + preads)": lambda: [p.raw_host(ids, state) for p in ple],
-        "packed upload": lambda: upload(
-            {"row": model.table_rows(ids), "positions": torch.tensor([state.pos])}
-            | {f"ple{i}": p.raw_host(ids, state) for i, p in enumerate(ple)}
+        "whole stage (the parts above, packed and uploaded)": lambda: decode_graphs._host_inputs(
+            model, step, upload
         ),
-        "whole stage": lambda: decode_graphs._host_inputs(model, step, stage_upload),
     }
     torch.cuda.synchronize()
     for name, fn in parts.items():
@@ -93,7 +80,7 @@ def host_input_parts(eng, state, tok: int, reps: int = 200) -> None:
 for name in args.regimes:
     cfg, blocks = regimes[name]
     eng = Engine(cfg, vram_cache_blocks=blocks)
-    warm_caches(eng, vram=name == "vram")
+    warm_caches(eng, vram=blocks >= eng.workdir.num_layers * eng.workdir.num_experts)
     state = eng.new_state()
     tok = int(eng.forward(state, list(range(1, 17))).argmax())
     for _ in range(6):

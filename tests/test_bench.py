@@ -10,7 +10,9 @@ import torch
 from expertstream import bench
 from expertstream.bench_baseline import baseline_table, max_memory
 from expertstream.bench_prefill import plan_prefill, prefill_table
-from expertstream.bench_runtime import busy_ms, decode_table, profile_tokens
+from expertstream.bench_runtime import busy_ms, decode_regimes, decode_table, profile_tokens
+from expertstream.config import EngineConfig
+from expertstream.workdir import Workdir
 
 
 def parse(argv):
@@ -201,3 +203,14 @@ def test_regimes_flag_picks_regimes_by_slug_and_names_unknown_ones():
     assert list(picked) == ["vram", "disk, 24 GiB VRAM"]
     with pytest.raises(SystemExit, match="vram_eager"):
         chosen(argparse.Namespace(regimes=["ram"]), regimes)
+
+
+def test_decode_regimes_stage_in_ram_only_on_top_of_the_cache_share(tiny_workdir):
+    wd = Workdir(tiny_workdir)
+    base = EngineConfig(model=str(tiny_workdir), gpu_memory_gb=8.0, max_model_len=4096)
+    regimes, info = decode_regimes(wd, base, stage_guesses=2)
+    every = wd.num_layers * wd.num_experts
+    assert regimes["vram"][1] == every and regimes["vram eager"][0].enforce_eager
+    assert info["staged"] == 2 and regimes["ram"][0].stage_guesses == 2
+    assert regimes["ram"][1] == info["vram_blocks"] + 4 and regimes["ram unstaged"][0].stage_guesses == 0
+    assert regimes["disk"][0].ram_cache_gb < regimes["ram"][0].ram_cache_gb

@@ -167,12 +167,12 @@ def test_layer_major_spans_equal_the_piece_by_piece_forward(engine):
         for layer in engine.model.layers:
             layer.mlp.bank = counting
         direct = []  # PLE rows the pieces read themselves: none, the span read them all ahead
-        engine.ple._read_row = lambda r: direct.append(r) or PleTable._read_row(engine.ple, r)
+        engine.ple._read_now = lambda r: direct.append(r) or PleTable._read_now(engine.ple, r)
         got = engine.forward(st_b, ids, all_logits=True)
     finally:
         for layer in engine.model.layers:
             layer.mlp.bank = engine.bank
-        del engine.ple._read_row
+        del engine.ple._read_now
         engine.set_prefill(min(8192, engine.config.max_model_len), engine.config.max_model_len)
     assert engine.args.ple_layers and direct == []
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -440,9 +440,10 @@ class PLELayer(nn.Module):
             return self.table.read(rows)
         return self.table.read(self._rows(ids, st))
 
-    def read_ahead(self, ids: torch.Tensor, st: State) -> None:
-        """Let the table start reading the rows of a call's ids [T] (host); its pieces read them later."""
-        self.table.read_ahead(self._rows(ids, st))
+    def read_ahead(self, ids: torch.Tensor | None, st: State) -> None:
+        """Let the table start reading the rows of a call's ids [T] (host), which its pieces read later;
+        None when the call is done."""
+        self.table.read_ahead(None if ids is None else self._rows(ids, st))
 
     def _rows(self, ids: torch.Tensor, st: State) -> torch.Tensor:
         a = (self.mult, self.vocab, self.offsets, self.heads_per_ngram)
@@ -652,7 +653,7 @@ class Qwen4ExpModel(nn.Module):
                 x = self._layer_major(x, ids, st, piece)
         finally:
             for p in ple:
-                p.table.read_ahead(None)
+                p.read_ahead(None, st)
         st.advance(ids)
         return self.mixer(x)[0]
 

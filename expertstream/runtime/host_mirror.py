@@ -48,13 +48,12 @@ class PackedUpload:
     """Small host tensors uploaded as one copy into device tensors that are the same objects on every call
     (a CUDA graph reads them through fixed addresses). The first call fixes the parts' names, shapes and
     dtypes; each later call packs the host tensors into one pinned buffer, waits until the buffer's previous
-    upload has run (a token ago: long done), and queues one non-blocking copy. Device tensors pass through.
-    (Three uploads through fresh pinned tensors, an arange and a device copy of each took ~300 us of host
-    time per token on the H200 while the GPU idled.)"""
+    upload has run (a token ago: long done), and queues one non-blocking copy. Device tensors pass through."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self._spec: dict[str, tuple[int, torch.Size, torch.dtype]] | None = None  # name -> (offset, ...)
+        self._kinds: dict[str, tuple[torch.Size, torch.dtype]] | None = None  # the parts, as the first call
+        self._offsets: dict[str, int] = {}  # byte offset of each part in the buffers
         self._host = self._dev = None
         self._views: dict[str, torch.Tensor] = {}
         self._done: torch.cuda.Event | None = None
@@ -66,18 +65,16 @@ class PackedUpload:
     def __call__(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{name: tensor} -> the same names, host tensors replaced by their fixed device copies."""
         host = {name: t for name, t in parts.items() if t.device.type == "cpu"}
-        if self._spec is None:
+        kinds = {name: (t.shape, t.dtype) for name, t in host.items()}
+        if self._kinds is None:
             self._layout(host)
-        got = {name: (t.shape, t.dtype) for name, t in host.items()}
-        want = {name: (shape, dtype) for name, (_, shape, dtype) in self._spec.items()}
-        if got != want:
-            raise ValueError(f"packed upload parts changed: {got} after {want}")
+        elif kinds != self._kinds:
+            raise ValueError(f"packed upload parts changed: {kinds} after {self._kinds}")
         if self._done is not None:
             self._done.synchronize()
         for name, t in host.items():
-            off = self._spec[name][0]
             raw = t.contiguous().reshape(-1).view(torch.uint8)
-            self._host[off : off + raw.numel()].copy_(raw)
+            self._host[self._offsets[name] : self._offsets[name] + raw.numel()].copy_(raw)
         self._dev.copy_(self._host, non_blocking=True)
         if self.device.type == "cuda":
             self._done = torch.cuda.Event()
@@ -85,13 +82,14 @@ class PackedUpload:
         return {**parts, **self._views}
 
     def _layout(self, host: dict[str, torch.Tensor]) -> None:
-        self._spec, off = {}, 0
+        self._kinds, off, sizes = {}, 0, {}
         for name, t in host.items():
-            self._spec[name] = (off, t.shape, t.dtype)
-            off += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+            self._kinds[name], self._offsets[name] = (t.shape, t.dtype), off
+            sizes[name] = t.numel() * t.element_size()
+            off += -(-sizes[name] // ALIGN) * ALIGN
         cuda = self.device.type == "cuda"
         self._host = torch.zeros(max(off, ALIGN), dtype=torch.uint8, pin_memory=cuda)
         self._dev = torch.zeros_like(self._host, device=self.device)
-        for name, (o, shape, dtype) in self._spec.items():
-            n = shape.numel() * torch.empty((), dtype=dtype).element_size()
-            self._views[name] = self._dev[o : o + n].view(dtype).view(shape)
+        for name, (shape, dtype) in self._kinds.items():
+            o = self._offsets[name]
+            self._views[name] = self._dev[o : o + sizes[name]].view(dtype).view(shape)
