@@ -363,12 +363,6 @@ DECODE_SWEEP = [
         (4, 32, 16, 8, 5, 2), (2, 64, 8, 8, 1, 2), (2, 64, 8, 8, TOPK, 2), (8, 16, 16, 8, TOPK, 4),
         (4, 16, 16, 4, TOPK, 2), (8, 32, 32, 4, TOPK, 4),
     ]
-] + [  # the one-launch form (gate, up, down per block of expert rows; a fixed-order sum): not yet timed
-    dict(fused=True, block_i=bi, block_g=bg, block_h=bh, num_warps=nw)
-    for bi, bg, bh, nw in [
-        (64, 8, 64, 4), (64, 16, 64, 4), (32, 16, 64, 2), (32, 8, 32, 2), (128, 8, 64, 8), (64, 8, 128, 4),
-        (64, 32, 64, 4), (16, 32, 64, 2),
-    ]
 ]  # fmt: skip
 # the `words` rows: word tiles (8 codes per int32 load, 8 dots of block_k / 4 per step; not yet timed)
 PREFILL_SWEEP = [

@@ -68,35 +68,6 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                 2,
             )
         )
-        out.append(
-            (
-                "decode fused",
-                nvfp4_moe._decode_fused_kernel,
-                dict(
-                    x_ptr="*bf16",
-                    w_ptr="*fp32",
-                    part_ptr="*fp32",
-                    gw_off="i32",
-                    uw_off="i32",
-                    gs_off="i32",
-                    us_off="i32",
-                    dw_off="i32",
-                    ds_off="i32",
-                    **DECODE_IN,
-                ),
-                dict(H=H, I=I, BLOCK_I=64, BLOCK_G=8, BLOCK_H=64, USE_PTX=p),
-                4,
-            )
-        )
-        out.append(
-            (
-                "decode sum",
-                nvfp4_moe._decode_sum_kernel,
-                dict(part_ptr="*fp32", out_ptr="*bf16", P="i32"),
-                dict(H=H, BLOCK_N=nvfp4_moe.SUM_BLOCK, USE_PTX=p),
-                2,
-            )
-        )
         for words in (False, True):
             tiles = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, WORDS=words, DOT_PRECISION="tf32", USE_PTX=p)
             out.append(

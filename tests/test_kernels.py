@@ -39,16 +39,6 @@ def cfg(n_gu: int, g_gu: int, n_down: int, g_down: int, warps: int = 2) -> dict:
     return dict(block_n_gu=n_gu, block_g_gu=g_gu, block_n_down=n_down, block_g_down=g_down, num_warps=warps)
 
 
-def fused(block_i: int, block_g: int, block_h: int, warps: int = 2) -> dict:
-    """A one-launch decode config: expert rows per program, groups per gate/up step, rows per down step."""
-    return dict(fused=True, block_i=block_i, block_g=block_g, block_h=block_h, num_warps=warps)
-
-
-# both decode forms; sizes chosen so H/16 and I/16 groups are not multiples of the groups per step, nor
-# rows of the rows per program (I = 48 in 32-row blocks, H = 96 in 64-row down steps)
-DECODE_FORMS = {"split": cfg(16, 4, 32, 4), "fused": fused(32, 4, 64)}
-
-
 def random_slots(layout: ExpertLayout, s: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[S, block_bytes] blocks of random codes (all 16) and random E4M3 scales, subnormals included."""
     g = torch.Generator().manual_seed(seed)
@@ -95,21 +85,20 @@ def test_random_scales_cover_subnormals(bank):
     assert ((sb > 0) & (sb < 8)).any()  # exponent 0, nonzero: subnormal
 
 
-@pytest.mark.parametrize("form", DECODE_FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("slot_ids", [[2], [1, 4, 4, 0, 5]], ids=["k1", "k5dup"])
-def test_decode_matches_ref(bank, dtype, slot_ids, form):
+def test_decode_matches_ref(bank, dtype, slot_ids):
     layout, slots, ws2 = bank
     x = torch.randn(layout.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
     ids = torch.tensor(slot_ids, dtype=torch.int32, device=DEV)
     w = torch.rand(len(slot_ids), device=DEV)
-    got = decode(x[None], slots, ids, ws2, w, layout, config=DECODE_FORMS[form])
+    # block sizes chosen so H/16 and I/16 groups are not multiples of BLOCK_G, nor rows of BLOCK_N
+    got = decode(x[None], slots, ids, ws2, w, layout, config=cfg(16, 4, 32, 4))
     assert got.shape == (1, layout.hidden_size) and got.dtype == dtype
     close(got, decode_ref(x[None], slots, ids, ws2, w, layout), dtype)
 
 
-@pytest.mark.parametrize("form", [cfg(8, 2, 4, 2), fused(16, 2, 32)], ids=["split", "fused"])
-def test_decode_reads_host_rows_like_slots(bank, form):
+def test_decode_reads_host_rows_like_slots(bank):
     # experts 0-2 in VRAM slots, 3-5 in (pinned) host rows, listed in another order: the kernel and its
     # twin follow the location table, and the sum equals the all-slots one bit for bit
     layout, slots, ws2 = bank
@@ -120,16 +109,16 @@ def test_decode_reads_host_rows_like_slots(bank, form):
     host = host.pin_memory() if DEV == "cuda" else host
     loc = torch.tensor([0, 1, 2, -3, -2, -1], dtype=torch.int32, device=DEV)
     vram = slots[:3].contiguous()
-    got = nvfp4_moe_decode(x, ids, loc, ws2, w, layout, vram, host, config=form)
-    assert torch.equal(got, decode(x, slots, ids, ws2, w, layout, config=form))
+    got = nvfp4_moe_decode(x, ids, loc, ws2, w, layout, vram, host, config=cfg(8, 2, 4, 2))
+    assert torch.equal(got, decode(x, slots, ids, ws2, w, layout, config=cfg(8, 2, 4, 2)))
     ref = nvfp4_moe_decode_ref(x, ids, loc, ws2, w, layout, vram, host)
     assert torch.equal(ref, decode_ref(x, slots, ids, ws2, w, layout))
     # must-fail control: one expert pointed at the wrong host row changes the sum
     loc[4] = -3
-    bad = nvfp4_moe_decode(x, ids, loc, ws2, w, layout, vram, host, config=form)
+    bad = nvfp4_moe_decode(x, ids, loc, ws2, w, layout, vram, host, config=cfg(8, 2, 4, 2))
     assert torch.equal(bad, got)  # expert 4 is not routed: its entry is never read
     loc[3] = -2
-    bad = nvfp4_moe_decode(x, ids, loc, ws2, w, layout, vram, host, config=form)
+    bad = nvfp4_moe_decode(x, ids, loc, ws2, w, layout, vram, host, config=cfg(8, 2, 4, 2))
     assert not torch.allclose(bad, got)
 
 
@@ -445,17 +434,16 @@ def test_fp8_gemv_small_m_matches_ref(dtype, m, n, k, cfg):
     close(got, fp8_rows_matmul_ref(x, q, scale), dtype)
 
 
-@pytest.mark.parametrize("form", [cfg(8, 2, 4, 2), fused(16, 2, 32)], ids=["split", "fused"])
-def test_decode_is_deterministic(bank, form):
-    # the partials are summed in a fixed order (split: by whichever program finishes last, in expert order;
-    # fused: by a second launch, in (expert, row block) order): two calls give the same bits (other splits
-    # round differently: on the GPU the compiler fuses the looped sum into FMAs)
+def test_decode_is_deterministic(bank):
+    # the partials are summed in a fixed order (by whichever program of a row block finishes last, in expert
+    # order): two calls give the same bits (other splits round differently: on the GPU the compiler fuses
+    # the looped sum into FMAs)
     layout, slots, ws2 = bank
     x = torch.randn(layout.hidden_size, device=DEV)
     ids = torch.tensor([3, 1, 3, 0], dtype=torch.int32, device=DEV)
     w = torch.rand(4, device=DEV)
-    a = decode(x, slots, ids, ws2, w, layout, config=form)
-    b = decode(x, slots, ids, ws2, w, layout, config=form)
+    a = decode(x, slots, ids, ws2, w, layout, config=cfg(8, 2, 4, 2))
+    b = decode(x, slots, ids, ws2, w, layout, config=cfg(8, 2, 4, 2))
     assert torch.equal(a, b)
 
 
@@ -470,13 +458,6 @@ def test_every_decode_sweep_candidate_matches_ref(bank):
     want = decode_ref(x, slots, ids, ws2, w, layout)
     for config in DECODE_SWEEP:
         close(decode(x, slots, ids, ws2, w, layout, config=config), want, torch.float32)
-
-
-def test_fused_decode_refuses_a_block_that_splits_groups(bank):
-    layout, slots, ws2 = bank
-    x, ids, w = torch.randn(layout.hidden_size, device=DEV), torch.tensor([1], device=DEV), torch.ones(1)
-    with pytest.raises(AssertionError, match="power of two"):
-        decode(x, slots, ids, ws2, w.to(DEV), layout, config=fused(24, 2, 32))
 
 
 @pytest.mark.parametrize("split", [1, 2, 3])
@@ -710,10 +691,8 @@ host_loc = torch.cat((loc[:8], -1 - torch.arange(4, dtype=torch.int32, device="c
 outs = []
 for ptx in (False, True):
     codec.e2m1_uses_ptx = lambda cap, ptx=ptx: ptx
-    fused = dict(fused=True, block_i=64, block_g=8, block_h=64, num_warps=4)
     outs.append([nvfp4_moe_decode(x[0], ids[0], loc, ws2, w[0], layout, slots),
                  nvfp4_moe_decode(x[1], ids[1], host_loc, ws2, w[1], layout, slots, host),
-                 nvfp4_moe_decode(x[2], ids[2], host_loc, ws2, w[2], layout, slots, host, config=fused),
                  nvfp4_moe_prefill(x, slots, ids, loc, ws2, w, layout),
                  nvfp4_moe_prefill(x, slots, ids, loc, ws2, w, layout, config=dict(
                      block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2, words=True))])

@@ -6,9 +6,6 @@ y[t] = sum_k w[t, k] * down_k(silu(gate_k x[t]) * up_k x[t]).
 - decode (one token): two launches per layer, gate+up over (expert, row block), then down over (row block,
   split of the K experts): each program writes its experts' partial rows, and the last program of a row
   block to finish (an atomic count) sums the partials in expert order, so the result is deterministic.
-  The `fused` launch option runs gate, up and down in one launch over (expert, block of expert rows): each
-  program makes its rows of h and multiplies them into the matching columns of down, writing a partial
-  output; a second, small launch sums the partials in a fixed order (deterministic too).
   Each expert's block is found through a location table: a VRAM slot, or a row of pinned host RAM that
   the kernel reads over the bus without a copy.
 - prefill (many tokens): (token, k) pairs sorted by expert and padded to BLOCK_M tiles (once per prompt
@@ -113,9 +110,7 @@ def nvfp4_moe_decode(
         host: [C, block_bytes] uint8 blocks in pinned host memory (the RAM cache), or None.
         config: block_n and block_g (rows per program and 16-element groups per step) of the gate+up and
             the down launch, split_down (down programs per row block over the K experts, default K),
-            num_warps; or fused=True with block_i (expert rows per program, a power of two >= 16), block_g
-            (groups per gate/up step), block_h (output rows per down step) and num_warps; default:
-            tuned_configs.json for this device and shape, else DECODE_DEFAULT.
+            num_warps; default: tuned_configs.json for this device and shape, else DECODE_DEFAULT.
 
     Returns:
         Tensor shaped like x, in x.dtype.
@@ -141,8 +136,6 @@ def nvfp4_moe_decode(
     key = f"{h_size}x{i_size}" + ("-host" if host.device != x.device else "")
     cfg = config or tuned_config("nvfp4_decode", x.device, key) or DECODE_DEFAULT
     off = _offsets(layout)
-    if cfg.get("fused"):
-        return _decode_fused(x, expert_ids, loc, scales, weights, layout, slots, host, cfg, off)
     block_n, block_g = (cfg["block_n_gu"], cfg["block_n_down"]), (cfg["block_g_gu"], cfg["block_g_down"])
     h = torch.empty(k, i_size, dtype=torch.float32, device=x.device)  # silu(g) * u, [K, I]
     out = torch.empty_like(x)
@@ -162,32 +155,6 @@ def nvfp4_moe_decode(
         dw_off=off["dw_off"], ds_off=off["ds_off"], BLOCK_N=block_n[1], BLOCK_G=block_g[1], **common,
     )  # fmt: skip
     return out
-
-
-def _decode_fused(x, expert_ids, loc, scales, weights, layout, slots, host, cfg: dict, off: dict):
-    """`nvfp4_moe_decode` in one launch over (expert, block of block_i expert rows) and a fixed-order sum."""
-    k, h_size, i_size = expert_ids.numel(), layout.hidden_size, layout.intermediate_size
-    block_i = cfg["block_i"]
-    assert block_i >= 16 and block_i & (block_i - 1) == 0, (  # whole 16-element groups of down's columns
-        f"block_i {block_i} must be a power of two >= 16"
-    )
-    j = cdiv(i_size, block_i)
-    part = torch.empty(k * j, h_size, dtype=torch.float32, device=x.device)  # [K * J, H] partial outputs
-    out = torch.empty_like(x)
-    launch_e2m1(
-        _decode_fused_kernel, (k, j), x.device,
-        x, expert_ids, loc, scales, slots, host, weights, part, layout.block_bytes, **off,
-        H=h_size, I=i_size, BLOCK_I=block_i, BLOCK_G=cfg["block_g"], BLOCK_H=cfg["block_h"],
-        num_warps=cfg["num_warps"],
-    )  # fmt: skip
-    launch_e2m1(
-        _decode_sum_kernel, (cdiv(h_size, SUM_BLOCK),), x.device,
-        part, out, k * j, H=h_size, BLOCK_N=SUM_BLOCK, num_warps=2,
-    )  # fmt: skip
-    return out
-
-
-SUM_BLOCK = 128  # output rows per program of the fused decode's sum
 
 
 @jit
@@ -319,44 +286,6 @@ def _decode_down_kernel(
             total += tl.load(part_ptr + t * H + n, mask=nmask, other=0.0, cache_modifier=".cg")
         total = total * nvfp4_unit(USE_PTX)
         tl.store(out_ptr + n, total.to(out_ptr.dtype.element_ty), mask=nmask)
-
-
-@jit
-def _decode_fused_kernel(
-    x_ptr, ids_ptr, loc_ptr, scales_ptr, slots_ptr, host_ptr, w_ptr, part_ptr, block_bytes, gw_off, uw_off,
-    gs_off, us_off, dw_off, ds_off, H: tl.constexpr, I: tl.constexpr, BLOCK_I: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, USE_PTX: tl.constexpr,
-):  # fmt: skip
-    # program (k, j): expert k's rows n = j BLOCK_I .. of gate and up give h[n] = silu(g) * u (registers),
-    # then down's columns n times h give part[k J + j, :] = w[k] * down_k[:, n] . h[n] over all H rows.
-    # Every weight byte is read once, in one launch; rows past I give h = 0 (masked loads)
-    k, j = tl.program_id(0), tl.program_id(1)
-    blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes)
-    n = j * BLOCK_I + tl.arange(0, BLOCK_I)
-    ws2 = scales_ptr + e * 3
-    h = _swiglu_rows(x_ptr, blk, ws2, gw_off, uw_off, gs_off, us_off, n, n < I, H, BLOCK_G, USE_PTX)
-    hs = _octets(h, BLOCK_I // 8)
-    wk = tl.load(ws2 + 2) * tl.load(w_ptr + k)
-    row = (k * tl.num_programs(1) + j) * H
-    # down's columns n are its groups j BLOCK_I / 16 ..; a loop over H, not unrolled (compile time)
-    for r0 in range(0, H, BLOCK_H):
-        r = r0 + tl.arange(0, BLOCK_H)
-        rmask = r < H
-        d = _group_partial(
-            blk, dw_off, ds_off, r, j * (BLOCK_I // 16), I // 16, rmask, hs, BLOCK_I // 16, USE_PTX
-        )
-        tl.store(part_ptr + row + r, tl.sum(d, axis=1) * wk, mask=rmask)
-
-
-@jit
-def _decode_sum_kernel(part_ptr, out_ptr, P, H: tl.constexpr, BLOCK_N: tl.constexpr, USE_PTX: tl.constexpr):
-    # out[n] = sum over the P partials in order (deterministic), in true units
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < H
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for p in range(P):
-        total += tl.load(part_ptr + p * H + n, mask=nmask, other=0.0)
-    tl.store(out_ptr + n, (total * nvfp4_unit(USE_PTX)).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 # ---------------------------------------------------------------- prefill
