@@ -56,6 +56,7 @@ class PackedUpload:
         self._offsets: dict[str, int] = {}  # byte offset of each part in the buffers
         self._host = self._dev = None
         self._views: dict[str, torch.Tensor] = {}
+        self._bytes: dict = {}  # name -> its flat uint8 numpy view of the pinned buffer
         self._done: torch.cuda.Event | None = None
 
     def owns(self, t: torch.Tensor) -> bool:
@@ -72,12 +73,14 @@ class PackedUpload:
             raise ValueError(f"packed upload parts changed: {kinds} after {self._kinds}")
         if self._done is not None:
             self._done.synchronize()
+        # numpy copies into the pinned bytes: each torch op on the host costs microseconds of dispatch, and
+        # this runs once per token with the GPU idle
         for name, t in host.items():
-            raw = t.contiguous().reshape(-1).view(torch.uint8)
-            self._host[self._offsets[name] : self._offsets[name] + raw.numel()].copy_(raw)
+            t = t if t.is_contiguous() else t.contiguous()
+            self._bytes[name][:] = (t if t.dtype == torch.uint8 else t.view(torch.uint8)).numpy().reshape(-1)
         self._dev.copy_(self._host, non_blocking=True)
         if self.device.type == "cuda":
-            self._done = torch.cuda.Event()
+            self._done = self._done or torch.cuda.Event()
             self._done.record(torch.cuda.current_stream(self.device))
         return {**parts, **self._views}
 
@@ -93,3 +96,4 @@ class PackedUpload:
         for name, (shape, dtype) in self._kinds.items():
             o = self._offsets[name]
             self._views[name] = self._dev[o : o + sizes[name]].view(dtype).view(shape)
+            self._bytes[name] = self._host.numpy()[o : o + sizes[name]]
