@@ -2,8 +2,8 @@
 # Device run for correctness: the GPU runtime's tests (in the background, failures listed), every kernel in
 # BF16 on real shapes against its twin (scripts/device_kernel_check.py, the GatedDeltaNet step included),
 # `check` of the tiny model with the engine on CUDA (bf16, graphs, --long; then with layer-major spans of
-# several pieces), then `check` of the 4-layer full-shape model with spans; $AFTER runs while the tests
-# finish. Needs .whl/ carried; writes under $OUT.
+# several pieces), then, once the tests are done, `check` of the 4-layer full-shape model with spans, then
+# $AFTER. Needs .whl/ carried; writes under $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -23,8 +23,8 @@ timeout ${TINY_S:-90} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp
 W=/tmp/expertstream-bench
 python3 -c "from pathlib import Path; from expertstream.bench_runtime import ensure_model; ensure_model(Path('$W'), 4)" \
   >/dev/null 2>&1
+wait  # the 4-layer reference needs ~20 GiB of GPU memory, which the tests may be holding (it ran out beside them)
+cat $OUT/gpu_tests.txt
 timeout ${CHECK_S:-200} python3 -m expertstream check $W/full-4-wd --snapshot $W/full-4 --dtype bfloat16 --device cuda \
   --prompts 2 --prefill-piece 16 --prefill-span 64 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_full4_cuda.txt
-eval "${AFTER:-true}"  # more work while the tests finish (e.g. a profiled bench)
-wait
-cat $OUT/gpu_tests.txt
+eval "${AFTER:-true}"  # more work once the checks are done (e.g. a bench)
