@@ -130,6 +130,34 @@ def test_prefill_reads_one_group_ahead(tiny_workdir, kernel_device, monkeypatch)
         bank.close()
 
 
+def test_prefill_reads_nothing_ahead_once_ram_holds_every_block(tiny_workdir, kernel_device):
+    """With every block in the RAM cache a prompt's passes request each block once (its fetch), not also a
+    group ahead; the sums are the same either way."""
+    wd = Workdir(tiny_workdir)
+    blocks = wd.num_layers * wd.num_experts
+    x, ids, w = (v.to(kernel_device) for v in routing(wd, 20, seed=3))
+    outs, requests = [], []
+    for ram in (blocks - 1, blocks):  # one block short of all (reads ahead), then all
+        with ExpertStore(wd, ram * wd.layout.block_bytes, io_threads=2) as store:
+            for h in store.request([(1, e) for e in range(wd.num_experts)]):
+                h.wait()
+                h.release()
+            if ram == blocks:
+                others = [layer for layer in range(wd.num_layers) if layer != 1]
+                for h in store.request([(layer, e) for layer in others for e in range(wd.num_experts)]):
+                    h.release()
+            assert (store.cached_blocks >= blocks) == (ram == blocks)
+            bank = GpuExperts(wd, store, 8, kernel_device)  # groups of 4 experts
+            before = store.stats.requests
+            outs.append(bank(1, x, ids, w))
+            requests.append(store.stats.requests - before)
+            bank.close()
+    distinct = torch.unique(ids).numel()
+    assert distinct > 4  # several groups: each is requested ahead of its fetch, then by it
+    assert requests == [2 * distinct, distinct]
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_warm_up_compiles_without_touching_the_cache(banks, kernel_device):
     wd, store, _ = banks
     bank = GpuExperts(wd, store, 8, kernel_device)
