@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Device run for speed after a runtime change: the GPU tests named in $TESTS, with SWEEP=1 a sweep of the
 # decode kernel's configs (blocks in HBM and in pinned host RAM) merged into the tree's tuned_configs.json,
-# the decode bench ($REGIMES; BASELINE=1 adds transformers + accelerate offloading), then the prefill bench on $PROMPTS ($PREFILL_REGIMES; the shortest prompt
-# profiled per regime: pprof.tgz, op tables). Needs .whl/ carried; writes under $OUT.
+# the decode bench ($REGIMES; BASELINE=1 adds transformers + accelerate offloading), then the prefill bench
+# on $PROMPTS ($PREFILL_REGIMES; the shortest prompt profiled per regime: pprof.tgz, op tables). Needs .whl/
+# carried; writes under $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
