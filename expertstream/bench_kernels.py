@@ -362,8 +362,8 @@ DECODE_SWEEP = [
         (4, 32, 16, 8, TOPK, 2), (4, 32, 8, 8, TOPK, 2), (4, 32, 32, 8, TOPK, 4), (2, 64, 16, 8, TOPK, 2),
         (4, 32, 16, 8, 5, 2), (2, 64, 8, 8, 1, 2), (2, 64, 8, 8, TOPK, 2), (8, 16, 16, 8, TOPK, 4),
         (4, 16, 16, 4, TOPK, 2), (8, 32, 32, 4, TOPK, 4),
-        # whole 320 B rows of down (64 groups, 40 used) and 1 KB of gate/up per row: longer runs of bytes
-        # per read, for blocks read over the bus (the down launch reads host RAM at ~38 GB/s in 64 B pieces)
+        # whole 320 B rows of down (64 groups, 40 used) and 1 KB of gate/up per row: longer reads for blocks
+        # read over the bus (64 B pieces of down rows took a k=10 call from host RAM 600 us, whole rows 565)
         (2, 64, 8, 64, TOPK, 2), (2, 64, 4, 64, 1, 2), (4, 64, 16, 64, TOPK, 4), (2, 128, 8, 64, TOPK, 4),
     ]
 ]  # fmt: skip
