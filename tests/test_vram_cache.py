@@ -133,6 +133,7 @@ def test_packed_upload_sends_every_part_into_fixed_tensors():
         "positions": torch.tensor([7]),
         "raw": torch.arange(7, dtype=torch.uint8).view(1, 7),
         "vals": torch.randn(1, 3),
+        "cols": torch.randn(3, 2).t(),  # not contiguous: packed in its logical order
     }
     first = up(parts)
     again = up({name: t + 1 for name, t in parts.items()})
