@@ -174,9 +174,6 @@ class PleTable:
         if bad.size:
             raise IndexError(f"PLE row {int(bad[0])} outside the table of {self.rows} rows")
 
-    def _short(self, r: int, i: int, off: int, n: int) -> OSError:
-        return OSError(f"short read of PLE row {r} at byte {off} of shard {i}: {n} of {self.width} bytes")
-
     def _read_now(self, rows: np.ndarray) -> np.ndarray:
         """Rows [n] read on the calling thread -> their bytes [n, width]."""
         self._check(rows)
@@ -194,7 +191,10 @@ class PleTable:
         for j, (fd, off, dst) in enumerate(zip(fds, offs.tolist(), out)):
             n = os.preadv(fd, [dst], off)
             if n != self.width:
-                raise self._short(int(rows[j]), int(shard[j]), off, n)
+                raise OSError(
+                    f"short read of PLE row {int(rows[j])} at byte {off} of shard {int(shard[j])}: "
+                    f"{n} of {self.width} bytes"
+                )
 
     def read_ahead(self, rows: torch.Tensor | None) -> None:
         """Start reading the distinct rows of rows [T, heads] (a prompt's) on the worker threads; a later

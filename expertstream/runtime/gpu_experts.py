@@ -283,6 +283,11 @@ class GpuExperts:
         self._adopt_resident()
         self.decode_seconds += time.perf_counter() - t0
 
+    @property
+    def _ram_holds_all(self) -> bool:
+        """The RAM cache holds (or is reading) every block of the model."""
+        return self.store.cached_blocks >= self.loc.numel()
+
     def _adopt_resident(self) -> None:
         """Once every block has a place that cannot change, fill `loc` for all of them and stop reading ids
         back: all in VRAM (slots for every block), or all in the RAM cache (held here for good)."""
@@ -295,7 +300,7 @@ class GpuExperts:
         elif (
             self.host_blocks is not None
             and self.control == "none"  # a control's altered blocks exist only as copies
-            and self.store.cached_blocks >= self.loc.numel()
+            and self._ram_holds_all
         ):
             keys = [(layer, e) for layer in range(n_layers) for e in range(n_experts)]
             handles = self.store.peek(keys)
@@ -410,7 +415,7 @@ class GpuExperts:
         block's read). Blocks already in VRAM need none, nor any block once the RAM cache holds them all
         (a request per block and pass was ~0.18 ms of host work per pass, for nothing). Returns handles to
         release after that fetch."""
-        if self.store.cached_blocks >= self.loc.numel():
+        if self._ram_holds_all:
             return []
         keys = [(layer, e) for e in experts if (layer, e) not in self.cache.lru]
         return self.store.request(keys, cache=self._cache_reads)

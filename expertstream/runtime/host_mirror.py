@@ -53,7 +53,6 @@ class PackedUpload:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._kinds: dict[str, tuple[torch.Size, torch.dtype]] | None = None  # the parts, as the first call
-        self._offsets: dict[str, int] = {}  # byte offset of each part in the buffers
         self._host = self._dev = None
         self._views: dict[str, torch.Tensor] = {}
         self._bytes: dict = {}  # name -> its flat uint8 numpy view of the pinned buffer
@@ -85,15 +84,14 @@ class PackedUpload:
         return {**parts, **self._views}
 
     def _layout(self, host: dict[str, torch.Tensor]) -> None:
-        self._kinds, off, sizes = {}, 0, {}
+        self._kinds, off, spans = {}, 0, {}
         for name, t in host.items():
-            self._kinds[name], self._offsets[name] = (t.shape, t.dtype), off
-            sizes[name] = t.numel() * t.element_size()
-            off += -(-sizes[name] // ALIGN) * ALIGN
+            self._kinds[name] = (t.shape, t.dtype)
+            spans[name] = slice(off, off + t.numel() * t.element_size())  # the part's bytes in the buffers
+            off += -(-(spans[name].stop - off) // ALIGN) * ALIGN
         cuda = self.device.type == "cuda"
         self._host = torch.zeros(max(off, ALIGN), dtype=torch.uint8, pin_memory=cuda)
         self._dev = torch.zeros_like(self._host, device=self.device)
         for name, (shape, dtype) in self._kinds.items():
-            o = self._offsets[name]
-            self._views[name] = self._dev[o : o + sizes[name]].view(dtype).view(shape)
-            self._bytes[name] = self._host.numpy()[o : o + sizes[name]]
+            self._views[name] = self._dev[spans[name]].view(dtype).view(shape)
+            self._bytes[name] = self._host.numpy()[spans[name]]
