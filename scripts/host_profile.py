@@ -2,8 +2,11 @@
 pieces and spans of `bench prefill`'s ram regime): cProfile of one prompt and of a few decode tokens on the
 4-layer full-shape bench model, top functions by own time. The GPU
 waits for the host wherever the host cannot run ahead (a prompt's bank call reads its counts back), so host
-time per pass and per token is what bounds those paths when the GPU is mostly idle. Usage on a lent GPU:
-python3 scripts/host_profile.py [--prompt 2451] [--tokens 32]
+time per pass and per token is what bounds those paths when the GPU is mostly idle. `--sections` instead
+times the prompt's bank steps with perf_counter (no cProfile inflation): ms per pass in the fetch (its store
+requests and copies), the pass map, the launches and the combine, and the HostMirror waits for the GPU;
+`--mirror-depth N` builds the engine with N-deep upload rings (2 was the old form). Usage on a lent GPU:
+python3 scripts/host_profile.py [--prompt 2451] [--tokens 32] [--sections] [--mirror-depth N]
 """
 
 import argparse
@@ -24,7 +27,13 @@ p = argparse.ArgumentParser()
 p.add_argument("--prompt", type=int, default=2451)
 p.add_argument("--tokens", type=int, default=32)
 p.add_argument("--top", type=int, default=28)
+p.add_argument("--sections", action="store_true")
+p.add_argument("--mirror-depth", type=int, default=None)
 args = p.parse_args()
+if args.mirror_depth:
+    from expertstream.runtime.host_mirror import HostMirror
+
+    HostMirror.__init__.__defaults__ = (args.mirror_depth,)
 
 work = ensure_model(Path("/tmp/expertstream-bench"), 4)
 wd = Workdir(work)
@@ -47,6 +56,55 @@ def report(what: str, prof: cProfile.Profile, seconds: float) -> None:
         print("\n".join(line[:150] for line in out.getvalue().splitlines()[6:] if line.strip()))
 
 
+def sections_report(eng, prompt, wall: float) -> None:
+    """One more prompt with the bank's steps wrapped in perf_counter timers: ms per pass of each."""
+    from expertstream.runtime import gpu_experts
+
+    bank = eng.bank
+    spent: dict[str, float] = {}
+
+    def timed(owner, name, label):
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, wrapper)
+
+    cache = bank.cache
+    timed(cache, "fetch", "fetch (all of it)")
+    timed(cache, "fetch_host", "  store requests")
+    timed(cache, "_copy_blocks", "  copies + scales upload")
+    timed(bank, "_map_pass", "pass map upload")
+    timed(gpu_experts.nvfp4_moe, "nvfp4_moe_prefill_rows", "gate+up and down launches")
+    timed(gpu_experts.nvfp4_moe, "combine_rows", "combine launch")
+    timed(cache, "mark_used", "mark used")
+    timed(bank, "_prefill", "bank prefill calls")
+    mirrors = [cache._ws2, bank._slot_map]
+    waited = sum(m.wait_seconds for m in mirrors)
+    passes = bank.prefill_passes
+    st = eng.new_state()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    eng.forward(st, prompt)
+    torch.cuda.synchronize()
+    timed_wall = time.perf_counter() - t0
+    n = bank.prefill_passes - passes
+    depth = len(cache._ws2._done)
+    print(
+        f"\n=== prefill {len(prompt)}: {n} passes, mirror depth {depth}; wall {wall:.3f} s untimed, "
+        f"{timed_wall:.3f} s with the timers ==="
+    )
+    for label, sec in spent.items():
+        print(f"{label:32s} {1e3 * sec:9.1f} ms  {1e3 * sec / max(n, 1):7.3f} ms/pass")
+    wait = sum(m.wait_seconds for m in mirrors) - waited
+    print(f"{'  of which mirror waits':32s} {1e3 * wait:9.1f} ms  {1e3 * wait / max(n, 1):7.3f} ms/pass")
+
+
 for _ in range(2):  # the first compiles and warms; the second is timed, then profiled
     st = eng.new_state()
     torch.cuda.synchronize()
@@ -55,6 +113,10 @@ for _ in range(2):  # the first compiles and warms; the second is timed, then pr
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
 passes = eng.bank.prefill_passes
+if args.sections:
+    sections_report(eng, prompt, wall)
+    eng.close()
+    raise SystemExit
 prof = cProfile.Profile()
 st = eng.new_state()
 prof.enable()

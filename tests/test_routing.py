@@ -56,7 +56,11 @@ def test_both_caches_keep_the_hot_expert():
             type(
                 "H",
                 (),
-                {"wait": lambda self: torch.zeros(8, dtype=torch.uint8), "release": lambda self: None},
+                {
+                    "wait": lambda self: torch.zeros(8, dtype=torch.uint8),
+                    "release": lambda self: None,
+                    "ready": True,
+                },
             )()
             for _ in keys
         ]

@@ -8,6 +8,7 @@ BLOCK = 64
 
 class FakeHandle:
     row = None  # not a RAM cache row (a transient read)
+    ready = True
 
     def __init__(self, key, log):
         self.key, self.log = key, log
@@ -43,6 +44,34 @@ def test_blocks_and_scales_land_in_their_slots_and_hits_are_free():
     assert len([x for x in log if x[0] == "read"]) == reads  # no host traffic on hits
     assert cache.stats.hits == 2 and cache.stats.requests == 4
     assert all(("release", k) in log for k in ((1, 3), (1, 5)))  # host buffers are handed back
+
+
+def test_blocks_that_follow_each_other_in_ram_and_in_the_slots_go_up_as_one_copy():
+    cache, log = make(8)
+    ram = torch.arange(8, dtype=torch.uint8)[:, None].repeat(1, BLOCK)  # RAM rows: row r holds byte r
+    late = {(0, 3)}  # still being read when the copies are queued
+
+    def fetch_host(keys):
+        out = []
+        for layer, e in keys:
+            h = FakeHandle((layer, e), log)
+            h.row = 6 if e == 2 else e  # expert 2 sits apart from its neighbours
+            h.wait = lambda r=h.row: ram[r]
+            h.ready = (layer, e) not in late
+            out.append(h)
+        return out
+
+    cache.fetch_host = fetch_host
+    runs = []
+    copy_run = cache._copy_run
+    cache._copy_run = lambda slot, block, n: (runs.append((slot, n)), copy_run(slot, block, n))
+    slots = cache.fetch(0, [0, 1, 2, 3, 4, 5])
+    assert slots == [0, 1, 2, 3, 4, 5]  # free slots in order
+    # rows 0-1 follow on; row 6 breaks the run; expert 3 was not ready (its run starts anew); rows 3-5 follow
+    assert runs == [(0, 2), (2, 1), (3, 3)]
+    for s, e in zip(slots, (0, 1, 2, 3, 4, 5)):
+        assert torch.all(cache.slots[s] == (6 if e == 2 else e))
+    assert cache.stats.copies == 6
 
 
 def test_evicts_the_coldest_but_never_the_previous_layer():
@@ -121,6 +150,25 @@ def test_host_mirror_pushes_the_host_copy():
     m.host[1] = 0
     m.push()
     assert dev.abs().sum() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the ring of pinned buffers exists on CUDA only")
+def test_host_mirror_queues_a_ring_of_pushes_before_it_waits():
+    from expertstream.runtime.host_mirror import HostMirror
+
+    dev = torch.zeros(3, device="cuda")
+    seen = torch.zeros(5, 3, device="cuda")
+    m = HostMirror(dev, depth=4)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: no upload can run while the host pushes
+    for v in range(5):
+        m.host.fill_(v)
+        m.push()
+        seen[v].copy_(dev)  # what the stream sees right after this push
+        if v == 3:
+            assert m.wait_seconds == 0  # four pushes fit in the ring without waiting for the GPU
+    assert m.wait_seconds > 0  # the fifth reuses the first buffer: it waited for that upload
+    torch.cuda.synchronize()
+    assert torch.equal(seen.cpu(), torch.arange(5.0)[:, None].expand(5, 3))  # every push kept its own values
 
 
 def test_packed_upload_sends_every_part_into_fixed_tensors():

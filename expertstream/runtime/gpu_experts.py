@@ -59,6 +59,10 @@ class _SwappedNibbles:
     def __init__(self, handle, parts):
         self.handle, self.parts = handle, parts
 
+    @property
+    def ready(self) -> bool:
+        return self.handle.ready
+
     def wait(self) -> torch.Tensor:
         block = self.handle.wait().clone()
         for p in self.parts:

@@ -2,42 +2,55 @@
 
 A pageable host -> device copy waits for the stream to drain, so every such upload in the decode path was a
 hidden host sync. `HostMirror`: a small device tensor whose authoritative copy lives on the host (the
-expert->slot map, the location table); push() stages the host copy in one of two pinned buffers, used in
-turn, and copies it without blocking. `PackedUpload`: a decode token's host inputs (embedding row, position,
+expert->slot map, the location table); push() stages the host copy in the next buffer of a pinned ring
+and copies it without blocking. `PackedUpload`: a decode token's host inputs (embedding row, position,
 PLE rows) packed into one pinned buffer and sent as one copy into device views that never move.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
 class HostMirror:
-    """Edit `host` (a CPU tensor shaped like `device_tensor`), then push() it to the device."""
+    """Edit `host` (a CPU tensor shaped like `device_tensor`), then push() it to the device.
 
-    def __init__(self, device_tensor: torch.Tensor):
+    Each push stages the host copy in the next of `depth` pinned buffers (a ring) and waits only for the
+    upload made `depth` pushes ago. With two buffers a prompt's passes (two pushes each) could run only two
+    passes ahead of the GPU, so the host waited for every pass's block copies instead of queueing the whole
+    layer and moving on to the next layer's launches."""
+
+    def __init__(self, device_tensor: torch.Tensor, depth: int = 64):
         self.device_tensor = device_tensor
         self.host = torch.zeros_like(device_tensor, device="cpu")
         self._cuda = device_tensor.device.type == "cuda"
-        # two pinned staging buffers on CUDA (none elsewhere: the copy is synchronous there)
-        self._stage = [torch.empty_like(self.host, pin_memory=True) for _ in range(2)] if self._cuda else []
-        self._done: list[torch.cuda.Event | None] = [None, None]
+        # [depth, *shape] pinned staging on CUDA (none elsewhere: the copy is synchronous there)
+        self._stage = torch.empty((depth, *self.host.shape), dtype=self.host.dtype, pin_memory=True) if (
+            self._cuda
+        ) else None  # fmt: skip
+        self._done: list[torch.cuda.Event | None] = [None] * depth
         self.pushes = 0
+        self.wait_seconds = 0.0  # host time spent waiting for a ring buffer's earlier upload
 
     def push(self, row: int | None = None) -> None:
-        """Queue the upload of `host` (or of its `row` along dim 0) on the current stream; the host does not
-        wait for the GPU."""
+        """Queue the upload of `host` (or of its `row` along dim 0) on the current stream; the host waits
+        only when the ring is full (the upload `depth` pushes ago has not run yet)."""
         self.pushes += 1
         sel = slice(None) if row is None else row
         if not self._cuda:
             self.device_tensor[sel].copy_(self.host[sel])
             return
-        i = self.pushes % 2
-        if self._done[i] is not None:
+        i = self.pushes % len(self._done)
+        if self._done[i] is not None and not self._done[i].query():
+            t0 = time.perf_counter()
             self._done[i].synchronize()
-        self._stage[i][sel].copy_(self.host[sel])
-        self.device_tensor[sel].copy_(self._stage[i][sel], non_blocking=True)
-        self._done[i] = torch.cuda.Event()
+            self.wait_seconds += time.perf_counter() - t0
+        stage = self._stage[i]
+        stage[sel].copy_(self.host[sel])
+        self.device_tensor[sel].copy_(stage[sel], non_blocking=True)
+        self._done[i] = self._done[i] or torch.cuda.Event()
         self._done[i].record(torch.cuda.current_stream(self.device_tensor.device))
 
 

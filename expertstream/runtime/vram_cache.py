@@ -177,28 +177,38 @@ class VramExpertCache:
 
     def _copy_blocks(self, blocks: list[tuple[int, tuple[int, int], object]]) -> None:
         """Queue the copies of host blocks [(slot, key, handle)] on the copy stream and set their slots'
-        global scales; the handles are released once the copies ran."""
-        queued = []  # handles whose copy is on the stream
+        global scales; the handles are released once the copies ran. Blocks that follow each other both in
+        host memory and in the slots go up as one copy (a prompt pass's consecutive experts mostly do: each
+        copy call costs the host ~10 us); a block still being read ends the run first, so every landed block
+        goes up before the host waits for the next."""
+        queued = []  # handles whose copy is on the stream (or done)
         stream = self.copy_stream
         waited: set[int] = set()  # slot_events share one event per kernel launch: wait for each once
+        run: list = []  # [first slot, its source block, blocks] not yet copied
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for slot, _, h in blocks:
+                    if run and not h.ready:
+                        self._copy_run(*run)
+                        run = []
                     t0 = time.perf_counter()
-                    block = h.wait()  # blocks on the RAM/disk tiers; each block goes up the moment it lands
+                    block = h.wait()  # blocks on the RAM/disk tiers
                     self.stats.wait_seconds += time.perf_counter() - t0
                     self.stats.copies += 1
                     self.stats.bytes_copied += self.block_bytes
-                    if stream is None:
-                        self._slot_rows[slot].copy_(block)
-                        queued.append(h)
-                        continue
                     last_use = self.slot_events.pop(slot, None)
                     if last_use is not None and id(last_use) not in waited:  # a kernel still reads it
                         stream.wait_event(last_use)
                         waited.add(id(last_use))
-                    self._slot_rows[slot].copy_(block, non_blocking=True)
+                    if run and _follows(run, slot, block, self.block_bytes):
+                        run[2] += 1
+                    else:
+                        if run:
+                            self._copy_run(*run)
+                        run = [slot, block, 1]
                     queued.append(h)
+                if run:
+                    self._copy_run(*run)
         finally:  # also after a failed read: copies already queued keep their buffers until they ran
             if stream is None:
                 for h in queued:
@@ -210,6 +220,12 @@ class VramExpertCache:
             for _, _, h in blocks[len(queued) :]:  # the failed block and those after it
                 h.release()
         self._set_scales([slot for slot, _, _ in blocks], [key for _, key, _ in blocks])
+
+    def _copy_run(self, slot: int, block: torch.Tensor, n: int) -> None:
+        # n blocks from `block` on in host memory -> slots slot .. slot + n - 1 ([n, block_bytes] each side)
+        dst = self._slot_rows[slot] if n == 1 else self.slots[slot : slot + n].view(-1)
+        src = block if n == 1 else block.as_strided((n * self.block_bytes,), (1,))
+        dst.copy_(src, non_blocking=self.copy_stream is not None)
 
     def _set_scales(self, slots: list[int], keys: list[tuple[int, int]]) -> None:
         if slots:
@@ -233,14 +249,17 @@ class VramExpertCache:
             self.read_in_place = []
 
     def _reap(self) -> None:
-        pending = []
+        # entries are in queue order: stop at the first still running (a prompt queues a layer's passes
+        # ahead, so querying every entry each call would grow with the queue); a finished entry behind it
+        # (on the other stream) is handed back on a later call
+        done = 0
         for ev, handles in self.in_flight:
-            if ev.query():
-                for h in handles:
-                    h.release()
-            else:
-                pending.append((ev, handles))
-        self.in_flight = pending
+            if not ev.query():
+                break
+            for h in handles:
+                h.release()
+            done += 1
+        del self.in_flight[:done]
 
     def close(self) -> None:
         """Finish in-flight copies, hand host buffers back and free the slots (the budget's largest part)."""
@@ -252,3 +271,13 @@ class VramExpertCache:
         self.in_flight = []
         self.slots = self.slots.new_empty(0, self.block_bytes)  # a use after close fails on indexing
         self._slot_rows = ()
+
+
+def _follows(run: list, slot: int, block: torch.Tensor, block_bytes: int) -> bool:
+    """`block` goes to the slot after the run's last and starts where its last block ends, in one storage."""
+    first, src, n = run
+    return (
+        slot == first + n
+        and block.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+        and block.storage_offset() == src.storage_offset() + n * block_bytes
+    )

@@ -63,6 +63,11 @@ class ExpertHandle:
         """The block's row in the RAM cache's slot memory (`ExpertStore.slots`), None for a transient read."""
         return self._entry.slot
 
+    @property
+    def ready(self) -> bool:
+        """The block has landed (or its read failed): wait() returns at once."""
+        return self._entry.done.is_set()
+
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         """Block until read; returns torch.uint8 [block_bytes]. Raises StoreError if the read failed."""
         if self._released:
