@@ -355,11 +355,6 @@ FP8_GEMV_SWEEP = [
         (4, 1024, 4, 1), (4, 512, 2, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (2, 1024, 2, 1), (4, 2048, 4, 1),
         (16, 512, 4, 1),
     ]
-] + [
-    # persistent: at most P programs per SM loop over the row blocks (640-2,560 one-block programs end in a
-    # ragged last wave)
-    dict(block_n=bn, block_k=bk, num_warps=nw, split_k=1, programs_per_sm=p)
-    for bn, bk, nw, p in [(16, 512, 4, 4), (16, 512, 4, 6), (8, 512, 4, 8), (4, 1024, 4, 8), (8, 1024, 8, 4)]
 ]  # fmt: skip
 DECODE_SWEEP = [
     dict(block_n_gu=ngu, block_g_gu=ggu, block_n_down=nd, block_g_down=gd, split_down=sd, num_warps=nw)

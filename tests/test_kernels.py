@@ -417,8 +417,6 @@ def test_import_without_triton_and_launchers_raise():
         (2, 37, 132, dict(block_n=4, block_k=32, num_warps=1, split_k=2)),  # int32 words, split K
         (3, 21, 70, dict(block_n=8, block_k=16, num_warps=2, split_k=3)),  # bytes (K % 4 != 0), split K
         (4, 33, 256, dict(block_n=16, block_k=64, num_warps=4, split_k=1)),  # words, one pass
-        # one program per SM looping over the row blocks (one SM off CUDA: every block in one program)
-        (1, 37, 132, dict(block_n=4, block_k=32, num_warps=1, split_k=2, programs_per_sm=1)),
         (4, 19, 200, None),  # default: the tl.dot path for M > 1
         (1, 19, 200, None),  # default GEMV config for M = 1
     ],

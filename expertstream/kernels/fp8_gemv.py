@@ -58,8 +58,7 @@ def fp8_rows_matmul(
         x: [M, K] activations (fp32 / fp16 / bf16), contiguous.
         q: [N, K] float8_e4m3fn, or its raw uint8 bytes, contiguous.
         scale: [N] float32 row scales.
-        config: GEMV (M <= GEMV_MAX_M): block_n, block_k (a power of two >= 4), num_warps, split_k,
-            programs_per_sm (optional: at most that many programs per SM, each looping over row blocks); tl.dot:
+        config: GEMV (M <= GEMV_MAX_M): block_n, block_k (a power of two >= 4), num_warps, split_k; tl.dot:
             block_m, block_n, block_k, num_warps, num_stages. Default: the GEMV for M = 1 (tuned_configs.json
             for this device and shape, else a heuristic), tl.dot above.
 
@@ -125,19 +124,11 @@ def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: dict) -> t
     split = cdiv(k, k_split)
     bm = 1 << max(0, (m - 1).bit_length())
     dst = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-    blocks = cdiv(n, cfg["block_n"])
-    if cfg.get("programs_per_sm"):  # fewer programs, each looping over row blocks: no ragged last wave
-        blocks = min(blocks, cfg["programs_per_sm"] * _sm_count(x.device))
-    _fp8_gemv_kernel[(blocks, split)](
+    _fp8_gemv_kernel[(cdiv(n, cfg["block_n"]), split)](
         x, qv, scale, dst, m, n, K=k, K_SPLIT=k_split, UNIT=E4M3_UNIT, BLOCK_M=bm, BLOCK_N=cfg["block_n"],
         BLOCK_K=bk, WORDS=words, num_warps=cfg["num_warps"], num_stages=1,
     )  # fmt: skip
     return dst[0] if split == 1 else dst.sum(0).to(x.dtype)  # fixed-order sum: deterministic
-
-
-def _sm_count(device: torch.device) -> int:
-    # streaming multiprocessors (1 off CUDA: the interpreter runs programs one by one anyway)
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @jit
@@ -157,23 +148,10 @@ def _fp8_gemv_kernel(
     x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr, UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
-    # program (p, k split): row blocks p, p + P, ... (P programs along axis 0: one per block, or fewer that
-    # loop) of out[split, m, n] = scale[n] UNIT sum_{k in split} x[m, k] q[n, k] / UNIT
-    for nb in range(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-        _gemv_block(
-            x_ptr, q_ptr, scale_ptr, out_ptr, M, N, nb, K, K_SPLIT, UNIT, BLOCK_M, BLOCK_N, BLOCK_K, WORDS
-        )  # fmt: skip
-
-
-@jit
-def _gemv_block(
-    x_ptr, q_ptr, scale_ptr, out_ptr, M, N, nb, K: tl.constexpr, K_SPLIT: tl.constexpr, UNIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
-):  # fmt: skip
-    # rows nb BN .. nb BN + BN - 1. One 2-D [BN, BW] accumulator per token row (BLOCK_M <= 4): a 3-D tile
-    # would push every decoded weight through shared memory. K constexpr: the static loop unrolls so the
-    # row loads of all steps overlap.
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    # program (n block, k split): out[split, m, n] = scale[n] UNIT sum_{k in split} x[m, k] q[n, k] / UNIT.
+    # One 2-D [BN, BW] accumulator per token row (BLOCK_M <= 4): a 3-D tile would push every decoded weight
+    # through shared memory. K constexpr: the static loop unrolls so the row loads of all steps overlap.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     rows = n.to(tl.int64)[:, None]
     BW: tl.constexpr = BLOCK_K // 4 if WORDS else BLOCK_K
