@@ -144,27 +144,6 @@ def test_prefill_matches_ref(bank, dtype, t, block_m):
     assert e < 11  # the mapping above covers every id drawn
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("dims", [(256, 128), (96, 48)], ids=["two-steps", "masked"])
-def test_prefill_word_tiles_match_ref_and_the_byte_tiles(dtype, dims):
-    # words: 8 codes per int32, 8 dots of block_k / 4 per step; gate rows of 128 bytes take two 64-byte
-    # steps, rows of 48 one masked step
-    layout = ExpertLayout.for_dims(*dims, align=64)
-    slots, ws2 = random_slots(layout, 4, seed=dims[0])
-    g = torch.Generator().manual_seed(1)
-    t, k = 24, 3
-    ids = torch.randint(0, 4, (t, k), generator=g).to(DEV)
-    x = torch.randn(t, layout.hidden_size, generator=g).to(DEV, dtype)
-    w = torch.rand(t, k, generator=g).to(DEV)
-    e2s = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=DEV)
-    cfg = dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
-    got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "words": True})
-    close(got, nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout), dtype)
-    close(got, nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg), dtype)
-    with pytest.raises(AssertionError, match="block_k >= 64"):
-        nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "block_k": 32, "words": True})
-
-
 def test_prefill_one_token_equals_decode(bank):
     layout, slots, ws2 = bank
     x = torch.randn(1, layout.hidden_size, device=DEV)
@@ -266,8 +245,8 @@ def test_prefill_passes_over_tile_ranges_give_the_whole_sum(bank, combine):
     work = torch.empty(rows, layout.intermediate_size, device=DEV)
     total = torch.full((t, layout.hidden_size), 5.0, device=DEV)
     for i, (m, tiles) in enumerate(passes):
-        # another shape, with word tiles
-        launch = dict(block_n=32, block_k=64, num_warps=2, num_stages=2, words=True) if i else None
+        # another launch shape for the second pass
+        launch = dict(block_n=32, block_k=64, num_warps=2, num_stages=2) if i else None
         y.fill_(7.0)
         nvfp4_moe_prefill_rows(x, slots, m, ws2, w, layout, order, tiles, y, work, launch=launch)
         used = (tiles[1] - tiles[0]) * 4
@@ -693,9 +672,7 @@ for ptx in (False, True):
     codec.e2m1_uses_ptx = lambda cap, ptx=ptx: ptx
     outs.append([nvfp4_moe_decode(x[0], ids[0], loc, ws2, w[0], layout, slots),
                  nvfp4_moe_decode(x[1], ids[1], host_loc, ws2, w[1], layout, slots, host),
-                 nvfp4_moe_prefill(x, slots, ids, loc, ws2, w, layout),
-                 nvfp4_moe_prefill(x, slots, ids, loc, ws2, w, layout, config=dict(
-                     block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2, words=True))])
+                 nvfp4_moe_prefill(x, slots, ids, loc, ws2, w, layout)])
 assert not codec._PTX_FAILED, codec._PTX_FAILED
 for soft, ptx in zip(*outs):
     assert torch.equal(soft, ptx), (soft - ptx).abs().max()

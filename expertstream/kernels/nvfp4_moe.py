@@ -432,8 +432,7 @@ def nvfp4_moe_prefill(
         ws2: [S, 3] float32 weight_scale_2 (gate, up, down) of each slot.
         weights: [T, K] float32 router weights.
         layout: the block layout.
-        config: block_m, block_n, block_k (bytes), num_warps, num_stages, words (decode the codes a 32-bit
-            word at a time, 8 dots of block_k / 4 per step; default False); default from the routing size.
+        config: block_m, block_n, block_k (bytes), num_warps, num_stages; default from the routing size.
         order: expert_ids' pairs already sorted by `order_pairs` (its config is used): the call then has no
             host-side step, so a CUDA graph can capture it.
 
@@ -476,8 +475,8 @@ def nvfp4_moe_prefill_rows(
 
     Args: as `nvfp4_moe_prefill`, plus order: the pairs of expert_ids [T, K] sorted by `order_pairs`; tiles:
     (t0, t1); y: [R, H] in x.dtype and work (h = silu(g) u): [R, I] in x.dtype, R >= (t1 - t0) BLOCK_M;
-    launch: block_n, block_k, num_warps, num_stages, words in place of the order's (its block_m stays: the
-    tiles are made), e.g. the shape tuned for a bank's passes of a few experts each.
+    launch: block_n, block_k, num_warps, num_stages in place of the order's (its block_m stays: the tiles
+    are made), e.g. the shape tuned for a bank's passes of a few experts each.
     """
     _check_common(x, slots, layout)
     assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
@@ -487,12 +486,7 @@ def nvfp4_moe_prefill_rows(
     t, k = weights.shape
     h_size, i_size = layout.hidden_size, layout.intermediate_size
     p = t * k
-    # a launch shape is whole: its block_k goes with its own `words` (default bytes), not the order's
-    cfg = {
-        **order.config,
-        **({"words": False} | launch if launch else {}),
-        "block_m": order.config["block_m"],
-    }
+    cfg = {**order.config, **(launch or {}), "block_m": order.config["block_m"]}
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     assert order.pair_ids.numel() == order.tiles * bm and order.row_of_pair.numel() == p, "order"
     t0, t1 = tiles
@@ -505,10 +499,8 @@ def nvfp4_moe_prefill_rows(
     if t1 == t0:
         return
     off = _offsets(layout)
-    words = bool(cfg.get("words", False))
-    assert not words or bk >= 64, f"word tiles need block_k >= 64 bytes (tl.dot's K >= 16), got {bk}"
     common = dict(
-        block_bytes=layout.block_bytes, H=h_size, I=i_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, WORDS=words,
+        block_bytes=layout.block_bytes, H=h_size, I=i_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     tile_args = (order.pair_ids, order.tile_expert, expert_to_slot)
@@ -634,66 +626,36 @@ def _dequant_tile(
 
 
 @jit
-def _x_tiles(xrow, xmask, k0, K_IN, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
-    # the step's input columns [BM, .] of rows xrow [BM, 1] (pointers), in the order _dot_step multiplies
-    # them: bytes, (even, odd) columns of bytes k0 .. k0 + BK - 1; words, columns 8 w + c (c = 0 .. 7) of
-    # words k0 / 4 .. (k0 + BK) / 4 - 1
-    # (one return: Triton compiles a function's returns to one type, and the two forms differ)
-    if WORDS:
-        kw = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-        m = xmask & (kw < K_IN // 8)[None, :]
-        c = xrow + 8 * kw[None, :]
-        xs = (
-            tl.load(c, mask=m, other=0.0), tl.load(c + 1, mask=m, other=0.0),
-            tl.load(c + 2, mask=m, other=0.0), tl.load(c + 3, mask=m, other=0.0),
-            tl.load(c + 4, mask=m, other=0.0), tl.load(c + 5, mask=m, other=0.0),
-            tl.load(c + 6, mask=m, other=0.0), tl.load(c + 7, mask=m, other=0.0),
-        )  # fmt: skip
-    else:
-        kk = k0 + tl.arange(0, BLOCK_K)
-        m = xmask & (kk < K_IN // 2)[None, :]
-        xs = (
-            tl.load(xrow + 2 * kk[None, :], mask=m, other=0.0),
-            tl.load(xrow + 2 * kk[None, :] + 1, mask=m, other=0.0),
-        )
-    return xs
+def _x_tiles(xrow, xmask, k0, K_IN, BLOCK_K: tl.constexpr):
+    # the step's input columns [BM, BK] of rows xrow [BM, 1] (pointers), (even, odd) columns of packed bytes
+    # k0 .. k0 + BK - 1, in the order _dot_step multiplies them
+    kk = k0 + tl.arange(0, BLOCK_K)
+    m = xmask & (kk < K_IN // 2)[None, :]
+    return (
+        tl.load(xrow + 2 * kk[None, :], mask=m, other=0.0),
+        tl.load(xrow + 2 * kk[None, :] + 1, mask=m, other=0.0),
+    )
 
 
 @jit
 def _dot_step(
-    acc, xs, blk, w_off, s_off, k0, n, nmask, K_IN, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr,
+    acc, xs, blk, w_off, s_off, k0, n, nmask, K_IN, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # acc [BM, BN] += the step's input columns xs (_x_tiles) times W^T for rows n of a [N, K_IN] matrix.
-    # Words: 8 codes per int32 (e2m1_words' four (j, j + 4) patterns), one scale load per 2 words, 8 dots
-    # of K = BK / 4; bytes: a scale load per byte, 2 dots of K = BK
-    dtype = xs[0].dtype
-    if WORDS:
-        kw = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-        m = (kw < K_IN // 8)[:, None] & nmask[None, :]
-        words = (blk + w_off).to(tl.pointer_type(tl.int32))
-        w = tl.load(words + n[None, :] * (K_IN // 8) + kw[:, None], mask=m, other=0)
-        sb = tl.load(blk + s_off + n[None, :] * (K_IN // 16) + kw[:, None] // 2, mask=m, other=0)
-        s = e4m3_f16(sb).to(tl.float32) * nvfp4_unit(USE_PTX)
-        ps = e2m1_words(w, USE_PTX)
-        for j in tl.static_range(4):
-            lo, hi = f16x2_halves(ps[j])
-            acc = tl.dot(xs[j], (lo * s).to(dtype), acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(xs[j + 4], (hi * s).to(dtype), acc, input_precision=DOT_PRECISION)
-    else:
-        kk = k0 + tl.arange(0, BLOCK_K)
-        m = (kk < K_IN // 2)[:, None] & nmask[None, :]
-        lo, hi = _dequant_tile(blk, w_off, s_off, kk, n, K_IN // 2, K_IN // 16, m, USE_PTX, dtype)
-        acc = tl.dot(xs[0], lo, acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(xs[1], hi, acc, input_precision=DOT_PRECISION)
-    return acc
+    # acc [BM, BN] += the step's input columns xs (_x_tiles) times W^T for rows n of a [N, K_IN] matrix:
+    # a scale load per byte, 2 dots of K = BK
+    kk = k0 + tl.arange(0, BLOCK_K)
+    m = (kk < K_IN // 2)[:, None] & nmask[None, :]
+    lo, hi = _dequant_tile(blk, w_off, s_off, kk, n, K_IN // 2, K_IN // 16, m, USE_PTX, xs[0].dtype)
+    acc = tl.dot(xs[0], lo, acc, input_precision=DOT_PRECISION)
+    return tl.dot(xs[1], hi, acc, input_precision=DOT_PRECISION)
 
 
 @jit(do_not_specialize=("P", "K", "T0"))  # pair counts and tile offsets vary per call: one variant
 def _prefill_gate_up_kernel(
     x_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, h_ptr, P, K, T0, block_bytes, H, I,
     gw_off, uw_off, gs_off, us_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    WORDS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr,
 ):  # fmt: skip
     # program (tile T0 + i, n block): h[i BM + m, n] = silu(x[tok] gate^T) * (x[tok] up^T), rows of one expert
     slot, blk, pair, rows, valid = _tile(
@@ -707,12 +669,12 @@ def _prefill_gate_up_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, H // 2, BLOCK_K):  # k0 in packed bytes: column pairs (2 k0, 2 k0 + 1) on
-        xs = _x_tiles(x_ptr + tok[:, None] * H, valid[:, None], k0, H, BLOCK_K, WORDS)
+        xs = _x_tiles(x_ptr + tok[:, None] * H, valid[:, None], k0, H, BLOCK_K)
         acc_g = _dot_step(
-            acc_g, xs, blk, gw_off, gs_off, k0, n, nmask, H, BLOCK_K, WORDS, DOT_PRECISION, USE_PTX
+            acc_g, xs, blk, gw_off, gs_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX
         )  # fmt: skip
         acc_u = _dot_step(
-            acc_u, xs, blk, uw_off, us_off, k0, n, nmask, H, BLOCK_K, WORDS, DOT_PRECISION, USE_PTX
+            acc_u, xs, blk, uw_off, us_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX
         )  # fmt: skip
     g = acc_g * tl.load(ws2_ptr + slot * 3)
     u = acc_u * tl.load(ws2_ptr + slot * 3 + 1)
@@ -725,8 +687,8 @@ def _prefill_gate_up_kernel(
 def _prefill_down_kernel(
     h_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, w_ptr, y_ptr, P, T0, block_bytes, H, I,
     dw_off, ds_off,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PTX: tl.constexpr,
 ):  # fmt: skip
     # program (tile T0 + i, n block): y[i BM + m, n] = w[pair] * h[i BM + m] down^T, rows of one expert
     slot, blk, pair, rows, valid = _tile(
@@ -739,8 +701,8 @@ def _prefill_down_kernel(
     nmask = n < H
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I // 2, BLOCK_K):
-        hs = _x_tiles(h_ptr + rows[:, None] * I, valid[:, None], k0, I, BLOCK_K, WORDS)
-        acc = _dot_step(acc, hs, blk, dw_off, ds_off, k0, n, nmask, I, BLOCK_K, WORDS, DOT_PRECISION, USE_PTX)
+        hs = _x_tiles(h_ptr + rows[:, None] * I, valid[:, None], k0, I, BLOCK_K)
+        acc = _dot_step(acc, hs, blk, dw_off, ds_off, k0, n, nmask, I, BLOCK_K, DOT_PRECISION, USE_PTX)
     rw = tl.load(w_ptr + pair, mask=valid, other=0.0)
     acc = acc * tl.load(ws2_ptr + slot * 3 + 2) * rw[:, None]
     ym = valid[:, None] & nmask[None, :]

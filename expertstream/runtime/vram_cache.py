@@ -168,19 +168,21 @@ class VramExpertCache:
         return copy
 
     def _copy_in(self, missing: list[tuple[int, tuple[int, int]]], handles: list, out: list) -> None:
-        self._copy_blocks([(out[i], key, h) for (i, key), h in zip(missing, handles)])
+        done = self._copy_blocks([(out[i], key, h) for (i, key), h in zip(missing, handles)])
         for i, key in missing:
             self.lru[key] = out[i]
             self.policy.access(key)
-        if self.copy_stream is not None and missing:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        if done is not None:  # the copies' own event: wait_stream would record another (~10 us of host)
+            torch.cuda.current_stream(self.device).wait_event(done)
 
-    def _copy_blocks(self, blocks: list[tuple[int, tuple[int, int], object]]) -> None:
+    def _copy_blocks(self, blocks: list[tuple[int, tuple[int, int], object]]) -> torch.cuda.Event | None:
         """Queue the copies of host blocks [(slot, key, handle)] on the copy stream and set their slots'
-        global scales; the handles are released once the copies ran. Blocks that follow each other both in
-        host memory and in the slots go up as one copy (a prompt pass's consecutive experts mostly do: each
-        copy call costs the host ~10 us); a block still being read ends the run first, so every landed block
-        goes up before the host waits for the next."""
+        global scales; the handles are released once the copies ran. Returns the event recorded after the
+        copies (None off CUDA or when nothing was queued). Blocks that follow each other both in host memory
+        and in the slots go up as one copy (a prompt's consecutive experts do when the RAM cache was filled
+        in order, e.g. by an earlier prompt; each copy call costs the H200's host 10-35 us); a block still
+        being read ends the run first, so every landed block goes up before the host waits for the next."""
+        done = None
         queued = []  # handles whose copy is on the stream (or done)
         stream = self.copy_stream
         waited: set[int] = set()  # slot_events share one event per kernel launch: wait for each once
@@ -220,6 +222,7 @@ class VramExpertCache:
             for _, _, h in blocks[len(queued) :]:  # the failed block and those after it
                 h.release()
         self._set_scales([slot for slot, _, _ in blocks], [key for _, key, _ in blocks])
+        return done
 
     def _copy_run(self, slot: int, block: torch.Tensor, n: int) -> None:
         # n blocks from `block` on in host memory -> slots slot .. slot + n - 1 ([n, block_bytes] each side)
@@ -274,10 +277,13 @@ class VramExpertCache:
 
 
 def _follows(run: list, slot: int, block: torch.Tensor, block_bytes: int) -> bool:
-    """`block` goes to the slot after the run's last and starts where its last block ends, in one storage."""
+    """`block` goes to the slot after the run's last and starts where its last block ends, both views of one
+    tensor (the RAM cache's rows)."""
     first, src, n = run
+    base = block._base  # a view's root tensor (None for a standalone buffer)
     return (
         slot == first + n
-        and block.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
-        and block.storage_offset() == src.storage_offset() + n * block_bytes
+        and base is not None
+        and base is src._base
+        and block.data_ptr() == src.data_ptr() + n * block_bytes
     )
