@@ -99,6 +99,7 @@ def prefill_regime(
             wd.layout.block_bytes,
         )
         runs = []  # (seconds, counter deltas, peak) of each run
+        tokens = set()  # the greedy next token of each run (deterministic kernels: one value)
         for _ in range(max(1, repeats)):
             state = eng.new_state()
             s0, c0, p0 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.bank.prefill_passes
@@ -106,12 +107,13 @@ def prefill_regime(
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             try:
-                eng.forward(state, ids)
+                logits = eng.forward(state, ids)
                 torch.cuda.synchronize()
             except torch.cuda.OutOfMemoryError as e:
                 log.error("prefill of %d tokens ran out of the VRAM budget: %s", prompt, e)
                 return {"prompt": prompt, "oom": True, "plan": dataclasses.asdict(plan)}
             dt = time.perf_counter() - t0
+            tokens.add(int(logits.argmax()))
             # copies: the profiled run below adds to the live counters (it doubled the profiled rows' bytes)
             s1, c1, p1 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.bank.prefill_passes
             counts = {
@@ -138,18 +140,26 @@ def prefill_regime(
             "passes_per_layer": counts["passes"] / layers,
             "stall_seconds": counts["stall_seconds"],
             "peak_gib": max(r[2] for r in runs),
+            "next_tokens": sorted(tokens),
             "plan": dataclasses.asdict(plan),
         }
     finally:
         eng.close()
 
 
+def _same(r: dict, floor: dict) -> str:
+    # the greedy token after the prompt against the `vram` row's (every run of both): yes, no, or - (no floor)
+    if floor.get("oom", True) or "next_tokens" not in floor:
+        return "-"
+    return "yes" if r["next_tokens"] == floor["next_tokens"] and len(r["next_tokens"]) == 1 else "no"
+
+
 def prefill_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, layers: int, budget_gib):
     """Markdown rows, one per (regime, prompt); sets each result's bound_s and efficiency."""
     rows = [
         "| regime | prompt tokens | span / piece | s (bench layers) | s x48 | tok/s x48 | disk GB | PCIe GB "
-        "| passes/layer (max) | stall s | peak GiB (budget) | bound s | efficiency |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| passes/layer (max) | stall s | peak GiB (budget) | bound s | efficiency | same next token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in results.items():
         regime, plan = name.split("/")[0], r["plan"]
@@ -158,11 +168,11 @@ def prefill_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, 
             gb = plan["max_expert_bytes_per_layer"] / 1e9
             what = f"{plan['spans']} spans fetch up to {gb:.0f} GB of experts per layer"
             rows.append(
-                f"{lead} not run: {what}, >= {r['estimate_s']:.0f} s at the measured rate |" + " |" * 9
+                f"{lead} not run: {what}, >= {r['estimate_s']:.0f} s at the measured rate |" + " |" * 10
             )
             continue
         if r["oom"]:
-            rows.append(f"{lead} out of VRAM budget |" + " |" * 9)
+            rows.append(f"{lead} out of VRAM budget |" + " |" * 10)
             continue
         floor = results.get(f"vram/{r['prompt']}", {})  # the compute floor: same prompt, experts in VRAM
         gpu_s = 0.0 if floor.get("oom", True) else floor["seconds"]
@@ -174,7 +184,7 @@ def prefill_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, 
             f"| {r['prompt'] / (r['seconds'] * scale):.0f} | {r['disk_bytes'] / 1e9:.2f} "
             f"| {r['pcie_bytes'] / 1e9:.2f} | {r['passes_per_layer']:.0f} ({plan['max_passes_per_layer']}) "
             f"| {r['stall_seconds']:.2f} | {r['peak_gib']:.2f} ({budget_gib:.2f}) | {bound:.2f} "
-            f"| {r['efficiency']:.2f} |"
+            f"| {r['efficiency']:.2f} | {_same(r, floor)} |"
         )
     rates = {
         n: r["disk_bytes"] / r["seconds"] / 1e9
@@ -239,7 +249,8 @@ def run(args) -> int:
         "layer). "
         "Bound = max(disk, PCIe, the `vram` time of the same prompt); the `vram` rows ran with the budget "
         f"raised by the expert bytes. Each row is the fastest of {args.repeats} runs from a new state "
-        "(every run's seconds in the --json results).\n\n"
+        "(every run's seconds in the --json results); `same next token`: the greedy token after the prompt, "
+        "in every run, equals the `vram` row's.\n\n"
     )
     table = head + prefill_table(results, disk, pcie, wd.num_layers, budget)
     profiled = [(n, r["profiled"]) for n, r in results.items() if r.get("profiled")]

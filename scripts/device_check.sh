@@ -15,10 +15,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 timeout ${KERNELS_S:-60} python3 scripts/device_kernel_check.py 2>&1 | tail -24 | tee $OUT/kernel_check.txt
 python3 -m expertstream synth /tmp/tiny --preset tiny >/dev/null 2>&1
 python3 -m expertstream setup /tmp/tiny /tmp/tiny-wd >/dev/null 2>&1
-timeout ${TINY_S:-90} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda \
+timeout ${TINY_S:-150} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda \
   --long 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_tiny_cuda.txt
 # layer-major prefill: spans of several pieces (each layer's experts once per span)
-timeout ${TINY_S:-90} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda \
+timeout ${TINY_S:-150} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda \
   --long --prefill-piece 8 --prefill-span 32 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_tiny_spans_cuda.txt
 W=/tmp/expertstream-bench
 python3 -c "from pathlib import Path; from expertstream.bench_runtime import ensure_model; ensure_model(Path('$W'), 4)" \

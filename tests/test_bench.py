@@ -118,8 +118,9 @@ def test_prefill_table_and_oom_row():
         plan=plan,
     )
     # the compute floor: the same prompt with every expert in VRAM (no disk, no PCIe bytes)
-    floor = ok | dict(seconds=2.5, disk_bytes=0.0, pcie_bytes=0.0)
-    fast_ram = ok | dict(seconds=3.0, disk_bytes=0.0, pcie_bytes=55e9)  # 1.0 s of PCIe: under the floor
+    floor = ok | dict(seconds=2.5, disk_bytes=0.0, pcie_bytes=0.0, next_tokens=[7])
+    fast_ram = ok | dict(seconds=3.0, disk_bytes=0.0, pcie_bytes=55e9, next_tokens=[7])  # 1.0 s of PCIe
+    ok["next_tokens"] = [7, 9]  # two runs that disagreed: not the same
     results = {
         "vram/32768": floor,
         "disk/32768": ok,
@@ -134,6 +135,7 @@ def test_prefill_table_and_oom_row():
     assert fast_ram["bound_s"] == pytest.approx(2.5) and fast_ram["efficiency"] == pytest.approx(2.5 / 3)
     assert floor["efficiency"] == pytest.approx(1.0)
     assert "| 100 (112) |" in table and "6.50 (7.20)" in table and "out of VRAM budget" in table
+    assert "| 0.83 | yes |" in table and "| 1.00 | no |" in table  # ram agrees with vram; disk's runs did not
     assert "engine reached (disk bytes / wall time, GB/s): disk/32768 2.00." in table
     # an engine faster than the probe is named: the drive beat its probe, not the bound
     table = prefill_table(results, disk_gbps=1.6, pcie_gbps=55.0, layers=4, budget_gib=7.2)

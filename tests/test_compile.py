@@ -176,6 +176,15 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
             4,
         )
     )
+    out.append(
+        (
+            "copy rows",
+            stage_blocks._copy_rows_kernel,
+            dict(pairs_ptr="*i32", host_ptr="*u8", slots_ptr="*u8", block_bytes="i32", steps="i32"),
+            dict(CHUNK=stage_blocks.CHUNK),
+            4,
+        )
+    )
     return out
 
 

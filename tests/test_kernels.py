@@ -603,6 +603,28 @@ def test_stage_blocks_copies_ram_guesses_and_points_the_working_row_at_them(firs
     assert staged.tolist() == [-6, 3, -4, 2, -2, -1] and torch.equal(direct, through)
 
 
+@pytest.mark.parametrize("programs", [2, 32])  # 2: each program loops over several (pair, chunk) steps
+def test_copy_rows_copies_each_pairs_ram_row_into_its_slot_and_nothing_else(programs, monkeypatch):
+    from expertstream.kernels import stage_blocks as module
+    from expertstream.kernels.stage_blocks import copy_rows, copy_rows_ref
+
+    monkeypatch.setattr(module, "PROGRAMS", programs)
+    g = torch.Generator().manual_seed(programs)
+    b = 16 * 2500  # not a multiple of the kernel's chunk: the last chunk is partial
+    host = torch.randint(0, 256, (6, b), dtype=torch.uint8, generator=g)
+    host = host.pin_memory() if DEV == "cuda" else host
+    pairs = torch.tensor([[4, 2], [0, 5], [5, 0], [1, 1]], dtype=torch.int32, device=DEV)  # the last unused
+    slots = torch.zeros(6, b, dtype=torch.uint8, device=DEV)
+    want = slots.clone()
+    copy_rows_ref(pairs, 3, host, want)
+    copy_rows(pairs, 3, host, slots)
+    assert torch.equal(slots, want)
+    for row, slot in ((4, 2), (0, 5), (5, 0)):
+        assert torch.equal(slots[slot].cpu(), host[row])
+    assert not slots[[1, 3, 4]].any()  # pair 3 is past n: slot 1 untouched
+    copy_rows(pairs, 0, host, slots)  # nothing to copy: no launch
+
+
 def test_bench_pass_calls_fill_only_their_groups_tokens():
     # `bench kernels`' engine-pass row: each call maps the next group of the span's experts to slots, and
     # adds exactly the sums of the tokens routed to that group, as the one-launch kernel would

@@ -74,6 +74,34 @@ def test_blocks_that_follow_each_other_in_ram_and_in_the_slots_go_up_as_one_copy
     assert cache.stats.copies == 6
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="copy_rows batches run on CUDA only")
+def test_a_batch_of_landed_ram_rows_goes_up_as_one_kernel(monkeypatch):
+    from expertstream.runtime import vram_cache as module
+
+    ram = torch.randint(0, 256, (8, BLOCK), dtype=torch.uint8).pin_memory()  # RAM row e holds expert e
+    log, late = [], set()
+
+    def fetch_host(keys):
+        out = []
+        for layer, e in keys:
+            h = FakeHandle((layer, e), log)
+            h.row, h.wait, h.ready = e, (lambda r=e: ram[r]), (layer, e) not in late
+            out.append(h)
+        return out
+
+    launches = []
+    real = module.copy_rows
+    monkeypatch.setattr(module, "copy_rows", lambda pairs, n, *a: (launches.append(n), real(pairs, n, *a)))
+    cache = VramExpertCache(fetch_host, BLOCK, 6, torch.zeros(4, 8, 3), "cuda", host_rows=ram)
+    first = cache.fetch(0, [3, 1, 6])  # every block a landed RAM row: one launch
+    late.add((1, 2))
+    second = cache.fetch(1, [2, 5])  # one still being read: copied as they land, no launch
+    torch.cuda.synchronize()
+    assert launches == [3] and cache.stats.copies == 5
+    for s, e in zip(first + second, (3, 1, 6, 2, 5)):
+        assert torch.equal(cache.slots[s].cpu(), ram[e])
+
+
 def test_evicts_the_coldest_but_never_the_previous_layer():
     cache, _ = make(4)
     a = cache.fetch(0, [0, 1])  # layer 0

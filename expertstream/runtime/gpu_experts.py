@@ -127,19 +127,20 @@ class GpuExperts:
         if stage_guesses > 0 and not self.stage_guesses:
             log.warning("stage_guesses %d needs speculation and %d slots; staging off", stage_guesses,
                         2 * (k + stage_guesses))  # fmt: skip
-        rows = 2 * self.stage_guesses
+        dev = torch.device(device)
+        rows = store.slots
+        pinned = rows is not None and (dev.type != "cuda" or rows.is_pinned())
+        self.host_blocks = rows if pinned else None  # [C, B] the decode kernel may read in place
+        staging = 2 * self.stage_guesses
         self.cache = VramExpertCache(
-            fetch_host, self.layout.block_bytes, n_slots - rows, scales, device, extra_rows=rows
-        )
-        dev = self.cache.device
+            fetch_host, self.layout.block_bytes, n_slots - staging, scales, dev, extra_rows=staging,
+            host_rows=self.host_blocks,
+        )  # fmt: skip
         # prefill: expert -> slot of the pass in flight, set on the host and uploaded without blocking
         self.expert_to_slot = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
         self._slot_map = HostMirror(self.expert_to_slot)
         self._slot_map_np = self._slot_map.host.numpy()  # its host copy as numpy: cheap small writes
         # decode: where each expert's block is, [L, E] int32: a slot (>= 0) or -1 - its RAM cache row
-        rows = store.slots
-        pinned = rows is not None and (dev.type != "cuda" or rows.is_pinned())
-        self.host_blocks = rows if pinned else None  # [C, B] the decode kernel may read in place
         self.loc = torch.zeros(workdir.num_layers, self.num_experts, dtype=torch.int32, device=dev)
         self._loc = HostMirror(self.loc)
         self._loc_np = self._loc.host.numpy()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from expertstream.kernels.stage_blocks import copy_rows
 from expertstream.runtime.host_mirror import HostMirror
 from expertstream.store.policy import Key, LfuPolicy
 
@@ -44,6 +45,9 @@ class VramExpertCache:
         n_slots: slots to allocate (>= 2 x experts per layer, so two layers never evict each other).
         scales: [L, E, 3] float32 global scales (kept on the host; a slot's row goes up with its block).
         device: where the slots live (a CPU device works too, for tests).
+        extra_rows: slot rows past n_slots that are not the cache's (the bank stages decode guesses there).
+        host_rows: [C, block_bytes] the pinned RAM cache's rows (CUDA only): a batch whose blocks are all
+            landed rows of it goes up as one `copy_rows` launch instead of a copy call per block.
     """
 
     def __init__(
@@ -54,6 +58,7 @@ class VramExpertCache:
         scales: torch.Tensor,
         device: torch.device | str,
         extra_rows: int = 0,
+        host_rows: torch.Tensor | None = None,
     ):
         if n_slots <= 0:
             raise ValueError(f"VRAM expert cache needs at least one slot, got {n_slots}")
@@ -82,6 +87,11 @@ class VramExpertCache:
         self.in_flight: list[tuple[torch.cuda.Event, list]] = []
         self.slot_events: dict[int, torch.cuda.Event] = {}
         self.read_in_place: list = []  # handles of RAM blocks the next launched kernel reads over the bus
+        self.host_rows = host_rows if cuda else None
+        if self.host_rows is not None:  # (RAM row, slot) of a `copy_rows` batch's blocks, [S, 2] int32
+            pairs = torch.zeros(n_slots + extra_rows, 2, dtype=torch.int32, device=self.device)
+            self._pairs = HostMirror(pairs)
+            self._pairs_np = self._pairs.host.numpy()
 
     @property
     def n_slots(self) -> int:
@@ -178,39 +188,17 @@ class VramExpertCache:
     def _copy_blocks(self, blocks: list[tuple[int, tuple[int, int], object]]) -> torch.cuda.Event | None:
         """Queue the copies of host blocks [(slot, key, handle)] on the copy stream and set their slots'
         global scales; the handles are released once the copies ran. Returns the event recorded after the
-        copies (None off CUDA or when nothing was queued). Blocks that follow each other both in host memory
-        and in the slots go up as one copy (a prompt's consecutive experts do when the RAM cache was filled
-        in order, e.g. by an earlier prompt; each copy call costs the H200's host 10-35 us); a block still
-        being read ends the run first, so every landed block goes up before the host waits for the next."""
+        copies (None off CUDA or when nothing was queued). A batch whose blocks are all landed rows of the
+        RAM cache goes up as one `copy_rows` launch; otherwise each block goes up as it lands."""
         done = None
         queued = []  # handles whose copy is on the stream (or done)
         stream = self.copy_stream
-        waited: set[int] = set()  # slot_events share one event per kernel launch: wait for each once
-        run: list = []  # [first slot, its source block, blocks] not yet copied
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for slot, _, h in blocks:
-                    if run and not h.ready:
-                        self._copy_run(*run)
-                        run = []
-                    t0 = time.perf_counter()
-                    block = h.wait()  # blocks on the RAM/disk tiers
-                    self.stats.wait_seconds += time.perf_counter() - t0
-                    self.stats.copies += 1
-                    self.stats.bytes_copied += self.block_bytes
-                    last_use = self.slot_events.pop(slot, None)
-                    if last_use is not None and id(last_use) not in waited:  # a kernel still reads it
-                        stream.wait_event(last_use)
-                        waited.add(id(last_use))
-                    if run and _follows(run, slot, block, self.block_bytes):
-                        run[2] += 1
-                    else:
-                        if run:
-                            self._copy_run(*run)
-                        run = [slot, block, 1]
-                    queued.append(h)
-                if run:
-                    self._copy_run(*run)
+                if self.host_rows is not None and all(h.ready and h.row is not None for _, _, h in blocks):
+                    self._gather(blocks, queued)
+                else:
+                    self._copy_as_landed(blocks, queued)
         finally:  # also after a failed read: copies already queued keep their buffers until they ran
             if stream is None:
                 for h in queued:
@@ -223,6 +211,51 @@ class VramExpertCache:
                 h.release()
         self._set_scales([slot for slot, _, _ in blocks], [key for _, key, _ in blocks])
         return done
+
+    def _landed(self, slot: int, h, waited: set[int]) -> torch.Tensor:
+        # h's block once read (counted), with the copy stream waiting for the last kernel reading `slot`
+        # (slot_events share one event per kernel launch: each is waited for once per batch)
+        t0 = time.perf_counter()
+        block = h.wait()  # blocks on the RAM/disk tiers
+        self.stats.wait_seconds += time.perf_counter() - t0
+        self.stats.copies += 1
+        self.stats.bytes_copied += self.block_bytes
+        last_use = self.slot_events.pop(slot, None)
+        if last_use is not None and id(last_use) not in waited:
+            self.copy_stream.wait_event(last_use)
+            waited.add(id(last_use))
+        return block
+
+    def _gather(self, blocks: list, queued: list) -> None:
+        # every block a landed RAM-cache row: its (row, slot) pairs uploaded, then one kernel copies them all
+        # (a copy call per block costs the H200's host 10-35 us, and a prompt's passes are host-bound)
+        waited: set[int] = set()
+        for i, (slot, _, h) in enumerate(blocks):
+            self._landed(slot, h, waited)
+            self._pairs_np[i] = (h.row, slot)
+            queued.append(h)
+        self._pairs.push()
+        copy_rows(self._pairs.device_tensor, len(queued), self.host_rows, self.slots)
+
+    def _copy_as_landed(self, blocks: list, queued: list) -> None:
+        # one copy call per run of blocks that follow each other both in host memory and in the slots; a
+        # block still being read ends the run first, so every landed block goes up before the host waits
+        waited: set[int] = set()
+        run: list = []  # [first slot, its source block, blocks] not yet copied
+        for slot, _, h in blocks:
+            if run and not h.ready:
+                self._copy_run(*run)
+                run = []
+            block = self._landed(slot, h, waited)
+            if run and _follows(run, slot, block, self.block_bytes):
+                run[2] += 1
+            else:
+                if run:
+                    self._copy_run(*run)
+                run = [slot, block, 1]
+            queued.append(h)
+        if run:
+            self._copy_run(*run)
 
     def _copy_run(self, slot: int, block: torch.Tensor, n: int) -> None:
         # n blocks from `block` on in host memory -> slots slot .. slot + n - 1 ([n, block_bytes] each side)
