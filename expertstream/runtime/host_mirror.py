@@ -18,9 +18,9 @@ class HostMirror:
     """Edit `host` (a CPU tensor shaped like `device_tensor`), then push() it to the device.
 
     Each push stages the host copy in the next of `depth` pinned buffers (a ring) and waits only for the
-    upload made `depth` pushes ago. With two buffers a prompt's passes (two pushes each) could run only two
-    passes ahead of the GPU, so the host waited for every pass's block copies instead of queueing the whole
-    layer and moving on to the next layer's launches."""
+    upload made `depth` pushes ago. With two buffers a host faster than its bus could queue only two prompt
+    passes ahead of their copies (`wait_seconds` counts such waits; on the lent H200s a pass's host work
+    outlasted its copies, so it stayed 0 with either depth)."""
 
     def __init__(self, device_tensor: torch.Tensor, depth: int = 64):
         self.device_tensor = device_tensor
