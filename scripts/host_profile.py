@@ -4,7 +4,8 @@ pieces and spans of `bench prefill`'s ram regime): cProfile of one prompt and of
 waits for the host wherever the host cannot run ahead (a prompt's bank call reads its counts back), so host
 time per pass and per token is what bounds those paths when the GPU is mostly idle. `--sections` instead
 times the prompt's bank steps with perf_counter (no cProfile inflation): ms per pass in the fetch (its store
-requests and copies), the pass map, the launches and the combine, and the HostMirror waits for the GPU;
+requests and copies) or, once every block's RAM row is fixed, the rows' copies, the pass map, the launches
+and the combine, and the HostMirror waits for the GPU;
 `--mirror-depth N` builds the engine with N-deep upload rings (2 was the old form). Usage on a lent GPU:
 python3 scripts/host_profile.py [--prompt 2451] [--tokens 32] [--sections] [--mirror-depth N]
 """
@@ -79,6 +80,7 @@ def sections_report(eng, prompt, wall: float) -> None:
     timed(cache, "fetch", "fetch (all of it)")
     timed(cache, "fetch_host", "  store requests")
     timed(cache, "_copy_blocks", "  copies + scales upload")
+    timed(cache, "load_rows", "fixed RAM rows' copies + scales")
     timed(bank, "_map_pass", "pass map upload")
     timed(gpu_experts.nvfp4_moe, "nvfp4_moe_prefill_rows", "gate+up and down launches")
     timed(gpu_experts.nvfp4_moe, "combine_rows", "combine launch")

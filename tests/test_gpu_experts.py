@@ -130,31 +130,30 @@ def test_prefill_reads_one_group_ahead(tiny_workdir, kernel_device, monkeypatch)
         bank.close()
 
 
-def test_prefill_reads_nothing_ahead_once_ram_holds_every_block(tiny_workdir, kernel_device):
-    """With every block in the RAM cache a prompt's passes request each block once (its fetch), not also a
-    group ahead; the sums are the same either way."""
+def test_prefill_requests_nothing_once_ram_holds_every_block(tiny_workdir, kernel_device):
+    """One block short of all, a prompt's passes request each block a group ahead and again in its fetch;
+    with every block landed in the RAM cache the bank fixes each block's RAM row and its passes copy rows
+    without a request. The sums are the same either way."""
     wd = Workdir(tiny_workdir)
     blocks = wd.num_layers * wd.num_experts
     x, ids, w = (v.to(kernel_device) for v in routing(wd, 20, seed=3))
     outs, requests = [], []
     for ram in (blocks - 1, blocks):  # one block short of all (reads ahead), then all
         with ExpertStore(wd, ram * wd.layout.block_bytes, io_threads=2) as store:
-            for h in store.request([(1, e) for e in range(wd.num_experts)]):
+            layers = [1] if ram < blocks else range(wd.num_layers)
+            for h in store.request([(layer, e) for layer in layers for e in range(wd.num_experts)]):
                 h.wait()
                 h.release()
-            if ram == blocks:
-                others = [layer for layer in range(wd.num_layers) if layer != 1]
-                for h in store.request([(layer, e) for layer in others for e in range(wd.num_experts)]):
-                    h.release()
             assert (store.cached_blocks >= blocks) == (ram == blocks)
             bank = GpuExperts(wd, store, 8, kernel_device)  # groups of 4 experts
             before = store.stats.requests
             outs.append(bank(1, x, ids, w))
             requests.append(store.stats.requests - before)
+            assert (bank.resident == "ram") == (ram == blocks)
             bank.close()
     distinct = torch.unique(ids).numel()
     assert distinct > 4  # several groups: each is requested ahead of its fetch, then by it
-    assert requests == [2 * distinct, distinct]
+    assert requests == [2 * distinct, 0]
     assert torch.equal(outs[0], outs[1])
 
 
@@ -205,27 +204,29 @@ def test_a_row_budget_splits_passes_and_fetches_each_block_once(banks, kernel_de
     chunked.close()
 
 
-def test_ram_residency_stays_ram_when_vram_later_holds_every_block(tiny_workdir, kernel_device, host_alloc):
-    # every block in RAM before decode: the bank adopts RAM rows; prompts then copy every block into the 64
-    # slots. The table still points at RAM rows, so the kernel must keep the RAM pool
+def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(tiny_workdir, kernel_device, host_alloc):
+    # every block in RAM: the bank adopts each block's RAM row, and a prompt's passes copy those rows into
+    # the two halves of the slots in turn, outside the VRAM cache (no store request, nothing cached there);
+    # decode after it still reads the RAM rows
     wd = Workdir(tiny_workdir)
-    n_layers, n_experts, k = wd.num_layers, wd.num_experts, wd.text_config["num_experts_per_tok"]
+    n_layers, n_experts = wd.num_layers, wd.num_experts
     with ExpertStore(wd, n_layers * n_experts * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
         for h in store.request([(layer, e) for layer in range(n_layers) for e in range(n_experts)]):
             h.wait()
             h.release()
         ref = StreamedExperts(wd, store, torch.float32)
-        bank = GpuExperts(wd, store, n_layers * n_experts, kernel_device)
+        bank = GpuExperts(wd, store, 8, kernel_device)  # passes of 4 experts
         x, ids, w = routing(wd, 1, seed=4)
-        bank(0, *(v.to(kernel_device) for v in (x, ids, w)))
-        assert bank.resident == "ram"
-        every = (
-            torch.arange(n_experts).repeat(k)[: n_experts * k].view(n_experts, k)
-        )  # each expert, once per row
+        bank(0, *(v.to(kernel_device) for v in (x, ids, w)))  # a decode step first: some blocks cached
+        assert bank.resident == "ram" and bank.cache.lru
         for layer in range(n_layers):
-            xs, _, ws = routing(wd, n_experts, seed=layer)
-            bank(layer, *(v.to(kernel_device) for v in (xs, every, ws)))
-        assert len(bank.cache.lru) == n_layers * n_experts  # VRAM now holds every block too
+            xs, ids_p, ws = routing(wd, 20, seed=layer)
+            before, copies = store.stats.requests, bank.cache.stats.copies
+            got = bank(layer, *(v.to(kernel_device) for v in (xs, ids_p, ws))).cpu()
+            assert store.stats.requests == before and not bank.cache.lru
+            want = ref(layer, xs, ids_p, ws)  # (the torch bank requests its blocks)
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+            assert bank.cache.stats.copies - copies == torch.unique(ids_p).numel()
         for layer in range(n_layers):
             want = ref(layer, x, ids, w)
             got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
@@ -319,3 +320,19 @@ def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_de
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
         plain.close()
         staged.close()
+
+
+def test_prompts_fill_a_vram_cache_that_can_hold_every_block(tiny_workdir, kernel_device, host_alloc):
+    # every block in RAM, but slots for every block too: a prompt does not fix the RAM rows (decode should
+    # read the blocks from VRAM once they are all there); its passes fill the VRAM cache
+    wd = Workdir(tiny_workdir)
+    blocks = wd.num_layers * wd.num_experts
+    with ExpertStore(wd, blocks * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
+        for h in store.request([(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]):
+            h.wait()
+            h.release()
+        bank = GpuExperts(wd, store, blocks, kernel_device)
+        xs, ids, ws = routing(wd, 20, seed=1)
+        bank(1, *(v.to(kernel_device) for v in (xs, ids, ws)))
+        assert bank.resident is None and len(bank.cache.lru) == torch.unique(ids).numel()
+        bank.close()

@@ -102,6 +102,19 @@ def test_a_batch_of_landed_ram_rows_goes_up_as_one_kernel(monkeypatch):
         assert torch.equal(cache.slots[s].cpu(), ram[e])
 
 
+def test_load_rows_copies_fixed_ram_rows_outside_the_cache_bookkeeping():
+    ram = torch.arange(8, dtype=torch.uint8)[:, None].repeat(1, BLOCK)  # RAM row r holds byte r
+    scales = torch.arange(4 * 8 * 3, dtype=torch.float32).view(4, 8, 3)
+    cache = VramExpertCache(make(6)[0].fetch_host, BLOCK, 6, scales, "cpu", host_rows=ram)
+    cache.fetch(0, [1, 2])
+    assert len(cache.lru) == 2
+    cache.load_rows([(1, 3), (1, 4)], [6, 2], [0, 5])  # blocks (1, 3) and (1, 4) sit in RAM rows 6 and 2
+    assert not cache.lru and len(cache.free) == 6  # what the cache held is forgotten: its slots get reused
+    assert cache.protected == {0, 5} and cache.stats.copies == 4
+    assert torch.all(cache.slots[0] == 6) and torch.all(cache.slots[5] == 2)
+    assert torch.equal(cache.ws2[5], scales[1, 4])
+
+
 def test_evicts_the_coldest_but_never_the_previous_layer():
     cache, _ = make(4)
     a = cache.fetch(0, [0, 1])  # layer 0

@@ -438,6 +438,10 @@ class GpuExperts:
         y, work = nvfp4_moe.prefill_buffers(x, self.layout, rows)  # a pass's weighted rows, and h
         total = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # [T, H] routed sum
         weights = weights.float().contiguous()
+        # every block's RAM row fixed: the passes copy rows, no request or policy step (a VRAM cache that
+        # can hold every block is filled by the passes instead, so that decode reads it from VRAM)
+        if not self.resident and self._ram_holds_all and self.cache.n_slots < self.loc.numel():
+            self._adopt_resident()
         # passes of a few experts each may launch in a shape of their own (tuned_configs.json `HxIxpass`)
         key = f"{self.layout.hidden_size}x{self.layout.intermediate_size}xpass"
         launch = tuned_config("nvfp4_prefill", x.device, key) if len(groups) > 1 else None
@@ -447,7 +451,7 @@ class GpuExperts:
         try:
             for g, members in enumerate(groups):
                 pending.append(self._read_ahead(layer, groups[g + 1]) if g + 1 < len(groups) else [])
-                self._map_pass(members, self.cache.fetch(layer, members))
+                self._map_pass(members, self._pass_blocks(layer, g, members))
                 for h in pending.pop(0):
                     h.release()
                 nvfp4_moe.nvfp4_moe_prefill_rows(
@@ -460,6 +464,19 @@ class GpuExperts:
             for h in (h for hs in pending for h in hs):
                 h.release()
         return total  # FP32, cast by the caller (layers/experts.py)
+
+    def _pass_blocks(self, layer: int, g: int, members: list[int]) -> list[int]:
+        """Slots holding pass g's experts: with every block's RAM row fixed (`resident` "ram"), passes take
+        the two halves of the slots in turn and copy their rows straight from `loc`; else the VRAM cache's
+        fetch (store requests, LFU, one copy run or batch per pass)."""
+        if self.resident != "ram":
+            return self.cache.fetch(layer, members)
+        half = max(1, self.cache.n_slots // 2)  # `_groups`' pass size
+        first = (g % 2) * half if 2 * half <= self.cache.n_slots else 0
+        slots = list(range(first, first + len(members)))
+        rows = (-1 - self._loc_np[layer, members]).tolist()
+        self.cache.load_rows([(layer, e) for e in members], rows, slots)
+        return slots
 
     def _groups(self, experts: list[int], starts: list[int], bm: int, k: int) -> list[list[int]]:
         """Consecutive experts in passes of at most half the slots (the previous pass's slots stay protected

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from expertstream.kernels.stage_blocks import copy_rows
+from expertstream.kernels.stage_blocks import copy_rows, copy_rows_ref
 from expertstream.runtime.host_mirror import HostMirror
 from expertstream.store.policy import Key, LfuPolicy
 
@@ -46,8 +46,9 @@ class VramExpertCache:
         scales: [L, E, 3] float32 global scales (kept on the host; a slot's row goes up with its block).
         device: where the slots live (a CPU device works too, for tests).
         extra_rows: slot rows past n_slots that are not the cache's (the bank stages decode guesses there).
-        host_rows: [C, block_bytes] the pinned RAM cache's rows (CUDA only): a batch whose blocks are all
-            landed rows of it goes up as one `copy_rows` launch instead of a copy call per block.
+        host_rows: [C, block_bytes] the RAM cache's rows (pinned on CUDA): a batch whose blocks are all
+            landed rows of it goes up as one `copy_rows` launch (its torch twin off CUDA) instead of a copy
+            call per block; `load_rows` needs them.
     """
 
     def __init__(
@@ -87,11 +88,12 @@ class VramExpertCache:
         self.in_flight: list[tuple[torch.cuda.Event, list]] = []
         self.slot_events: dict[int, torch.cuda.Event] = {}
         self.read_in_place: list = []  # handles of RAM blocks the next launched kernel reads over the bus
-        self.host_rows = host_rows if cuda else None
-        if self.host_rows is not None:  # (RAM row, slot) of a `copy_rows` batch's blocks, [S, 2] int32
+        self.host_rows = host_rows
+        if host_rows is not None:  # (RAM row, slot) of a `copy_rows` batch's blocks, [S, 2] int32
             pairs = torch.zeros(n_slots + extra_rows, 2, dtype=torch.int32, device=self.device)
             self._pairs = HostMirror(pairs)
             self._pairs_np = self._pairs.host.numpy()
+            self._copy_rows = copy_rows if cuda else copy_rows_ref
 
     @property
     def n_slots(self) -> int:
@@ -194,7 +196,7 @@ class VramExpertCache:
         queued = []  # handles whose copy is on the stream (or done)
         stream = self.copy_stream
         try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with self._on_copy_stream():
                 if self.host_rows is not None and all(h.ready and h.row is not None for _, _, h in blocks):
                     self._gather(blocks, queued)
                 else:
@@ -212,19 +214,28 @@ class VramExpertCache:
         self._set_scales([slot for slot, _, _ in blocks], [key for _, key, _ in blocks])
         return done
 
+    def _on_copy_stream(self):
+        # copies and copy kernels queue on the copy stream on CUDA; elsewhere they run in place
+        stream = self.copy_stream
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
     def _landed(self, slot: int, h, waited: set[int]) -> torch.Tensor:
         # h's block once read (counted), with the copy stream waiting for the last kernel reading `slot`
-        # (slot_events share one event per kernel launch: each is waited for once per batch)
         t0 = time.perf_counter()
         block = h.wait()  # blocks on the RAM/disk tiers
         self.stats.wait_seconds += time.perf_counter() - t0
         self.stats.copies += 1
         self.stats.bytes_copied += self.block_bytes
+        self._after_last_use(slot, waited)
+        return block
+
+    def _after_last_use(self, slot: int, waited: set[int]) -> None:
+        # the copy stream waits for the last kernel that read `slot` (slot_events share one event per kernel
+        # launch: each is waited for once per batch)
         last_use = self.slot_events.pop(slot, None)
         if last_use is not None and id(last_use) not in waited:
             self.copy_stream.wait_event(last_use)
             waited.add(id(last_use))
-        return block
 
     def _gather(self, blocks: list, queued: list) -> None:
         # every block a landed RAM-cache row: its (row, slot) pairs uploaded, then one kernel copies them all
@@ -235,7 +246,7 @@ class VramExpertCache:
             self._pairs_np[i] = (h.row, slot)
             queued.append(h)
         self._pairs.push()
-        copy_rows(self._pairs.device_tensor, len(queued), self.host_rows, self.slots)
+        self._copy_rows(self._pairs.device_tensor, len(queued), self.host_rows, self.slots)
 
     def _copy_as_landed(self, blocks: list, queued: list) -> None:
         # one copy call per run of blocks that follow each other both in host memory and in the slots; a
@@ -262,6 +273,38 @@ class VramExpertCache:
         dst = self._slot_rows[slot] if n == 1 else self.slots[slot : slot + n].view(-1)
         src = block if n == 1 else block.as_strided((n * self.block_bytes,), (1,))
         dst.copy_(src, non_blocking=self.copy_stream is not None)
+
+    def load_rows(self, keys: Sequence[Key], rows: Sequence[int], slots: Sequence[int]) -> None:
+        """Copy the RAM-cache rows `rows` (blocks `keys`, held for good by the caller) into `slots` with one
+        `copy_rows`, outside the cache's bookkeeping: what the cache held is forgotten first, since its slots
+        get overwritten. A bank whose every block has a fixed RAM row runs its prompt passes through this:
+        no store request, handle or policy step per block. The slots are protected until the next call, as
+        after `fetch`; the current stream waits for the copy."""
+        assert self.host_rows is not None, "load_rows needs the RAM cache's rows (host_rows)"
+        if self.lru:
+            self._forget()
+        waited: set[int] = set()
+        with self._on_copy_stream():
+            for i, (row, slot) in enumerate(zip(rows, slots)):
+                self._after_last_use(slot, waited)
+                self._pairs_np[i] = (row, slot)
+            self._pairs.push()
+            self._copy_rows(self._pairs.device_tensor, len(slots), self.host_rows, self.slots)
+        self.stats.copies += len(slots)
+        self.stats.bytes_copied += len(slots) * self.block_bytes
+        self._set_scales(list(slots), list(keys))
+        if self.copy_stream is not None:
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+            torch.cuda.current_stream(self.device).wait_event(done)
+        self.protected, self.last_layer = set(slots), keys[0][0] if keys else None
+
+    def _forget(self) -> None:
+        # every cached block dropped (its slot free again; a kernel still reading it is waited for through
+        # slot_events before a copy overwrites it)
+        self.lru.clear()
+        self.policy = LfuPolicy()
+        self.free = list(range(self._n_slots - 1, -1, -1))
 
     def _set_scales(self, slots: list[int], keys: list[tuple[int, int]]) -> None:
         if slots:
