@@ -130,7 +130,7 @@ def test_prefill_reads_one_group_ahead(tiny_workdir, kernel_device, monkeypatch)
         bank.close()
 
 
-def test_prefill_requests_nothing_once_ram_holds_every_block(tiny_workdir, kernel_device):
+def test_prefill_requests_nothing_once_ram_holds_every_block(tiny_workdir, kernel_device, host_alloc):
     """One block short of all, a prompt's passes request each block a group ahead and again in its fetch;
     with every block landed in the RAM cache the bank fixes each block's RAM row and its passes copy rows
     without a request. The sums are the same either way."""
@@ -139,7 +139,8 @@ def test_prefill_requests_nothing_once_ram_holds_every_block(tiny_workdir, kerne
     x, ids, w = (v.to(kernel_device) for v in routing(wd, 20, seed=3))
     outs, requests = [], []
     for ram in (blocks - 1, blocks):  # one block short of all (reads ahead), then all
-        with ExpertStore(wd, ram * wd.layout.block_bytes, io_threads=2) as store:
+        # pinned on a GPU (host_alloc): a bank fixes only RAM rows its kernels can read
+        with ExpertStore(wd, ram * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
             layers = [1] if ram < blocks else range(wd.num_layers)
             for h in store.request([(layer, e) for layer in layers for e in range(wd.num_experts)]):
                 h.wait()
