@@ -471,17 +471,22 @@ class GpuExperts:
         fetch (store requests, LFU, one copy run or batch per pass)."""
         if self.resident != "ram":
             return self.cache.fetch(layer, members)
-        half = max(1, self.cache.n_slots // 2)  # `_groups`' pass size
+        half = self._pass_size
         first = (g % 2) * half if 2 * half <= self.cache.n_slots else 0
         slots = list(range(first, first + len(members)))
         rows = (-1 - self._loc_np[layer, members]).tolist()
         self.cache.load_rows([(layer, e) for e in members], rows, slots)
         return slots
 
+    @property
+    def _pass_size(self) -> int:
+        # experts per prompt pass: half the slots (the previous pass's stay protected while its kernels run)
+        return max(1, self.cache.n_slots // 2)
+
     def _groups(self, experts: list[int], starts: list[int], bm: int, k: int) -> list[list[int]]:
         """Consecutive experts in passes of at most half the slots (the previous pass's slots stay protected
         while its kernels run) and at most `prefill_chunk` tokens' K rows (one expert may exceed it)."""
-        size = max(1, self.cache.n_slots // 2)
+        size = self._pass_size
         max_rows = self.prefill_chunk * k if self.prefill_chunk else None
         groups: list[list[int]] = []
         for e in experts:

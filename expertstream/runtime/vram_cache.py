@@ -245,8 +245,12 @@ class VramExpertCache:
             self._landed(slot, h, waited)
             self._pairs_np[i] = (h.row, slot)
             queued.append(h)
+        self._copy_pairs(len(queued))
+
+    def _copy_pairs(self, n: int) -> None:
+        # the first n (RAM row, slot) pairs uploaded, then one `copy_rows` (on the copy stream on CUDA)
         self._pairs.push()
-        self._copy_rows(self._pairs.device_tensor, len(queued), self.host_rows, self.slots)
+        self._copy_rows(self._pairs.device_tensor, n, self.host_rows, self.slots)
 
     def _copy_as_landed(self, blocks: list, queued: list) -> None:
         # one copy call per run of blocks that follow each other both in host memory and in the slots; a
@@ -288,8 +292,7 @@ class VramExpertCache:
             for i, (row, slot) in enumerate(zip(rows, slots)):
                 self._after_last_use(slot, waited)
                 self._pairs_np[i] = (row, slot)
-            self._pairs.push()
-            self._copy_rows(self._pairs.device_tensor, len(slots), self.host_rows, self.slots)
+            self._copy_pairs(len(slots))
         self.stats.copies += len(slots)
         self.stats.bytes_copied += len(slots) * self.block_bytes
         self._set_scales(list(slots), list(keys))
