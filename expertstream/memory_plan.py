@@ -247,6 +247,13 @@ def plan_memory(
             f"its experts once per layer: a {max_model_len}-token prompt moves ~{-(-max_model_len // span)}x "
             "the expert bytes of one pass; a shorter --max-model-len leaves room for longer spans"
         )
+    # more cache rows than the model has experts would hold nothing (a small model on a large GPU)
+    cache_blocks = min(max(0, left // block_bytes), n_layers * c["num_experts"])
+    if cache_blocks < left // block_bytes:
+        notes.append(
+            f"every expert fits in the VRAM cache; {(left - cache_blocks * block_bytes) / GiB:.2f} GiB of "
+            "the budget stay unallocated"
+        )
     if embed is not None:
         embed_gib = _tensor_bytes(*embed) / GiB
         notes.append(f"token embedding ({embed_gib:.2f} GiB) stays in host RAM; rows gathered per step")
@@ -265,7 +272,7 @@ def plan_memory(
         prefill_chunk=chunk,
         prefill_workspace=workspace_used,
         reserve=reserve,
-        vram_cache_blocks=max(0, left // block_bytes),
+        vram_cache_blocks=cache_blocks,
         block_bytes=block_bytes,
         notes=notes,
     )

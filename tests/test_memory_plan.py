@@ -98,6 +98,15 @@ def test_larger_budget_keeps_bf16_and_grows_the_cache():
     assert big.prefill_span >= small.prefill_span
 
 
+def test_the_cache_never_outgrows_the_models_experts():
+    # 160 GiB holds every one of the 48 x 512 blocks (~63 GiB): the cache takes that many rows, no more
+    huge = plan_memory(real_text_config(), real_resident(), BLOCK, 160 * GiB, 32768)
+    assert huge.vram_cache_blocks == 48 * 512
+    assert "every expert fits in the VRAM cache" in huge.describe()
+    roomy = plan_memory(real_text_config(), real_resident(), BLOCK, 24 * GiB, 32768)
+    assert roomy.vram_cache_blocks < 48 * 512 and "every expert fits" not in roomy.describe()
+
+
 def test_budget_too_small_names_what_is_needed():
     with pytest.raises(MemoryPlanError, match=r"needs at least \d+\.\d+ GiB"):
         plan_memory(real_text_config(), real_resident(), BLOCK, 5 * GiB, 32768)

@@ -193,6 +193,17 @@ def test_host_mirror_pushes_the_host_copy():
     assert dev.abs().sum() == 0
 
 
+def test_host_mirror_ring_is_bounded_in_bytes():
+    from expertstream.runtime.host_mirror import RING_BYTES, HostMirror
+
+    small = HostMirror(torch.zeros(16, 3))
+    assert len(small._done) == 64  # 192 B a copy: the whole ring
+    big = HostMirror(torch.zeros(RING_BYTES // 4 // 8, dtype=torch.float32))  # an eighth of the bytes
+    assert len(big._done) == 8
+    huge = HostMirror(torch.zeros(RING_BYTES // 2, dtype=torch.uint8))  # half of them: the floor of two
+    assert len(huge._done) == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the ring of pinned buffers exists on CUDA only")
 def test_host_mirror_queues_a_ring_of_pushes_before_it_waits():
     from expertstream.runtime.host_mirror import HostMirror

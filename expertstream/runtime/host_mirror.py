@@ -14,6 +14,9 @@ import time
 import torch
 
 
+RING_BYTES = 64 << 20  # pinned host bytes one mirror's ring may take
+
+
 class HostMirror:
     """Edit `host` (a CPU tensor shaped like `device_tensor`), then push() it to the device.
 
@@ -26,6 +29,9 @@ class HostMirror:
         self.device_tensor = device_tensor
         self.host = torch.zeros_like(device_tensor, device="cpu")
         self._cuda = device_tensor.device.type == "cuda"
+        # at most RING_BYTES of pinned copies: a large mirror (the scales of a huge VRAM cache) gets 2
+        nbytes = self.host.numel() * self.host.element_size()
+        depth = max(2, min(depth, RING_BYTES // max(1, nbytes)))
         # [depth, *shape] pinned staging on CUDA (none elsewhere: the copy is synchronous there)
         self._stage = torch.empty((depth, *self.host.shape), dtype=self.host.dtype, pin_memory=True) if (
             self._cuda
