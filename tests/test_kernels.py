@@ -709,3 +709,19 @@ def test_ptx_path_equals_software_with_an_emulated_conversion():
     script = _PTX_PATH_SCRIPT.replace("CVT", repr(_EMULATED_CVT))
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "identical" in run.stdout, run.stderr[-3000:]
+
+
+def test_stage_blocks_addresses_rows_past_2_gib():
+    # a large VRAM cache puts the staging rows past 2^31 bytes: row offsets must be 64-bit. 1 MiB rows, the
+    # staging row 2048 starts at 2 GiB (torch.empty leaves the untouched rows unallocated on a CPU box)
+    from expertstream.kernels.stage_blocks import stage_blocks
+
+    b, first = 1 << 20, 2048
+    host = torch.arange(2 * b, dtype=torch.int64).remainder(251).to(torch.uint8).view(2, b)
+    host = host.pin_memory() if DEV == "cuda" else host
+    slots = torch.empty(first + 1, b, dtype=torch.uint8, device=DEV)
+    slots[first].zero_()
+    loc = torch.tensor([-2, -1], dtype=torch.int32, device=DEV)
+    out_loc = torch.empty_like(loc)
+    stage_blocks(torch.tensor([0], device=DEV), loc, host, slots, first, out_loc)
+    assert torch.equal(slots[first].cpu(), host[1]) and out_loc.tolist() == [first, -1]

@@ -105,7 +105,7 @@ def _stage_kernel(
         e = tl.load(ids_ptr + g).to(tl.int64)
         c = tl.load(loc_ptr + e).to(tl.int64)
         if c < 0:
-            dst = slots_ptr + (first + g) * block_bytes
+            dst = slots_ptr + (first + g).to(tl.int64) * block_bytes  # past 2 GiB in a large cache
             _copy_chunk(host_ptr + (-1 - c) * block_bytes, dst, part, block_bytes, CHUNK)
             if part == 0:  # read only once the whole kernel is done (the consumer waits for this stream)
                 tl.store(out_loc_ptr + e, (first + g).to(tl.int32))
