@@ -17,6 +17,7 @@ HIDDEN, INTER, TOPK, EXPERTS = 2560, 640, 10, 512
 FP8_SHAPES = ((10240, 2560), (6144, 2560), (2560, 6144))  # in_proj_qkv, in_proj_z, out_proj
 FP8_M = (1, 4, 64)
 PREFILL_T = (32, 512, 2451, 8192)
+PREFILL_HOST_T = 2451  # a prompt whose tiles read each block about once: the case for reading RAM in place
 GDN_HEADS = (16, 48, 128, 128)  # key heads, value heads, Dk, Dv
 
 
@@ -178,16 +179,17 @@ def pass_calls(
     return calls, ids, total
 
 
-def prefill_calls(layout, slots, ws2, tokens: int, config: dict | None = None):
+def prefill_calls(layout, slots, ws2, tokens: int, config: dict | None = None, device=None):
     """One `nvfp4_moe_prefill` over a `tokens`-token prompt (expert e in slot e) in `config` (default: the
     launcher's pick) with its pairs sorted beforehand: what a CUDA graph can capture (the sort writes a host
-    scalar into a device tensor). Returns ([call], the prompt's routed ids [tokens, K])."""
+    scalar into a device tensor). `device`: where the prompt lives when the slots are pinned host RAM.
+    Returns ([call], the prompt's routed ids [tokens, K])."""
     import torch
 
     from expertstream.kernels import nvfp4_moe_prefill
     from expertstream.kernels.nvfp4_moe import order_pairs
 
-    experts, dev = slots.shape[0], slots.device
+    experts, dev = slots.shape[0], torch.device(device) if device else slots.device
     ids, w, x = _prompt(layout, experts, tokens, tokens, dev)
     e2s = torch.arange(experts, dtype=torch.int32, device=dev)
     order = order_pairs(ids, experts, layout, config=config)
@@ -271,6 +273,14 @@ def run_benchmarks() -> tuple[list[Row], dict]:
         nbytes = touched * payload + 2 * 2 * t * HIDDEN
         goal = ">= 50% roofline" if t >= 512 else "-"
         rows.append(_row("nvfp4_moe_prefill", f"T={t}", ms, nbytes, t * TOPK * flop_per_pair, bw, tf, goal))
+    # the same prompt with every block in pinned host RAM, read over the bus in place (no copy)
+    t = PREFILL_HOST_T
+    calls, ids = prefill_calls(layout, slots.cpu().pin_memory(), ws2, t, device="cuda")
+    ms = graph_ms(calls, reps=5)
+    nbytes = int(torch.unique(ids).numel()) * payload
+    bus = f"{100 * nbytes / ms / 1e6 / h2d:.0f}% of H2D copy ({h2d:.1f} GB/s)"
+    flop = t * TOPK * flop_per_pair
+    rows.append(_row("nvfp4_moe_prefill", f"T={t}, in host RAM", ms, nbytes, flop, bw, tf, bus))
     # one pass of the engine's prefill: a span's pairs sorted once, PASS_EXPERTS of its experts with a slot
     ms, nbytes = graph_ms(pass_calls(layout, slots, ws2)[0]), PASS_EXPERTS * payload
     pairs = PASS_TOKENS * TOPK * PASS_EXPERTS / EXPERTS  # the pass's share of the pairs, on average

@@ -284,6 +284,23 @@ def test_prefill_with_a_sorted_order_equals_the_launcher_sorting_itself(bank):
     assert torch.equal(got, nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout))
 
 
+def test_prefill_reads_blocks_in_pinned_host_ram_like_slots(bank):
+    # a RAM-resident bank's blocks read in place over the bus: the same bits as from the device's slots
+    layout, slots, ws2 = bank
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 6, (12, 3), generator=g).to(DEV)
+    x = torch.randn(12, layout.hidden_size, generator=g).to(DEV)
+    w = torch.rand(12, 3, generator=g).to(DEV)
+    e2s = torch.arange(6, dtype=torch.int32, device=DEV)
+    host = slots.cpu()
+    host = host.pin_memory() if DEV == "cuda" else host
+    got = nvfp4_moe_prefill(x, host, ids, e2s, ws2, w, layout)
+    assert torch.equal(got, nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout))
+    if DEV == "cuda":  # pageable host memory is not readable by a kernel: refused before any launch
+        with pytest.raises(ValueError, match="one device"):
+            nvfp4_moe_prefill(x, slots.cpu(), ids, e2s, ws2, w, layout)
+
+
 def test_combine_rows_equals_its_twin_bit_for_bit():
     g = torch.Generator().manual_seed(3)
     t, k, e, h = 9, 4, 7, 40

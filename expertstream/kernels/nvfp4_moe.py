@@ -45,7 +45,8 @@ def _offsets(layout: ExpertLayout) -> dict[str, int]:
 
 
 def _check_common(x, slots, layout: ExpertLayout) -> None:
-    require_triton(x, slots)
+    # slots in pinned host RAM are read over the bus (a RAM-resident bank's blocks, in place)
+    require_triton(x, *(() if slots.device != x.device and _pinned(slots) else (slots,)))
     assert x.shape[-1] == layout.hidden_size and x.is_contiguous(), f"x {tuple(x.shape)}"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
     assert slots.dtype == torch.uint8 and slots.dim() == 2, f"slots {slots.dtype} {tuple(slots.shape)}"

@@ -13,7 +13,6 @@ import time
 
 import torch
 
-
 RING_BYTES = 64 << 20  # pinned host bytes one mirror's ring may take
 
 
