@@ -118,8 +118,7 @@ def prefill_regime(
             s1, c1, p1 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.bank.prefill_passes
             counts = {
                 "disk_bytes": s1.bytes_read - s0.bytes_read,
-                # copied into slots, and read in place over the bus by the prompt kernels
-                "pcie_bytes": c1.bytes_copied - c0.bytes_copied + s1.bus_read_bytes - s0.bus_read_bytes,
+                "pcie_bytes": c1.bytes_copied - c0.bytes_copied,
                 "passes": p1 - p0,
                 "stall_seconds": s1.stall_seconds - s0.stall_seconds,
             }

@@ -49,8 +49,8 @@ class EngineStats:
     bank_decode_seconds: float  # decode thread inside the bank's one-token calls (GPU bank; 0 otherwise)
     bank_sync_seconds: float  # ... of which waiting in the routing-id read-back for the GPU to catch up
     bank_spec_seconds: float  # ... of which queueing the next layer's guessed disk reads
-    bus_read_bytes: int  # expert bytes moved over the bus without the copy engine: decode kernels reading
-    # the pinned RAM cache in place, guesses staged to VRAM, and prompt kernels reading the RAM rows in place
+    bus_read_bytes: int  # expert bytes decode moved over the bus without the copy engine: kernels reading
+    # the pinned RAM cache in place, and guesses staged to VRAM
     resident_reads: int  # decode blocks found through the full location table, without a lookup
     resident_ram_reads: int  # ... of which read from RAM (the rest from VRAM, staged guesses included)
     staged_blocks: int  # next-layer guesses copied to VRAM staging rows (decode, every block in RAM)

@@ -130,16 +130,10 @@ def test_prefill_reads_one_group_ahead(tiny_workdir, kernel_device, monkeypatch)
         bank.close()
 
 
-def test_prefill_requests_nothing_once_ram_holds_every_block(
-    tiny_workdir, kernel_device, host_alloc, monkeypatch
-):
+def test_prefill_requests_nothing_once_ram_holds_every_block(tiny_workdir, kernel_device, host_alloc):
     """One block short of all, a prompt's passes request each block a group ahead and again in its fetch;
     with every block landed in the RAM cache the bank fixes each block's RAM row and its passes copy rows
-    without a request (the same groups: the sums are equal bit for bit; reading the rows in place, which
-    this prompt would otherwise do, is one pass with its own order of additions)."""
-    from expertstream.runtime import gpu_experts
-
-    monkeypatch.setattr(gpu_experts, "IN_PLACE_MAX_READS", 0)
+    without a request. The sums are the same either way."""
     wd = Workdir(tiny_workdir)
     blocks = wd.num_layers * wd.num_experts
     x, ids, w = (v.to(kernel_device) for v in routing(wd, 20, seed=3))
@@ -211,19 +205,10 @@ def test_a_row_budget_splits_passes_and_fetches_each_block_once(banks, kernel_de
     chunked.close()
 
 
-@pytest.mark.parametrize("in_place", [True, False])
-def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(
-    tiny_workdir, kernel_device, host_alloc, in_place, monkeypatch
-):
-    # every block in RAM: the bank adopts each block's RAM row. A prompt whose tiles read each block about
-    # once (these 20 tokens: one tile per expert) has its kernels read the rows in place, in one pass, with
-    # no copy; with the threshold at 0 its passes copy the rows into the two halves of the slots in turn,
-    # outside the VRAM cache (nothing cached there). No store request either way; decode after it still
-    # reads the RAM rows
-    from expertstream.runtime import gpu_experts
-
-    if not in_place:
-        monkeypatch.setattr(gpu_experts, "IN_PLACE_MAX_READS", 0)
+def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(tiny_workdir, kernel_device, host_alloc):
+    # every block in RAM: the bank adopts each block's RAM row, and a prompt's passes copy those rows into
+    # the two halves of the slots in turn, outside the VRAM cache (no store request, nothing cached there);
+    # decode after it still reads the RAM rows
     wd = Workdir(tiny_workdir)
     n_layers, n_experts = wd.num_layers, wd.num_experts
     with ExpertStore(wd, n_layers * n_experts * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
@@ -237,16 +222,12 @@ def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(
         assert bank.resident == "ram" and bank.cache.lru
         for layer in range(n_layers):
             xs, ids_p, ws = routing(wd, 20, seed=layer)
-            before, copies, passes = store.stats.requests, bank.cache.stats.copies, bank.prefill_passes
-            bus = bank.prompt_bus_bytes
+            before, copies = store.stats.requests, bank.cache.stats.copies
             got = bank(layer, *(v.to(kernel_device) for v in (xs, ids_p, ws))).cpu()
-            assert store.stats.requests == before and bool(bank.cache.lru) == in_place
+            assert store.stats.requests == before and not bank.cache.lru
             want = ref(layer, xs, ids_p, ws)  # (the torch bank requests its blocks)
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
-            distinct = torch.unique(ids_p).numel()
-            assert bank.cache.stats.copies - copies == (0 if in_place else distinct)
-            assert bank.prompt_bus_bytes - bus == (distinct * wd.layout.block_bytes if in_place else 0)
-            assert bank.prefill_passes - passes == (1 if in_place else -(-distinct // 4))
+            assert bank.cache.stats.copies - copies == torch.unique(ids_p).numel()
         for layer in range(n_layers):
             want = ref(layer, x, ids, w)
             got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()

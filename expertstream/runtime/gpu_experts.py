@@ -10,8 +10,7 @@ G copies layer L+1's G best guesses into VRAM rows on a side stream while the re
 attention run (the bus idles then); L+1's kernel reads those from VRAM through a working location row.
 Prefill: the call's (token, k) pairs are sorted by expert into tiles once; its distinct experts run in passes
 of consecutive experts that fit the slots, each launched over its own tiles, and every pass's rows are added
-per token into the FP32 sum [T, H]. With every block in RAM and tiles that read each block about once, the
-passes read the RAM rows in place instead (no copy; passes bounded by the workspace, not the slots).
+per token into the FP32 sum [T, H].
 """
 
 from __future__ import annotations
@@ -32,10 +31,6 @@ from expertstream.runtime.speculation import Speculator
 from expertstream.runtime.vram_cache import VramExpertCache
 
 log = get_logger(__name__)
-
-# a RAM-resident bank's prompt reads its blocks in place when its tiles number at most this many per distinct
-# expert (each tile reads its expert's block over the bus); else passes copy them once into the slots
-IN_PLACE_MAX_READS = 1.25
 
 
 def pinned_alloc(nbytes: int) -> torch.Tensor:
@@ -162,10 +157,6 @@ class GpuExperts:
         self.decode_seconds = self.sync_seconds = 0.0
         self.spec_seconds = 0.0  # ... of which queueing the next layer's guessed disk reads
         self.prefill_passes = 0  # expert groups run by prefill (one fetch + three launches each)
-        # with every block's RAM row fixed: the rows [L, E] and the scales by row [C, 3], on the device, for
-        # prompt kernels that read the blocks in place; the block bytes they read over the bus so
-        self._ram_rows = self._row_scales = None
-        self.prompt_bus_bytes = 0
         # a pass's rows of h and output are at most this many tokens' K pairs (the plan's MoE workspace)
         self.prefill_chunk: int | None = None  # None: a call's tokens
         # prompt passes read one group ahead, and a group's buffers wait for its copies: three groups' worth
@@ -330,10 +321,6 @@ class GpuExperts:
         else:
             return
         self._loc.push()
-        if self.resident == "ram":  # prompt kernels may read the rows in place: [L, E] rows, [C, 3] scales
-            self._ram_rows = (-1 - self.loc).contiguous()
-            self._row_scales = torch.zeros(self.host_blocks.shape[0], 3, device=self.loc.device)
-            self._row_scales[self._ram_rows.view(-1).long()] = self.scales.view(-1, 3)
         log.info("every expert block has a fixed place in %s: decode reads no routing back", self.resident)
         if self.resident == "ram" and self.stage_guesses:
             log.info("decode copies each next layer's %d best guesses to VRAM while the bus is idle "
@@ -444,32 +431,20 @@ class GpuExperts:
         order = nvfp4_moe.order_pairs(expert_ids, self.num_experts, self.layout, distinct=len(experts))
         bm = order.config["block_m"]
         starts = nvfp4_moe.tile_starts(counts, bm)
-        # every block's RAM row fixed: the passes copy rows, no request or policy step (a VRAM cache that
-        # can hold every block is filled by the passes instead, so that decode reads it from VRAM)
-        if not self.resident and self._ram_holds_all and self.cache.n_slots < self.loc.numel():
-            self._adopt_resident()
-        # ... and when the tiles read each block about once, the kernels read the rows in place: no copy, and
-        # passes bounded by the workspace only, not by the slots (docs/runtime.md)
-        in_place = self._ram_rows is not None and starts[-1] <= IN_PLACE_MAX_READS * len(experts)
-        groups = self._groups(experts, starts, bm, expert_ids.shape[1], None if in_place else self._pass_size)
+        groups = self._groups(experts, starts, bm, expert_ids.shape[1])
         self.prefill_passes += len(groups)
         tiles = [(starts[g[0]], starts[g[-1] + 1]) for g in groups]
         rows = max(b - a for a, b in tiles) * bm
         y, work = nvfp4_moe.prefill_buffers(x, self.layout, rows)  # a pass's weighted rows, and h
         total = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # [T, H] routed sum
         weights = weights.float().contiguous()
+        # every block's RAM row fixed: the passes copy rows, no request or policy step (a VRAM cache that
+        # can hold every block is filled by the passes instead, so that decode reads it from VRAM)
+        if not self.resident and self._ram_holds_all and self.cache.n_slots < self.loc.numel():
+            self._adopt_resident()
         # passes of a few experts each may launch in a shape of their own (tuned_configs.json `HxIxpass`)
         key = f"{self.layout.hidden_size}x{self.layout.intermediate_size}xpass"
         launch = tuned_config("nvfp4_prefill", x.device, key) if len(groups) > 1 else None
-        if in_place:
-            rows_of, blocks, scales = self._ram_rows[layer], self.host_blocks, self._row_scales
-            for g in range(len(groups)):
-                nvfp4_moe.nvfp4_moe_prefill_rows(
-                    x, blocks, rows_of, scales, weights, self.layout, order, tiles[g], y, work, launch=launch
-                )  # fmt: skip
-                nvfp4_moe.combine_rows(y, order, rows_of, tiles[g], total, accumulate=g > 0)
-            self.prompt_bus_bytes += starts[-1] * self.layout.block_bytes  # a block read per tile
-            return total
         # reads run one group ahead: group g+1's disk reads proceed while group g is copied and computed
         # (with one group its fetch is the only request)
         pending = [self._read_ahead(layer, groups[0]) if len(groups) > 1 else []]
@@ -508,18 +483,16 @@ class GpuExperts:
         # experts per prompt pass: half the slots (the previous pass's stay protected while its kernels run)
         return max(1, self.cache.n_slots // 2)
 
-    def _groups(
-        self, experts: list[int], starts: list[int], bm: int, k: int, size: int | None
-    ) -> list[list[int]]:
-        """Consecutive experts in passes of at most `size` (half the slots: the previous pass's slots stay
-        protected while its kernels run; None: any number) and at most `prefill_chunk` tokens' K rows (one
-        expert may exceed it)."""
+    def _groups(self, experts: list[int], starts: list[int], bm: int, k: int) -> list[list[int]]:
+        """Consecutive experts in passes of at most half the slots (the previous pass's slots stay protected
+        while its kernels run) and at most `prefill_chunk` tokens' K rows (one expert may exceed it)."""
+        size = self._pass_size
         max_rows = self.prefill_chunk * k if self.prefill_chunk else None
         groups: list[list[int]] = []
         for e in experts:
             g = groups[-1] if groups else None
             full = g is not None and max_rows is not None and (starts[e + 1] - starts[g[0]]) * bm > max_rows
-            if g is None or len(g) == size or full:  # (len(g) == None never holds: no size bound)
+            if g is None or len(g) == size or full:
                 groups.append([e])
             else:
                 g.append(e)
@@ -527,13 +500,12 @@ class GpuExperts:
 
     @property
     def bytes_in_place(self) -> int:
-        """Block bytes moved from the RAM cache over the bus without the copy engine: decode kernels reading
-        blocks in place (less the routed blocks found staged), the staged guesses' copies, and prompt kernels
-        reading blocks in place (a block per tile). Reads the device's staging hit count when staging ran
-        (stats only, never on the decode path)."""
+        """Block bytes decode moved from the RAM cache over the bus without the copy engine: kernels reading
+        blocks in place (less the routed blocks found staged) and the staged guesses' copies. Reads the
+        device's staging hit count when staging ran (stats only, never on the decode path)."""
         staged, hits = self.stage_counts()
         blocks = self.cache.stats.in_place + self.resident_ram_reads - hits + staged
-        return blocks * self.layout.block_bytes + self.prompt_bus_bytes
+        return blocks * self.layout.block_bytes
 
     def stage_counts(self) -> tuple[int, int]:
         """(guessed blocks staged to VRAM, routed blocks decode found staged) so far: a device read when
