@@ -271,27 +271,29 @@ def test_prefill_passes_over_tile_ranges_give_the_whole_sum(bank, combine):
     close(total, want, torch.float32)
 
 
+def six_expert_prompt(layout, tokens: int, seed: int):
+    """(ids [T, 3] over experts 0-5, x [T, H], weights [T, 3], expert e in slot e) on DEV."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 6, (tokens, 3), generator=g).to(DEV)
+    x = torch.randn(tokens, layout.hidden_size, generator=g).to(DEV)
+    w = torch.rand(tokens, 3, generator=g).to(DEV)
+    return ids, x, w, torch.arange(6, dtype=torch.int32, device=DEV)
+
+
 def test_prefill_with_a_sorted_order_equals_the_launcher_sorting_itself(bank):
     # `bench kernels` times prefill with its pairs sorted before the capture: the same bits
     layout, slots, ws2 = bank
-    g = torch.Generator().manual_seed(8)
-    ids = torch.randint(0, 6, (10, 3), generator=g).to(DEV)
-    x = torch.randn(10, layout.hidden_size, generator=g).to(DEV)
-    w = torch.rand(10, 3, generator=g).to(DEV)
-    e2s = torch.arange(6, dtype=torch.int32, device=DEV)
+    ids, x, w, e2s = six_expert_prompt(layout, 10, seed=8)
     order = order_pairs(ids, 6, layout)
     got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, order=order)
     assert torch.equal(got, nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout))
 
 
 def test_prefill_reads_blocks_in_pinned_host_ram_like_slots(bank):
-    # a RAM-resident bank's blocks read in place over the bus: the same bits as from the device's slots
+    # blocks in pinned host RAM read in place over the bus (`bench kernels`' in-place row): the same bits
+    # as from the device's slots
     layout, slots, ws2 = bank
-    g = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, 6, (12, 3), generator=g).to(DEV)
-    x = torch.randn(12, layout.hidden_size, generator=g).to(DEV)
-    w = torch.rand(12, 3, generator=g).to(DEV)
-    e2s = torch.arange(6, dtype=torch.int32, device=DEV)
+    ids, x, w, e2s = six_expert_prompt(layout, 12, seed=11)
     host = slots.cpu()
     host = host.pin_memory() if DEV == "cuda" else host
     got = nvfp4_moe_prefill(x, host, ids, e2s, ws2, w, layout)

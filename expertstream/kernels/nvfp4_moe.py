@@ -45,7 +45,7 @@ def _offsets(layout: ExpertLayout) -> dict[str, int]:
 
 
 def _check_common(x, slots, layout: ExpertLayout) -> None:
-    # slots in pinned host RAM are read over the bus (a RAM-resident bank's blocks, in place)
+    # slots in pinned host RAM are read over the bus in place (`bench kernels` times a prompt so)
     require_triton(x, *(() if slots.device != x.device and _pinned(slots) else (slots,)))
     assert x.shape[-1] == layout.hidden_size and x.is_contiguous(), f"x {tuple(x.shape)}"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
@@ -427,7 +427,7 @@ def nvfp4_moe_prefill(
 
     Args:
         x: [T, H] activations (fp32 / fp16 / bf16).
-        slots: [S, block_bytes] uint8 expert blocks.
+        slots: [S, block_bytes] uint8 expert blocks, on the device or in pinned host RAM (read over the bus).
         expert_ids: [T, K] int32/int64 routed experts (zero-token experts and duplicates allowed).
         expert_to_slot: [E] int32/int64 slot holding each expert; every routed expert must have one.
         ws2: [S, 3] float32 weight_scale_2 (gate, up, down) of each slot.
