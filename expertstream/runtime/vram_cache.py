@@ -184,8 +184,7 @@ class VramExpertCache:
         for i, key in missing:
             self.lru[key] = out[i]
             self.policy.access(key)
-        if done is not None:  # the copies' own event: wait_stream would record another (~10 us of host)
-            torch.cuda.current_stream(self.device).wait_event(done)
+        self._join(done)
 
     def _copy_blocks(self, blocks: list[tuple[int, tuple[int, int], object]]) -> torch.cuda.Event | None:
         """Queue the copies of host blocks [(slot, key, handle)] on the copy stream and set their slots'
@@ -206,8 +205,7 @@ class VramExpertCache:
                 for h in queued:
                     h.release()
             elif queued:
-                done = torch.cuda.Event()
-                done.record(stream)
+                done = self._copies_done()
                 self.in_flight.append((done, queued))
             for _, _, h in blocks[len(queued) :]:  # the failed block and those after it
                 h.release()
@@ -219,14 +217,29 @@ class VramExpertCache:
         stream = self.copy_stream
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    def _landed(self, slot: int, h, waited: set[int]) -> torch.Tensor:
-        # h's block once read (counted), with the copy stream waiting for the last kernel reading `slot`
+    def _copies_done(self) -> torch.cuda.Event | None:
+        # an event after everything queued on the copy stream so far (None off CUDA: copies ran in place)
+        if self.copy_stream is None:
+            return None
+        done = torch.cuda.Event()
+        done.record(self.copy_stream)
+        return done
+
+    def _join(self, done: torch.cuda.Event | None) -> None:
+        # the compute stream waits for the copies' own event (wait_stream would record another: ~10 us)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+    def _count(self, n: int) -> None:
+        self.stats.copies += n
+        self.stats.bytes_copied += n * self.block_bytes
+
+    def _landed(self, h) -> torch.Tensor:
+        # h's block once read (counted as a copy)
         t0 = time.perf_counter()
         block = h.wait()  # blocks on the RAM/disk tiers
         self.stats.wait_seconds += time.perf_counter() - t0
-        self.stats.copies += 1
-        self.stats.bytes_copied += self.block_bytes
-        self._after_last_use(slot, waited)
+        self._count(1)
         return block
 
     def _after_last_use(self, slot: int, waited: set[int]) -> None:
@@ -240,17 +253,20 @@ class VramExpertCache:
     def _gather(self, blocks: list, queued: list) -> None:
         # every block a landed RAM-cache row: its (row, slot) pairs uploaded, then one kernel copies them all
         # (a copy call per block costs the H200's host 10-35 us, and a prompt's passes are host-bound)
-        waited: set[int] = set()
-        for i, (slot, _, h) in enumerate(blocks):
-            self._landed(slot, h, waited)
-            self._pairs_np[i] = (h.row, slot)
+        for _, _, h in blocks:
+            self._landed(h)
             queued.append(h)
-        self._copy_pairs(len(queued))
+        self._copy_pairs([(h.row, slot) for slot, _, h in blocks])
 
-    def _copy_pairs(self, n: int) -> None:
-        # the first n (RAM row, slot) pairs uploaded, then one `copy_rows` (on the copy stream on CUDA)
+    def _copy_pairs(self, pairs: list[tuple[int, int]]) -> None:
+        # (RAM row, slot) pairs: after the last kernel reading each slot, one upload of the pairs and one
+        # `copy_rows` (on the copy stream on CUDA)
+        waited: set[int] = set()
+        for i, (row, slot) in enumerate(pairs):
+            self._after_last_use(slot, waited)
+            self._pairs_np[i] = (row, slot)
         self._pairs.push()
-        self._copy_rows(self._pairs.device_tensor, n, self.host_rows, self.slots)
+        self._copy_rows(self._pairs.device_tensor, len(pairs), self.host_rows, self.slots)
 
     def _copy_as_landed(self, blocks: list, queued: list) -> None:
         # one copy call per run of blocks that follow each other both in host memory and in the slots; a
@@ -261,7 +277,8 @@ class VramExpertCache:
             if run and not h.ready:
                 self._copy_run(*run)
                 run = []
-            block = self._landed(slot, h, waited)
+            block = self._landed(h)
+            self._after_last_use(slot, waited)
             if run and _follows(run, slot, block, self.block_bytes):
                 run[2] += 1
             else:
@@ -287,19 +304,11 @@ class VramExpertCache:
         assert self.host_rows is not None, "load_rows needs the RAM cache's rows (host_rows)"
         if self.lru:
             self._forget()
-        waited: set[int] = set()
         with self._on_copy_stream():
-            for i, (row, slot) in enumerate(zip(rows, slots)):
-                self._after_last_use(slot, waited)
-                self._pairs_np[i] = (row, slot)
-            self._copy_pairs(len(slots))
-        self.stats.copies += len(slots)
-        self.stats.bytes_copied += len(slots) * self.block_bytes
+            self._copy_pairs(list(zip(rows, slots)))
+        self._count(len(slots))
         self._set_scales(list(slots), list(keys))
-        if self.copy_stream is not None:
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
-            torch.cuda.current_stream(self.device).wait_event(done)
+        self._join(self._copies_done())
         self.protected, self.last_layer = set(slots), keys[0][0] if keys else None
 
     def _forget(self) -> None:
