@@ -359,11 +359,12 @@ def run(args) -> int:
 
 # ---------------------------------------------------------------- config sweep (device only)
 
+# the hardware-conversion winners of the 2026-12-01 probe (scripts/fp8_gemv_probe.py) and neighbours
 FP8_GEMV_SWEEP = [
     dict(block_n=bn, block_k=bk, num_warps=nw, split_k=sk)
     for bn, bk, nw, sk in [
-        (4, 1024, 4, 1), (4, 512, 2, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (2, 1024, 2, 1), (4, 2048, 4, 1),
-        (16, 512, 4, 1),
+        (16, 256, 4, 1), (16, 512, 8, 1), (8, 1024, 4, 1), (8, 512, 4, 1), (2, 512, 4, 1), (4, 1024, 4, 1),
+        (16, 512, 4, 1), (8, 256, 8, 1),
     ]
 ]  # fmt: skip
 DECODE_SWEEP = [

@@ -80,13 +80,16 @@ def sections_report(eng, prompt, wall: float) -> None:
     timed(cache, "fetch", "fetch (all of it)")
     timed(cache, "fetch_host", "  store requests")
     timed(cache, "_copy_blocks", "  copies + scales upload")
-    timed(cache, "load_rows", "fixed RAM rows' copies + scales")
+    timed(bank, "_plan_ram_passes", "fixed RAM rows: layer's tables")
+    timed(cache, "load_pairs", "fixed RAM rows: copy launch")
     timed(bank, "_map_pass", "pass map upload")
     timed(gpu_experts.nvfp4_moe, "nvfp4_moe_prefill_rows", "gate+up and down launches")
     timed(gpu_experts.nvfp4_moe, "combine_rows", "combine launch")
     timed(cache, "mark_used", "mark used")
     timed(bank, "_prefill", "bank prefill calls")
     mirrors = [cache._ws2, bank._slot_map]
+    tables = bank._pass_tables
+    mirrors += list(tables.mirrors) if tables else []
     waited = sum(m.wait_seconds for m in mirrors)
     passes = bank.prefill_passes
     st = eng.new_state()

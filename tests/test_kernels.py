@@ -319,9 +319,19 @@ def test_combine_rows_equals_its_twin_bit_for_bit():
         assert torch.equal(got, want)
 
 
+# the hardware E4M3 conversion (float8e4nv loads) runs on sm_89+ GPUs only; bit ops everywhere
+NATIVE = [False] + ([True] if codec.e4m3_native(codec.device_capability(torch.device(DEV))) else [])
+
+
+def test_e4m3_native_from_sm89():
+    assert not codec.e4m3_native(None) and not codec.e4m3_native((8, 6))
+    assert codec.e4m3_native((8, 9)) and codec.e4m3_native((9, 0)) and codec.e4m3_native((12, 0))
+
+
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 70), (5, 33, 300), (20, 17, 48)])
-def test_fp8_rows_matmul_matches_ref(dtype, m, n, k):
+def test_fp8_rows_matmul_matches_ref(dtype, m, n, k, native):
     g = torch.Generator().manual_seed(m * n)
     # every E4M3 byte but NaN, subnormals (exponent bits 0) included; one tiny row scale next to big ones
     q = torch.randint(0, 255, (n, k), dtype=torch.uint8, generator=g)
@@ -332,7 +342,7 @@ def test_fp8_rows_matmul_matches_ref(dtype, m, n, k):
     scale[0] = 1e-6
     x = torch.randn(m, k, generator=g).to(DEV, dtype)
     q, scale = q.to(DEV), scale.to(DEV)
-    cfg = dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)
+    cfg = dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2, native=native)
     got = fp8_rows_matmul(x, q, scale, config=cfg)
     assert got.shape == (m, n) and got.dtype == dtype
     close(got, fp8_rows_matmul_ref(x, q, scale), dtype)
@@ -408,6 +418,7 @@ def test_import_without_triton_and_launchers_raise():
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "m,n,k,cfg",
@@ -419,7 +430,7 @@ def test_import_without_triton_and_launchers_raise():
         (1, 19, 200, None),  # default GEMV config for M = 1
     ],
 )
-def test_fp8_gemv_small_m_matches_ref(dtype, m, n, k, cfg):
+def test_fp8_gemv_small_m_matches_ref(dtype, m, n, k, cfg, native):
     # the M <= 4 FMA GEMV (configs with split_k): every E4M3 byte but NaN, masked rows, partial last words
     g = torch.Generator().manual_seed(n * k)
     q = torch.randint(0, 255, (n, k), dtype=torch.uint8, generator=g)
@@ -427,7 +438,9 @@ def test_fp8_gemv_small_m_matches_ref(dtype, m, n, k, cfg):
     scale = torch.rand(n, generator=g) * 0.01
     x = torch.randn(m, k, generator=g).to(DEV, dtype)
     q, scale = q.to(DEV), scale.to(DEV)
-    got = fp8_rows_matmul(x, q, scale, config=cfg)
+    if cfg is None and native:  # the default config, with the conversion the device picks
+        pytest.skip("the default config already takes the device's conversion")
+    got = fp8_rows_matmul(x, q, scale, config=cfg if cfg is None else {**cfg, "native": native})
     assert got.shape == (m, n) and got.dtype == dtype
     close(got, fp8_rows_matmul_ref(x, q, scale), dtype)
 

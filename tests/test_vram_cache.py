@@ -1,6 +1,10 @@
+import contextlib
+
+import numpy as np
 import pytest
 import torch
 
+from expertstream.runtime.pass_tables import PassTables
 from expertstream.runtime.vram_cache import VramExpertCache
 
 BLOCK = 64
@@ -102,17 +106,30 @@ def test_a_batch_of_landed_ram_rows_goes_up_as_one_kernel(monkeypatch):
         assert torch.equal(cache.slots[s].cpu(), ram[e])
 
 
-def test_load_rows_copies_fixed_ram_rows_outside_the_cache_bookkeeping():
+def test_load_pairs_copies_fixed_ram_rows_outside_the_cache_bookkeeping():
     ram = torch.arange(8, dtype=torch.uint8)[:, None].repeat(1, BLOCK)  # RAM row r holds byte r
-    scales = torch.arange(4 * 8 * 3, dtype=torch.float32).view(4, 8, 3)
-    cache = VramExpertCache(make(6)[0].fetch_host, BLOCK, 6, scales, "cpu", host_rows=ram)
+    cache = VramExpertCache(make(6)[0].fetch_host, BLOCK, 6, torch.zeros(4, 8, 3), "cpu", host_rows=ram)
     cache.fetch(0, [1, 2])
     assert len(cache.lru) == 2
-    cache.load_rows([(1, 3), (1, 4)], [6, 2], [0, 5])  # blocks (1, 3) and (1, 4) sit in RAM rows 6 and 2
+    pairs = torch.tensor([[6, 0], [2, 5], [7, 3]], dtype=torch.int32)  # the third pair is past n: not read
+    cache.load_pairs(pairs, [0, 5], layer=1)
     assert not cache.lru and len(cache.free) == 6  # what the cache held is forgotten: its slots get reused
-    assert cache.protected == {0, 5} and cache.stats.copies == 4
+    assert cache.protected == {0, 5} and cache.last_layer == 1 and cache.stats.copies == 4
     assert torch.all(cache.slots[0] == 6) and torch.all(cache.slots[5] == 2)
-    assert torch.equal(cache.ws2[5], scales[1, 4])
+    assert not torch.all(cache.slots[3] == 7)
+
+
+def test_pass_tables_hold_each_pass_map_pairs_and_scales():
+    tables = PassTables(num_experts=6, slot_rows=5, pass_size=2, device=torch.device("cpu"))
+    rows = np.array([10, 11, 12, 13, 14, 15])
+    scales = np.arange(18, dtype=np.float32).reshape(6, 3)
+    tables.plan([[0, 2], [3, 4], [5]], [[0, 1], [2, 3], [0]], rows, scales, contextlib.nullcontext())
+    assert tables.maps[0].tolist() == [0, -1, 1, -1, -1, -1] and tables.maps[2].tolist() == [-1] * 5 + [0]
+    assert tables.pairs[1].tolist() == [[13, 2], [14, 3]] and tables.pairs[2][0].tolist() == [15, 0]
+    assert torch.equal(tables.ws2[1][2:4], torch.from_numpy(scales[3:5]))
+    assert torch.equal(tables.ws2[0][1], torch.from_numpy(scales[2]))
+    tables.plan([[1]], [[4]], rows, scales, contextlib.nullcontext())  # the next layer: row 0 rewritten
+    assert tables.maps[0].tolist() == [-1, 4, -1, -1, -1, -1] and tables.pairs[0][0].tolist() == [11, 4]
 
 
 def test_evicts_the_coldest_but_never_the_previous_layer():

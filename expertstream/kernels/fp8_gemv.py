@@ -1,7 +1,9 @@
 """FP8 row-scaled matrix-vector / small-M matmul for the resident matrices: y = x (q * scale[:, None])^T.
 
-q [N, K] float8_e4m3fn (read as raw bytes), scale [N] float32, x [M, K]. Bytes decode to fp16 holding
-value * 2^-8 (exact, subnormals included); 2^8 and the row scale are applied on the FP32 accumulator.
+q [N, K] float8_e4m3fn, scale [N] float32, x [M, K]. From sm_89 the weights load as float8e4nv and convert in
+hardware (`codec.e4m3_native`); elsewhere (the interpreter included) raw bytes decode with bit ops to fp16
+holding value * 2^-8 (exact, subnormals included), and 2^8 and the row scale are applied on the FP32
+accumulator. Both give the exact E4M3 values; only the order of the FP32 sums differs.
 - M = 1 (decode, every token; M <= 4 on request): a memory-bound GEMV without tensor cores. Each program owns
   BLOCK_N rows and streams them in 16-byte loads (int32 words when K % 4 == 0, decoded 4 bytes at a time);
   FP32 FMAs into one [BLOCK_N, BLOCK_K/4] accumulator per row of x, reduced once at the end. SPLIT_K > 1
@@ -18,8 +20,10 @@ from expertstream.formats.fp8 import dequantize_fp8_rows
 from expertstream.kernels.codec import (
     E4M3_UNIT,
     cdiv,
+    device_capability,
     dot_precision,
     e4m3_f16,
+    e4m3_native,
     e4m3x4_f16,
     f16x2_halves,
     jit,
@@ -60,7 +64,8 @@ def fp8_rows_matmul(
         scale: [N] float32 row scales.
         config: GEMV (M <= GEMV_MAX_M): block_n, block_k (a power of two >= 4), num_warps, split_k; tl.dot:
             block_m, block_n, block_k, num_warps, num_stages. Default: the GEMV for M = 1 (tuned_configs.json
-            for this device and shape, else a heuristic), tl.dot above.
+            for this device and shape, else a heuristic), tl.dot above. Either may set native (bool) to
+            force the hardware E4M3 conversion on or off (tests compare the two).
 
     Returns:
         [M, N] in x.dtype.
@@ -76,22 +81,28 @@ def fp8_rows_matmul(
     assert q.shape[1] == k, f"q {tuple(q.shape)} does not match x {tuple(x.shape)}"
     assert scale.dtype == torch.float32 and scale.shape == (n,), f"scale {scale.dtype} {tuple(scale.shape)}"
     cfg = config or _config(m, n, k, x.device)
+    native = cfg.get("native", e4m3_native(device_capability(x.device)))
     if "split_k" in cfg and m <= GEMV_MAX_M:  # a GEMV config (the default one for M = 1, or explicit)
-        return _gemv(x, q, scale, cfg)
+        return _gemv(x, q, scale, cfg, native)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (cdiv(n, cfg["block_n"]), cdiv(m, cfg["block_m"]))
     _fp8_rows_kernel[grid](
-        x, q.view(torch.uint8), scale, out, m, n, k, UNIT=E4M3_UNIT, BLOCK_M=cfg["block_m"],
-        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], DOT_PRECISION=dot_precision(x.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        x, _weights(q, native), scale, out, m, n, k, UNIT=1.0 if native else E4M3_UNIT, NATIVE=native,
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
 
 
+def _weights(q: torch.Tensor, native: bool) -> torch.Tensor:
+    # float8e4nv for the hardware conversion, raw bytes for the bit-op decode
+    return q.view(torch.float8_e4m3fn) if native else q.view(torch.uint8)
+
+
 @jit(do_not_specialize=("M",))  # prompt pieces of any length (a ragged last one): one compiled variant
 def _fp8_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, UNIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K, UNIT: tl.constexpr, NATIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # program (n block, m block): out[m, n] = scale[n] * UNIT * sum_k x[m, k] * (q[n, k] / UNIT)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -106,18 +117,27 @@ def _fp8_rows_kernel(
         b = tl.load(
             q_ptr + n[None, :].to(tl.int64) * K + kk[:, None], mask=kmask[:, None] & nmask[None, :], other=0
         )
-        acc = tl.dot(xt, e4m3_f16(b).to(xt.dtype), acc, input_precision=DOT_PRECISION)  # [BM, BN]
+        acc = tl.dot(xt, _e4m3(b, NATIVE).to(xt.dtype), acc, input_precision=DOT_PRECISION)  # [BM, BN]
     s = tl.load(scale_ptr + n, mask=nmask, other=0.0) * UNIT
     out = (acc * s[None, :]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + m[:, None] * N + n[None, :], out, mask=mmask[:, None] & nmask[None, :])
 
 
-def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: dict) -> torch.Tensor:
+@jit
+def _e4m3(b, NATIVE: tl.constexpr):
+    # E4M3 weights -> fp16: loaded as float8e4nv, the true value (hardware); as bytes, value * 2^-8 (bit ops)
+    if NATIVE:
+        return b.to(tl.float16)
+    return e4m3_f16(b)
+
+
+def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: dict, native: bool) -> torch.Tensor:
     m, k = x.shape
     n = q.shape[0]
     bk, split = cfg["block_k"], cfg.get("split_k", 1)
-    words = k % 4 == 0 and q.data_ptr() % 4 == 0  # 4-byte words need aligned rows
-    qv = q.view(torch.uint8)
+    # 4-byte words of bit-op decoded bytes need aligned rows; the hardware conversion loads bytes
+    words = not native and k % 4 == 0 and q.data_ptr() % 4 == 0
+    qv = _weights(q, native)
     if words:
         qv = qv.view(torch.int32)
     k_split = cdiv(cdiv(k, split), bk) * bk  # columns per split, whole BLOCK_K steps (disjoint ranges)
@@ -125,8 +145,8 @@ def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: dict) -> t
     bm = 1 << max(0, (m - 1).bit_length())
     dst = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     _fp8_gemv_kernel[(cdiv(n, cfg["block_n"]), split)](
-        x, qv, scale, dst, m, n, K=k, K_SPLIT=k_split, UNIT=E4M3_UNIT, BLOCK_M=bm, BLOCK_N=cfg["block_n"],
-        BLOCK_K=bk, WORDS=words, num_warps=cfg["num_warps"], num_stages=1,
+        x, qv, scale, dst, m, n, K=k, K_SPLIT=k_split, UNIT=1.0 if native else E4M3_UNIT, NATIVE=native,
+        BLOCK_M=bm, BLOCK_N=cfg["block_n"], BLOCK_K=bk, WORDS=words, num_warps=cfg["num_warps"], num_stages=1,
     )  # fmt: skip
     return dst[0] if split == 1 else dst.sum(0).to(x.dtype)  # fixed-order sum: deterministic
 
@@ -146,7 +166,8 @@ def _x_words(x_ptr, mrow, M, K: tl.constexpr, w0, c0, c1, c2, c3, BW: tl.constex
 @jit
 def _fp8_gemv_kernel(
     x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr, UNIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
+    NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WORDS: tl.constexpr,
 ):  # fmt: skip
     # program (n block, k split): out[split, m, n] = scale[n] UNIT sum_{k in split} x[m, k] q[n, k] / UNIT.
     # One 2-D [BN, BW] accumulator per token row (BLOCK_M <= 4): a 3-D tile would push every decoded weight
@@ -181,7 +202,7 @@ def _fp8_gemv_kernel(
             kk = tl.program_id(1) * K_SPLIT + k0 + tl.arange(0, BW)
             kmask = kk < K
             b = tl.load(q_ptr + rows * K + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
-            c = e4m3_f16(b).to(tl.float32)
+            c = _e4m3(b, NATIVE).to(tl.float32)
             acc0 += tl.load(x_ptr + kk[None, :], mask=kmask[None, :], other=0.0).to(tl.float32) * c
             if BLOCK_M > 1:
                 xm = kk[None, :] < tl.where(M > 1, K, 0)

@@ -27,6 +27,7 @@ from expertstream.kernels.codec import tuned_config
 from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
 from expertstream.runtime.host_mirror import HostMirror
+from expertstream.runtime.pass_tables import PassTables
 from expertstream.runtime.speculation import Speculator
 from expertstream.runtime.vram_cache import VramExpertCache
 
@@ -145,6 +146,8 @@ class GpuExperts:
         self._loc = HostMirror(self.loc)
         self._loc_np = self._loc.host.numpy()
         self.scales = scales.to(dev, torch.float32).contiguous()  # the decode kernel reads scales[layer]
+        self._scales_np = scales.to("cpu", torch.float32).numpy()  # [L, E, 3], for the prompt pass tables
+        self._pass_tables: PassTables | None = None  # made at the first prompt of a RAM-resident bank
         # "vram" or "ram" once every block has a fixed place there and `loc` says where: no read-back needed
         self.resident: str | None = None
         self._resident_handles: list = []  # the RAM blocks held for that
@@ -448,34 +451,41 @@ class GpuExperts:
         # reads run one group ahead: group g+1's disk reads proceed while group g is copied and computed
         # (with one group its fetch is the only request)
         pending = [self._read_ahead(layer, groups[0]) if len(groups) > 1 else []]
+        slots = self._plan_ram_passes(layer, groups) if self.resident == "ram" else None
         try:
             for g, members in enumerate(groups):
                 pending.append(self._read_ahead(layer, groups[g + 1]) if g + 1 < len(groups) else [])
-                self._map_pass(members, self._pass_blocks(layer, g, members))
+                if slots is not None:  # the layer's tables are up: one copy launch
+                    t = self._pass_tables
+                    self.cache.load_pairs(t.pairs[g], slots[g], layer)
+                    e2s, ws2 = t.maps[g], t.ws2[g]
+                else:
+                    self._map_pass(members, self.cache.fetch(layer, members))
+                    e2s, ws2 = self.expert_to_slot, self.cache.ws2
                 for h in pending.pop(0):
                     h.release()
                 nvfp4_moe.nvfp4_moe_prefill_rows(
-                    x, self.cache.slots, self.expert_to_slot, self.cache.ws2, weights, self.layout, order,
-                    tiles[g], y, work, launch=launch,
+                    x, self.cache.slots, e2s, ws2, weights, self.layout, order, tiles[g], y, work,
+                    launch=launch,
                 )  # fmt: skip
-                nvfp4_moe.combine_rows(y, order, self.expert_to_slot, tiles[g], total, accumulate=g > 0)
+                nvfp4_moe.combine_rows(y, order, e2s, tiles[g], total, accumulate=g > 0)
                 self.cache.mark_used()
         finally:
             for h in (h for hs in pending for h in hs):
                 h.release()
         return total  # FP32, cast by the caller (layers/experts.py)
 
-    def _pass_blocks(self, layer: int, g: int, members: list[int]) -> list[int]:
-        """Slots holding pass g's experts: with every block's RAM row fixed (`resident` "ram"), passes take
-        the two halves of the slots in turn and copy their rows straight from `loc`; else the VRAM cache's
-        fetch (store requests, LFU, one copy run or batch per pass)."""
-        if self.resident != "ram":
-            return self.cache.fetch(layer, members)
-        half = self._pass_size
-        first = (g % 2) * half if 2 * half <= self.cache.n_slots else 0
-        slots = list(range(first, first + len(members)))
-        rows = (-1 - self._loc_np[layer, members]).tolist()
-        self.cache.load_rows([(layer, e) for e in members], rows, slots)
+    def _plan_ram_passes(self, layer: int, groups: list[list[int]]) -> list[list[int]]:
+        """Every block's RAM row fixed (`resident` "ram"): the passes take the two halves of the slots in turn
+        and copy their rows straight from `loc`. Writes and uploads the layer's pass tables at once
+        (runtime/pass_tables.py); returns each pass's slots."""
+        half, cache = self._pass_size, self.cache
+        firsts = [(g % 2) * half if 2 * half <= cache.n_slots else 0 for g in range(len(groups))]
+        slots = [list(range(f, f + len(m))) for f, m in zip(firsts, groups)]
+        if self._pass_tables is None:
+            self._pass_tables = PassTables(self.num_experts, cache.slots.shape[0], half, cache.device)
+        rows = -1 - self._loc_np[layer]
+        self._pass_tables.plan(groups, slots, rows, self._scales_np[layer], cache.on_copy_stream())
         return slots
 
     @property

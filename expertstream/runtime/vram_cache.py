@@ -48,7 +48,7 @@ class VramExpertCache:
         extra_rows: slot rows past n_slots that are not the cache's (the bank stages decode guesses there).
         host_rows: [C, block_bytes] the RAM cache's rows (pinned on CUDA): a batch whose blocks are all
             landed rows of it goes up as one `copy_rows` launch (its torch twin off CUDA) instead of a copy
-            call per block; `load_rows` needs them.
+            call per block; `load_pairs` needs them.
     """
 
     def __init__(
@@ -195,7 +195,7 @@ class VramExpertCache:
         queued = []  # handles whose copy is on the stream (or done)
         stream = self.copy_stream
         try:
-            with self._on_copy_stream():
+            with self.on_copy_stream():
                 if self.host_rows is not None and all(h.ready and h.row is not None for _, _, h in blocks):
                     self._gather(blocks, queued)
                 else:
@@ -212,8 +212,9 @@ class VramExpertCache:
         self._set_scales([slot for slot, _, _ in blocks], [key for _, key, _ in blocks])
         return done
 
-    def _on_copy_stream(self):
-        # copies and copy kernels queue on the copy stream on CUDA; elsewhere they run in place
+    def on_copy_stream(self):
+        """Context: copies and copy kernels (and their uploads) queue on the copy stream on CUDA; elsewhere
+        they run in place."""
         stream = self.copy_stream
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
@@ -258,13 +259,17 @@ class VramExpertCache:
             queued.append(h)
         self._copy_pairs([(h.row, slot) for slot, _, h in blocks])
 
+    def _after_last_uses(self, slots: Sequence[int]) -> None:
+        waited: set[int] = set()
+        for slot in slots:
+            self._after_last_use(slot, waited)
+
     def _copy_pairs(self, pairs: list[tuple[int, int]]) -> None:
         # (RAM row, slot) pairs: after the last kernel reading each slot, one upload of the pairs and one
         # `copy_rows` (on the copy stream on CUDA)
-        waited: set[int] = set()
-        for i, (row, slot) in enumerate(pairs):
-            self._after_last_use(slot, waited)
-            self._pairs_np[i] = (row, slot)
+        self._after_last_uses([slot for _, slot in pairs])
+        if pairs:
+            self._pairs_np[: len(pairs)] = pairs
         self._pairs.push()
         self._copy_rows(self._pairs.device_tensor, len(pairs), self.host_rows, self.slots)
 
@@ -295,21 +300,22 @@ class VramExpertCache:
         src = block if n == 1 else block.as_strided((n * self.block_bytes,), (1,))
         dst.copy_(src, non_blocking=self.copy_stream is not None)
 
-    def load_rows(self, keys: Sequence[Key], rows: Sequence[int], slots: Sequence[int]) -> None:
-        """Copy the RAM-cache rows `rows` (blocks `keys`, held for good by the caller) into `slots` with one
-        `copy_rows`, outside the cache's bookkeeping: what the cache held is forgotten first, since its slots
-        get overwritten. A bank whose every block has a fixed RAM row runs its prompt passes through this:
-        no store request, handle or policy step per block. The slots are protected until the next call, as
-        after `fetch`; the current stream waits for the copy."""
-        assert self.host_rows is not None, "load_rows needs the RAM cache's rows (host_rows)"
+    def load_pairs(self, pairs: torch.Tensor, slots: Sequence[int], layer: int) -> None:
+        """Copy RAM-cache rows into `slots` with one `copy_rows` of the device pairs [>= n, 2] (RAM row,
+        slot; uploaded inside `on_copy_stream`, n = len(slots)), outside the cache's bookkeeping: what the
+        cache held is forgotten first, since its slots get overwritten. A bank whose every block has a fixed
+        RAM row runs its prompt passes through this (runtime/pass_tables.py): no store request, handle, policy
+        step or upload per pass. The slots are protected until the next call, as after `fetch`; the current
+        stream waits for the copy. The caller gives the kernels the slots' scales (`ws2` is not set)."""
+        assert self.host_rows is not None, "load_pairs needs the RAM cache's rows (host_rows)"
         if self.lru:
             self._forget()
-        with self._on_copy_stream():
-            self._copy_pairs(list(zip(rows, slots)))
+        with self.on_copy_stream():
+            self._after_last_uses(slots)
+            self._copy_rows(pairs, len(slots), self.host_rows, self.slots)
         self._count(len(slots))
-        self._set_scales(list(slots), list(keys))
         self._join(self._copies_done())
-        self.protected, self.last_layer = set(slots), keys[0][0] if keys else None
+        self.protected, self.last_layer = set(slots), layer
 
     def _forget(self) -> None:
         # every cached block dropped (its slot free again; a kernel still reading it is waited for through

@@ -1,0 +1,159 @@
+"""Probe (device only): FP8 M = 1 GEMV variants against the shipped kernel, graph-timed as `bench kernels`.
+
+Variants, each swept over a few launch shapes on the DeltaNet shapes:
+  shipped  fp8_rows_matmul as the engine calls it (words decoded with bit ops, tuned config);
+  native   the weight loaded as float8e4nv and converted by Triton (sm_89+: the hardware cvt);
+  hwword   the shipped word layout, each word's bytes converted by `cvt.rn.f16x2.e4m3x2` (inline PTX);
+  dot      tl.dot of the converted [BN, BK] bf16 tile with x padded to 16 columns (tensor cores);
+  read     a read-only stream of the same bytes (xor of the words): what a Triton stream reaches here.
+Prints us per call and % of the copy rate measured in the same run. Usage: python3 scripts/fp8_gemv_probe.py
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from expertstream.bench_kernels import FP8_SHAPES, graph_ms, measure_ceilings
+from expertstream.kernels import fp8_rows_matmul
+from expertstream.kernels.fp8_gemv import fp8_rows_matmul_ref
+
+COPIES = 8  # weight copies per graph: 8 x 15.7-26 MB is past L2
+
+HW_WORD = "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.rn.f16x2.e4m3x2 $0, l;\ncvt.rn.f16x2.e4m3x2 $1, h;\n}"
+
+
+@triton.jit
+def _native(x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < N
+    acc = tl.zeros([BN, BK], tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        km = kk < K
+        w = tl.load(
+            q_ptr + n.to(tl.int64)[:, None] * K + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0
+        )
+        acc += w.to(tl.float32) * tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)[None, :]
+    y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _hwword(x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < N
+    acc = tl.zeros([BN, BW], tl.float32)
+    for w0 in tl.static_range(0, K // 4, BW):
+        wi = w0 + tl.arange(0, BW)
+        w = tl.load(q_ptr + n.to(tl.int64)[:, None] * (K // 4) + wi[None, :], mask=nm[:, None], other=0)
+        a, b = tl.inline_asm_elementwise(
+            asm=HW_WORD, constraints="=r,=r,r", args=[w], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1
+        )
+        c0 = a.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        c1 = (a >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        c2 = b.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        c3 = (b >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        xv = tl.load(x_ptr + 4 * w0 + tl.arange(0, 4 * BW)).to(tl.float32)
+        ev, od = tl.split(tl.reshape(xv, [BW, 2, 2]))
+        x0, x2 = tl.split(ev)
+        x1, x3 = tl.split(od)
+        acc += x0[None, :] * c0 + x1[None, :] * c1 + x2[None, :] * c2 + x3[None, :] * c3
+    y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _dot(x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < N
+    cols = tl.arange(0, 16)
+    acc = tl.zeros([BN, 16], tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        w = tl.load(q_ptr + n.to(tl.int64)[:, None] * K + kk[None, :], mask=nm[:, None], other=0.0)
+        xt = tl.load(x_ptr + kk[:, None] + 0 * cols[None, :], mask=cols[None, :] < 1, other=0.0)  # [BK, 16]
+        acc = tl.dot(w.to(tl.bfloat16), xt, acc)
+    y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _read(q_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < N
+    acc = tl.zeros([BN, BW], tl.int32)
+    for w0 in tl.static_range(0, K // 4, BW):
+        wi = w0 + tl.arange(0, BW)
+        acc ^= tl.load(q_ptr + n.to(tl.int64)[:, None] * (K // 4) + wi[None, :], mask=nm[:, None], other=0)
+    tl.store(out_ptr + n, tl.xor_sum(acc, 1), mask=nm)
+
+
+def calls(kind: str, n: int, k: int, cfg: dict):
+    qs = [torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, device="cuda") for _ in range(COPIES)]
+    scale = torch.rand(n, device="cuda")
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+    iout = torch.empty(n, dtype=torch.int32, device="cuda")
+    bn, b, nw = cfg["bn"], cfg["b"], cfg["warps"]
+    grid = (triton.cdiv(n, max(bn, 1)),)
+
+    def one(q):
+        f8 = q.view(torch.float8_e4m3fn)
+        if kind == "shipped":
+            return lambda: fp8_rows_matmul(x, f8, scale)
+        if kind == "native":
+            return lambda: _native[grid](x, f8, scale, out, n, K=k, BN=bn, BK=b, num_warps=nw)
+        if kind == "hwword":
+            return lambda: _hwword[grid](
+                x, q.view(torch.int32), scale, out, n, K=k, BN=bn, BW=b, num_warps=nw
+            )
+        if kind == "dot":
+            return lambda: _dot[grid](x, f8, scale, out, n, K=k, BN=bn, BK=b, num_warps=nw)
+        return lambda: _read[grid](q.view(torch.int32), iout, n, K=k, BN=bn, BW=b, num_warps=nw)
+
+    fns = [one(q) for q in qs]
+    err = None
+    if kind != "read":
+        fns[0]()
+        got = fp8_rows_matmul(x, qs[0].view(torch.float8_e4m3fn), scale) if kind == "shipped" else out
+        ref = fp8_rows_matmul_ref(x.float(), qs[0].view(torch.float8_e4m3fn), scale)
+        err = (got.float() - ref).abs().max().item() / ref.abs().max().item()
+    return fns, err
+
+
+SWEEPS = {
+    "shipped": [dict(bn=0, b=0, warps=0)],
+    "native": [dict(bn=bn, b=b, warps=w) for bn in (2, 4, 8, 16) for b in (256, 512, 1024) for w in (4, 8)
+               if bn * b >= 1024],
+    "read": [dict(bn=bn, b=b, warps=w) for bn, b, w in [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 128, 4)]],
+}  # fmt: skip
+
+
+def main() -> None:
+    import triton.testing
+
+    copy_gbps, _ = measure_ceilings(triton.testing.do_bench)
+    print(f"copy {copy_gbps:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
+    for n, k in FP8_SHAPES:
+        for kind, cfgs in SWEEPS.items():
+            best = None
+            for cfg in cfgs:
+                try:
+                    fns, err = calls(kind, n, k, cfg)
+                    us = 1e3 * graph_ms(fns, reps=20)
+                except Exception as e:  # noqa: BLE001  # registers or shared memory: skip the shape
+                    print(f"{n}x{k} {kind} {cfg} skipped: {str(e).splitlines()[0][:100]}", flush=True)
+                    continue
+                pct = 100 * n * k / us / 1e3 / copy_gbps
+                print(f"{n}x{k} {kind:7s} {cfg} {us:6.2f} us {pct:4.0f}% err {err}", flush=True)
+                best = min(best or (us, cfg), (us, cfg), key=lambda r: r[0])
+            if best:
+                print(
+                    f"== {n}x{k} {kind} best {best[0]:.2f} us {100 * n * k / best[0] / 1e3 / copy_gbps:.0f}%"
+                )
+
+
+if __name__ == "__main__":
+    main()
