@@ -130,24 +130,35 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
         )
     )
     fp8 = dict(x_ptr="*bf16", scale_ptr="*fp32", out_ptr="*bf16", M="i32", N="i32")
-    out.append(
-        (
-            "fp8 rows",
-            fp8_gemv._fp8_rows_kernel,
-            dict(q_ptr="*u8", K="i32", **fp8),
-            dict(UNIT=256.0, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"),
-            4,
+    for native in (False, True):  # raw bytes decoded with bit ops; float8e4nv loads (sm_89+: both caps here)
+        unit = 1.0 if native else 256.0
+        out.append(
+            (
+                "fp8 rows" + (" native" if native else ""),
+                fp8_gemv._fp8_rows_kernel,
+                dict(q_ptr="*fp8e4nv" if native else "*u8", K="i32", **fp8),
+                dict(UNIT=unit, NATIVE=native, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"),
+                4,
+            )
         )
-    )
-    out.append(
-        (
-            "fp8 gemv",
-            fp8_gemv._fp8_gemv_kernel,
-            dict(q_ptr="*i32", **fp8),
-            dict(K=H, K_SPLIT=H, UNIT=256.0, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, WORDS=True),
-            4,
+        out.append(
+            (
+                "fp8 gemv" + (" native" if native else ""),
+                fp8_gemv._fp8_gemv_kernel,
+                dict(q_ptr="*fp8e4nv" if native else "*i32", **fp8),
+                dict(
+                    K=H,
+                    K_SPLIT=H,
+                    UNIT=unit,
+                    NATIVE=native,
+                    BLOCK_M=1,
+                    BLOCK_N=16,
+                    BLOCK_K=512,
+                    WORDS=not native,
+                ),  # fmt: skip
+                4,
+            )
         )
-    )
     act = {n: "*bf16" for n in ("b_ptr", "a_ptr", "z_ptr", "dtb_ptr", "nw_ptr", "out_ptr")}
     out.append(
         (

@@ -115,7 +115,7 @@ def _fp8_rows_kernel(
         kmask = kk < K
         xt = tl.load(x_ptr + m[:, None] * K + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(
-            q_ptr + n[None, :].to(tl.int64) * K + kk[:, None], mask=kmask[:, None] & nmask[None, :], other=0
+            q_ptr + n[None, :].to(tl.int64) * K + kk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0
         )
         acc = tl.dot(xt, _e4m3(b, NATIVE).to(xt.dtype), acc, input_precision=DOT_PRECISION)  # [BM, BN]
     s = tl.load(scale_ptr + n, mask=nmask, other=0.0) * UNIT
@@ -126,9 +126,11 @@ def _fp8_rows_kernel(
 @jit
 def _e4m3(b, NATIVE: tl.constexpr):
     # E4M3 weights -> fp16: loaded as float8e4nv, the true value (hardware); as bytes, value * 2^-8 (bit ops)
-    if NATIVE:
-        return b.to(tl.float16)
-    return e4m3_f16(b)
+    if NATIVE:  # (an early return would still compile the bit ops on fp8)
+        w = b.to(tl.float16)
+    else:
+        w = e4m3_f16(b)
+    return w
 
 
 def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: dict, native: bool) -> torch.Tensor:
@@ -201,7 +203,8 @@ def _fp8_gemv_kernel(
         for k0 in tl.static_range(0, K_SPLIT, BW):
             kk = tl.program_id(1) * K_SPLIT + k0 + tl.arange(0, BW)
             kmask = kk < K
-            b = tl.load(q_ptr + rows * K + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+            # other=0.0: Triton casts a float to either element type (an int does not cast to fp8)
+            b = tl.load(q_ptr + rows * K + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             c = _e4m3(b, NATIVE).to(tl.float32)
             acc0 += tl.load(x_ptr + kk[None, :], mask=kmask[None, :], other=0.0).to(tl.float32) * c
             if BLOCK_M > 1:
