@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from expertstream.bench_kernels import FP8_SHAPES, graph_ms, measure_ceilings
-from expertstream.kernels import fp8_rows_matmul
+from expertstream.kernels import fp8_gemv, fp8_rows_matmul
 from expertstream.kernels.fp8_gemv import fp8_rows_matmul_ref
 
 COPIES = 8  # weight copies per graph: 8 x 15.7-26 MB is past L2
@@ -103,8 +103,15 @@ def calls(kind: str, n: int, k: int, cfg: dict):
         f8 = q.view(torch.float8_e4m3fn)
         if kind == "shipped":
             return lambda: fp8_rows_matmul(x, f8, scale)
-        if kind == "native":
-            return lambda: _native[grid](x, f8, scale, out, n, K=k, BN=bn, BK=b, num_warps=nw)
+        if kind.startswith("shipped"):  # the shipped kernel with this config and num_stages
+            stages = int(kind[-1])
+            return lambda: fp8_gemv._fp8_gemv_kernel[(grid[0], 1)](
+                x, f8, scale, out, 1, n, K=k, K_SPLIT=k, UNIT=1.0, NATIVE=True, BLOCK_M=1, BLOCK_N=bn,
+                BLOCK_K=b, WORDS=False, num_warps=nw, num_stages=stages,
+            )  # fmt: skip
+        if kind.startswith("native"):
+            flags = dict(F16="f16" in kind, X2D="x2d" in kind)
+            return lambda: _native[grid](x, f8, scale, out, n, K=k, BN=bn, BK=b, num_warps=nw, **flags)
         if kind == "hwword":
             return lambda: _hwword[grid](
                 x, q.view(torch.int32), scale, out, n, K=k, BN=bn, BW=b, num_warps=nw
@@ -118,6 +125,8 @@ def calls(kind: str, n: int, k: int, cfg: dict):
     if kind != "read":
         fns[0]()
         got = fp8_rows_matmul(x, qs[0].view(torch.float8_e4m3fn), scale) if kind == "shipped" else out
+        if kind.startswith("shipped "):
+            got = out
         ref = fp8_rows_matmul_ref(x.float(), qs[0].view(torch.float8_e4m3fn), scale)
         err = (got.float() - ref).abs().max().item() / ref.abs().max().item()
     return fns, err
@@ -125,9 +134,8 @@ def calls(kind: str, n: int, k: int, cfg: dict):
 
 SWEEPS = {
     "shipped": [dict(bn=0, b=0, warps=0)],
-    "native": [dict(bn=bn, b=b, warps=w) for bn in (2, 4, 8, 16) for b in (256, 512, 1024) for w in (4, 8)
-               if bn * b >= 1024],
-    "read": [dict(bn=bn, b=b, warps=w) for bn, b, w in [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 128, 4)]],
+    **{kind: [dict(bn=bn, b=b, warps=w) for bn, b, w in [(16, 256, 4), (16, 512, 8), (8, 1024, 4)]]
+       for kind in ("shipped s1", "shipped s3", "native", "native f16", "native x2d", "native f16 x2d")},
 }  # fmt: skip
 
 
