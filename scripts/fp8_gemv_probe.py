@@ -25,7 +25,11 @@ HW_WORD = "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.rn.f16x2.e4m3x2 $0, l;\n
 
 
 @triton.jit
-def _native(x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _native(
+    x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    F16: tl.constexpr = False, X2D: tl.constexpr = False,
+):  # fmt: skip
+    # F16: convert through fp16; X2D: x loaded as [1, BK] (the shipped kernel's forms before 2026-12-01 14:00)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
     acc = tl.zeros([BN, BK], tl.float32)
@@ -35,7 +39,14 @@ def _native(x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, 
         w = tl.load(
             q_ptr + n.to(tl.int64)[:, None] * K + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0
         )
-        acc += w.to(tl.float32) * tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)[None, :]
+        if F16:
+            c = w.to(tl.float16).to(tl.float32)
+        else:
+            c = w.to(tl.float32)
+        if X2D:
+            acc += c * tl.load(x_ptr + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
+        else:
+            acc += c * tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)[None, :]
     y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
