@@ -1,11 +1,14 @@
 """Probe (device only): FP8 M = 1 GEMV variants against the shipped kernel, graph-timed as `bench kernels`.
 
 Variants, each swept over a few launch shapes on the DeltaNet shapes:
-  shipped  fp8_rows_matmul as the engine calls it (words decoded with bit ops, tuned config);
-  native   the weight loaded as float8e4nv and converted by Triton (sm_89+: the hardware cvt);
-  hwword   the shipped word layout, each word's bytes converted by `cvt.rn.f16x2.e4m3x2` (inline PTX);
-  dot      tl.dot of the converted [BN, BK] bf16 tile with x padded to 16 columns (tensor cores);
-  read     a read-only stream of the same bytes (xor of the words): what a Triton stream reaches here.
+  shipped     fp8_rows_matmul as the engine calls it (tuned config);
+  shipped s1  its GEMV kernel launched with each config (hardware conversion, num_stages 1);
+  native      a minimal kernel: the weight loaded as float8e4nv and converted by Triton (sm_89+: the
+              hardware cvt), x loaded as [BK] and broadcast over the rows;
+  native x2d  the same with x loaded as [1, BK] in the weights' layout (half the speed on the H200);
+  read        a read-only stream of the same bytes (xor of the words): what a Triton stream reaches here.
+Tried on 2026-12-01 and dropped: each word's bytes through `cvt.rn.f16x2.e4m3x2` in inline PTX (did not
+compile as written), and tl.dot of the converted tile with x padded to 16 columns (2.5-5x slower).
 Prints us per call and % of the copy rate measured in the same run. Usage: python3 scripts/fp8_gemv_probe.py
 """
 
@@ -21,15 +24,14 @@ from expertstream.kernels.fp8_gemv import fp8_rows_matmul_ref
 
 COPIES = 8  # weight copies per graph: 8 x 15.7-26 MB is past L2
 
-HW_WORD = "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.rn.f16x2.e4m3x2 $0, l;\ncvt.rn.f16x2.e4m3x2 $1, h;\n}"
-
 
 @triton.jit
 def _native(
     x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    F16: tl.constexpr = False, X2D: tl.constexpr = False,
+    X2D: tl.constexpr = False,
 ):  # fmt: skip
-    # F16: convert through fp16; X2D: x loaded as [1, BK] (the shipped kernel's forms before 2026-12-01 14:00)
+    # X2D: x loaded as [1, BK] in the weights' layout (the shipped kernel's form until 2026-12-01 13:30: half
+    # the speed with the hardware conversion)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
     acc = tl.zeros([BN, BK], tl.float32)
@@ -39,53 +41,11 @@ def _native(
         w = tl.load(
             q_ptr + n.to(tl.int64)[:, None] * K + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0
         )
-        if F16:
-            c = w.to(tl.float16).to(tl.float32)
-        else:
-            c = w.to(tl.float32)
+        c = w.to(tl.float32)
         if X2D:
             acc += c * tl.load(x_ptr + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
         else:
             acc += c * tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)[None, :]
-    y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
-    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nm)
-
-
-@triton.jit
-def _hwword(x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr):
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    nm = n < N
-    acc = tl.zeros([BN, BW], tl.float32)
-    for w0 in tl.static_range(0, K // 4, BW):
-        wi = w0 + tl.arange(0, BW)
-        w = tl.load(q_ptr + n.to(tl.int64)[:, None] * (K // 4) + wi[None, :], mask=nm[:, None], other=0)
-        a, b = tl.inline_asm_elementwise(
-            asm=HW_WORD, constraints="=r,=r,r", args=[w], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1
-        )
-        c0 = a.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        c1 = (a >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        c2 = b.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        c3 = (b >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        xv = tl.load(x_ptr + 4 * w0 + tl.arange(0, 4 * BW)).to(tl.float32)
-        ev, od = tl.split(tl.reshape(xv, [BW, 2, 2]))
-        x0, x2 = tl.split(ev)
-        x1, x3 = tl.split(od)
-        acc += x0[None, :] * c0 + x1[None, :] * c1 + x2[None, :] * c2 + x3[None, :] * c3
-    y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
-    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nm)
-
-
-@triton.jit
-def _dot(x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    nm = n < N
-    cols = tl.arange(0, 16)
-    acc = tl.zeros([BN, 16], tl.float32)
-    for k0 in tl.static_range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        w = tl.load(q_ptr + n.to(tl.int64)[:, None] * K + kk[None, :], mask=nm[:, None], other=0.0)
-        xt = tl.load(x_ptr + kk[:, None] + 0 * cols[None, :], mask=cols[None, :] < 1, other=0.0)  # [BK, 16]
-        acc = tl.dot(w.to(tl.bfloat16), xt, acc)
     y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
@@ -115,20 +75,14 @@ def calls(kind: str, n: int, k: int, cfg: dict):
         if kind == "shipped":
             return lambda: fp8_rows_matmul(x, f8, scale)
         if kind.startswith("shipped"):  # the shipped kernel with this config and num_stages
-            stages = int(kind[-1])
+            stages = int(kind[-1])  # (1 and 3 timed the same on 2026-12-01)
             return lambda: fp8_gemv._fp8_gemv_kernel[(grid[0], 1)](
                 x, f8, scale, out, 1, n, K=k, K_SPLIT=k, UNIT=1.0, NATIVE=True, BLOCK_M=1, BLOCK_N=bn,
                 BLOCK_K=b, WORDS=False, num_warps=nw, num_stages=stages,
             )  # fmt: skip
         if kind.startswith("native"):
-            flags = dict(F16="f16" in kind, X2D="x2d" in kind)
-            return lambda: _native[grid](x, f8, scale, out, n, K=k, BN=bn, BK=b, num_warps=nw, **flags)
-        if kind == "hwword":
-            return lambda: _hwword[grid](
-                x, q.view(torch.int32), scale, out, n, K=k, BN=bn, BW=b, num_warps=nw
-            )
-        if kind == "dot":
-            return lambda: _dot[grid](x, f8, scale, out, n, K=k, BN=bn, BK=b, num_warps=nw)
+            x2d = kind.endswith("x2d")
+            return lambda: _native[grid](x, f8, scale, out, n, K=k, BN=bn, BK=b, num_warps=nw, X2D=x2d)
         return lambda: _read[grid](q.view(torch.int32), iout, n, K=k, BN=bn, BW=b, num_warps=nw)
 
     fns = [one(q) for q in qs]
@@ -146,7 +100,8 @@ def calls(kind: str, n: int, k: int, cfg: dict):
 SWEEPS = {
     "shipped": [dict(bn=0, b=0, warps=0)],
     **{kind: [dict(bn=bn, b=b, warps=w) for bn, b, w in [(16, 256, 4), (16, 512, 8), (8, 1024, 4)]]
-       for kind in ("shipped s1", "shipped s3", "native", "native f16", "native x2d", "native f16 x2d")},
+       for kind in ("shipped s1", "native", "native x2d")},
+    "read": [dict(bn=bn, b=b, warps=w) for bn, b, w in [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 128, 4)]],
 }  # fmt: skip
 
 
