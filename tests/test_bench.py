@@ -89,7 +89,17 @@ def test_decode_table_bound_efficiency_and_token_check():
     # the engine's own disk rate: 60 MB in 40 ms, under the 2 GB/s probe (no flag)
     assert rows[-1] == "Disk rate the engine reached (disk bytes / wall time, GB/s): disk 1.50."
     assert "| 0.00 | 1.50 | 0.25 | 0.10 | 3.00 |" in rows[2]  # stall, sync wait, bank host, guesses, outside
-    assert "| 75% | 2.0 | 4.0 | 9.5 | 6.25 | yes |" in rows[2] and "| NO |" in rows[3]
+    assert "| 75% | 2.0 | 4.0 | 9.5 | 6.25 | yes |" in rows[2] and "| NO |" in rows[3]  # no margins recorded
+
+
+def test_decode_table_says_where_tokens_part_and_the_margin_there():
+    results = {
+        "vram": decode_result(10.0, [5, 7, 9, 4], margins=[1.5, 0.02, 0.7, 0.3]),
+        "ram": decode_result(20.0, [5, 8, 2, 2], margins=[1.5, 0.01, 0.2, 0.4]),
+        "disk": decode_result(40.0, [5, 7, 9, 4], margins=[1.5, 0.02, 0.7, 0.3]),
+    }
+    rows = decode_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4).strip().splitlines()
+    assert "| NO from token 2 (vram top-2 margin 0.02) |" in rows[3] and "| yes |" in rows[4]
 
 
 def test_decode_table_hardware_bound_from_the_profile():

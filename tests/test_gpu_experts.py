@@ -235,6 +235,35 @@ def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(tiny_workdir, ke
         bank.close()
 
 
+def test_ram_resident_passes_equal_the_cache_fetch_passes_bit_for_bit(
+    tiny_workdir, kernel_device, host_alloc
+):
+    # the pass tables (one upload per layer) against the VRAM cache's fetch per pass: the same passes, slots
+    # of the same size and the same kernels, so the same bits (and a prompt of each layer in turn, so the
+    # tables of one layer are rewritten by the next)
+    wd = Workdir(tiny_workdir)
+    n_layers, n_experts, block = wd.num_layers, wd.num_experts, wd.layout.block_bytes
+    outs = []
+    for ram_blocks in (n_layers * n_experts, n_experts):  # every block in RAM (resident), a quarter
+        with ExpertStore(wd, ram_blocks * block, io_threads=2, **host_alloc) as store:
+            for h in store.request(
+                [(layer, e) for layer in range(n_layers) for e in range(n_experts)][:ram_blocks]
+            ):
+                h.wait()
+                h.release()
+            bank = GpuExperts(wd, store, 8, kernel_device)
+            got = []
+            for rep in range(2):
+                for layer in range(n_layers):
+                    xs, ids, ws = routing(wd, 24, seed=10 * rep + layer)
+                    got.append(bank(layer, *(v.to(kernel_device) for v in (xs, ids, ws))).cpu())
+            assert (bank.resident == "ram") == (ram_blocks == n_layers * n_experts)
+            outs.append(got)
+            bank.close()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_a_vram_resident_bank_is_fixed_even_with_staging_configured(tiny_workdir, kernel_device, host_alloc):
     # staging acts only on blocks in RAM: once every block has its own slot, no layer needs an eager point
     wd = Workdir(tiny_workdir)
