@@ -7,8 +7,9 @@ Variants, each swept over a few launch shapes on the DeltaNet shapes:
               hardware cvt), x loaded as [BK] and broadcast over the rows;
   native x2d  the same with x loaded as [1, BK] in the weights' layout (half the speed on the H200);
   read        a read-only stream of the same bytes (xor of the words): what a Triton stream reaches here.
-Tried on 2026-12-01 and dropped: each word's bytes through `cvt.rn.f16x2.e4m3x2` in inline PTX (did not
-compile as written), and tl.dot of the converted tile with x padded to 16 columns (2.5-5x slower).
+  hwword      the shipped bit-op word form (16-byte int32 loads, x split in registers) with each word's
+              bytes converted by `cvt.rn.f16x2.e4m3x2` in inline PTX instead of bit ops;
+Tried on 2026-12-01 and dropped: tl.dot of the converted tile with x padded to 16 columns (2.5-5x slower).
 Prints us per call and % of the copy rate measured in the same run. Usage: python3 scripts/fp8_gemv_probe.py
 """
 
@@ -20,6 +21,7 @@ import triton.language as tl
 
 from expertstream.bench_kernels import FP8_SHAPES, graph_ms, measure_ceilings
 from expertstream.kernels import fp8_gemv, fp8_rows_matmul
+from expertstream.kernels.codec import f16x2_halves
 from expertstream.kernels.fp8_gemv import fp8_rows_matmul_ref
 
 COPIES = 8  # weight copies per graph: 8 x 15.7-26 MB is past L2
@@ -46,6 +48,33 @@ def _native(
             acc += c * tl.load(x_ptr + kk[None, :], mask=km[None, :], other=0.0).to(tl.float32)
         else:
             acc += c * tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)[None, :]
+    y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+# a word of 4 E4M3 bytes -> (bytes 0 and 2, bytes 1 and 3) as fp16x2, as codec.e4m3x4_f16 pairs them
+E4M3X4_CVT = tl.constexpr(
+    "{\n.reg .b32 t;\n.reg .b16 l, h;\nprmt.b32 t, $2, 0, 0x3120;\nmov.b32 {l, h}, t;\n"
+    "cvt.rn.f16x2.e4m3x2 $0, l;\ncvt.rn.f16x2.e4m3x2 $1, h;\n}"
+)
+
+
+@triton.jit
+def _hwword(x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr):
+    # the shipped bit-op word form (16-byte int32 word loads, x split in registers) with the hardware cvt
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < N
+    acc = tl.zeros([BN, BW], tl.float32)
+    for w0 in tl.static_range(0, K // 4, BW):
+        wi = w0 + tl.arange(0, BW)
+        w = tl.load(q_ptr + n.to(tl.int64)[:, None] * (K // 4) + wi[None, :], mask=nm[:, None], other=0)
+        lo, hi = tl.inline_asm_elementwise(
+            asm=E4M3X4_CVT, constraints="=r,=r,r", args=[w], dtype=(tl.uint32, tl.uint32), is_pure=True,
+            pack=1,
+        )  # fmt: skip
+        c0, c2 = f16x2_halves(lo)
+        c1, c3 = f16x2_halves(hi)
+        acc += fp8_gemv._x_words(x_ptr, 0, 1, K, w0, c0, c1, c2, c3, BW)
     y = tl.sum(acc, 1) * tl.load(s_ptr + n, mask=nm, other=0.0)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
@@ -80,6 +109,9 @@ def calls(kind: str, n: int, k: int, cfg: dict):
                 x, f8, scale, out, 1, n, K=k, K_SPLIT=k, UNIT=1.0, NATIVE=True, BLOCK_M=1, BLOCK_N=bn,
                 BLOCK_K=b, WORDS=False, num_warps=nw, num_stages=stages,
             )  # fmt: skip
+        if kind == "hwword":
+            words = q.view(torch.int32)
+            return lambda: _hwword[grid](x, words, scale, out, n, K=k, BN=bn, BW=b // 4, num_warps=nw)
         if kind.startswith("native"):
             x2d = kind.endswith("x2d")
             return lambda: _native[grid](x, f8, scale, out, n, K=k, BN=bn, BK=b, num_warps=nw, X2D=x2d)
@@ -100,7 +132,10 @@ def calls(kind: str, n: int, k: int, cfg: dict):
 SWEEPS = {
     "shipped": [dict(bn=0, b=0, warps=0)],
     **{kind: [dict(bn=bn, b=b, warps=w) for bn, b, w in [(16, 256, 4), (16, 512, 8), (8, 1024, 4)]]
-       for kind in ("shipped s1", "native", "native x2d")},
+       for kind in ("native", "native x2d")},
+    "hwword": [dict(bn=bn, b=b, warps=w) for bn, b, w in
+               [(16, 256, 4), (16, 512, 4), (16, 512, 8), (8, 512, 4), (8, 1024, 4), (4, 1024, 4),
+                (32, 256, 8)]],
     "read": [dict(bn=bn, b=b, warps=w) for bn, b, w in [(4, 256, 4), (8, 128, 4), (2, 512, 4), (4, 128, 4)]],
 }  # fmt: skip
 
