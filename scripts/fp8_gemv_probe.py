@@ -8,7 +8,8 @@ Variants, each swept over a few launch shapes on the DeltaNet shapes:
   native x2d  the same with x loaded as [1, BK] in the weights' layout (half the speed on the H200);
   read        a read-only stream of the same bytes (xor of the words): what a Triton stream reaches here.
   hwword      the shipped bit-op word form (16-byte int32 loads, x split in registers) with each word's
-              bytes converted by `cvt.rn.f16x2.e4m3x2` in inline PTX instead of bit ops;
+              bytes converted by `cvt.rn.f16x2.e4m3x2` in inline PTX instead of bit ops (13:47: no faster
+              than native, 10.35 / 7.07 / 7.88 against 10.17 / 6.94 / 7.28 us);
 Tried on 2026-12-01 and dropped: tl.dot of the converted tile with x padded to 16 columns (2.5-5x slower).
 Prints us per call and % of the copy rate measured in the same run. Usage: python3 scripts/fp8_gemv_probe.py
 """
