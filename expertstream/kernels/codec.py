@@ -3,8 +3,8 @@
 Triton is optional: without it this module still imports (CPU users run the `*_ref` twins) and
 `require_triton()` raises. Kernel signatures use string annotations (`from __future__ import annotations`),
 which Triton reads as constexpr markers, so nothing Triton-typed is evaluated at import time.
-Bytes are always read as uint8 and decoded with bit ops: the interpreter has no fp8 type, and subnormal
-E4M3 block scales stay exact.
+Bytes are read as uint8 and decoded with bit ops: the interpreter has no fp8 type, and subnormal E4M3 block
+scales stay exact. The one exception is the FP8 matrices' weights on sm_89+ (`e4m3_native`).
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ def e2m1_uses_ptx(capability: tuple[int, int] | None) -> bool:
 
 def e4m3_native(capability: tuple[int, int] | None) -> bool:
     """sm_89 and later convert E4M3 in hardware (`cvt.rn.f16x2.e4m3x2`), which Triton emits for float8e4nv
-    loads: on the H200 the FP8 GEMV ran 8-25 % faster so than with bit ops (2026-12-01, fp8_gemv_probe.py).
-    The interpreter (no fp8 type) and older chips decode raw bytes with bit ops."""
+    loads: on the H200 the FP8 GEMV ran 8-25 % faster with it than with bit ops (2026-12-01,
+    scripts/fp8_gemv_probe.py). The interpreter (no fp8 type) and older chips decode raw bytes with bit
+    ops."""
     return capability is not None and tuple(capability) >= (8, 9)
 
 

@@ -5,8 +5,9 @@ hardware (`codec.e4m3_native`); elsewhere (the interpreter included) raw bytes d
 holding value * 2^-8 (exact, subnormals included), and 2^8 and the row scale are applied on the FP32
 accumulator. Both give the exact E4M3 values; only the order of the FP32 sums differs.
 - M = 1 (decode, every token; M <= 4 on request): a memory-bound GEMV without tensor cores. Each program owns
-  BLOCK_N rows and streams them in 16-byte loads (int32 words when K % 4 == 0, decoded 4 bytes at a time);
-  FP32 FMAs into one [BLOCK_N, BLOCK_K/4] accumulator per row of x, reduced once at the end. SPLIT_K > 1
+  BLOCK_N rows and streams them in 16-byte loads: [BLOCK_N, BLOCK_K] float8e4nv tiles (hardware), or int32
+  words decoded 4 bytes at a time (bit ops, when K % 4 == 0); FP32 FMAs into one 2-D accumulator per row of
+  x, reduced once at the end. SPLIT_K > 1
   writes FP32 partials [SPLIT_K, M, N] summed in a fixed order by torch (deterministic, no atomics).
 - larger M: tiles dequantised to the activation dtype (exact for bf16 too: 4 significant bits)
   and tl.dot.
