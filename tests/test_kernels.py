@@ -402,6 +402,35 @@ def test_ptx_compile_failure_falls_back_to_software(monkeypatch):
     assert calls[-1] is False
 
 
+def test_fp8_native_compile_failure_falls_back_to_bit_ops(monkeypatch):
+    # a Triton that cannot load float8e4nv on this chip: the launch is retried with the bit-op form, once
+    # and for good; the result is the bit-op form's (the interpreter runs it here)
+    from expertstream.kernels import fp8_gemv
+
+    real, calls = fp8_gemv._fp8_gemv_kernel, []
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args, NATIVE, **kw):
+                calls.append(NATIVE)
+                if NATIVE:
+                    raise RuntimeError("unsupported conversion")
+                real[grid](*args, NATIVE=NATIVE, **kw)
+
+            return launch
+
+    monkeypatch.setattr(fp8_gemv, "_fp8_gemv_kernel", Failing())
+    monkeypatch.setattr(fp8_gemv, "device_capability", lambda dev: (9, 0))
+    monkeypatch.setattr(codec, "_NATIVE_FAILED", set())
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 0x7F, (12, 64), dtype=torch.uint8, generator=g).to(DEV)
+    scale, x = torch.rand(12, generator=g).to(DEV), torch.randn(1, 64, generator=g).to(DEV)
+    for _ in range(2):
+        got = fp8_rows_matmul(x, q, scale)
+        close(got, fp8_rows_matmul_ref(x, q, scale), torch.float32)
+    assert calls == [True, False, False] and not codec.e4m3_native((9, 0))
+
+
 def test_import_without_triton_and_launchers_raise():
     code = (
         "import sys; sys.modules['triton'] = None\n"

@@ -31,6 +31,8 @@ E2M1_SOFT_UNIT = 2.0**14
 E4M3_UNIT = 2.0**8
 # capabilities whose PTX inline-asm E2M1 path failed to compile in this process (software from then on)
 _PTX_FAILED: set[tuple[int, int]] = set()
+# ... whose float8e4nv loads (`e4m3_native`) failed to compile: bit ops from then on
+_NATIVE_FAILED: set[tuple[int, int]] = set()
 
 
 def jit(fn=None, *, do_not_specialize=()):
@@ -76,7 +78,14 @@ def e4m3_native(capability: tuple[int, int] | None) -> bool:
     loads: on the H200 the FP8 GEMV ran 8-25 % faster with it than with bit ops (2026-12-01,
     scripts/fp8_gemv_probe.py). The interpreter (no fp8 type) and older chips decode raw bytes with bit
     ops."""
-    return capability is not None and tuple(capability) >= (8, 9)
+    return capability is not None and tuple(capability) >= (8, 9) and tuple(capability) not in _NATIVE_FAILED
+
+
+def native_failed(capability: tuple[int, int], error: Exception) -> None:
+    """Record that the float8e4nv loads failed on this capability: `e4m3_native` says no from now on."""
+    log.warning("FP8 loads with the hardware E4M3 conversion failed on sm_%d%d (%s); using bit ops",
+                *capability, error)  # fmt: skip
+    _NATIVE_FAILED.add(tuple(capability))
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:

@@ -28,6 +28,7 @@ from expertstream.kernels.codec import (
     e4m3x4_f16,
     f16x2_halves,
     jit,
+    native_failed,
     require_triton,
     tl,
     tuned_config,
@@ -82,7 +83,21 @@ def fp8_rows_matmul(
     assert q.shape[1] == k, f"q {tuple(q.shape)} does not match x {tuple(x.shape)}"
     assert scale.dtype == torch.float32 and scale.shape == (n,), f"scale {scale.dtype} {tuple(scale.shape)}"
     cfg = config or _config(m, n, k, x.device)
-    native = cfg.get("native", e4m3_native(device_capability(x.device)))
+    if "native" in cfg:
+        return _launch(x, q, scale, cfg, cfg["native"])
+    cap = device_capability(x.device)
+    if not e4m3_native(cap):
+        return _launch(x, q, scale, cfg, False)
+    try:
+        return _launch(x, q, scale, cfg, True)
+    except Exception as e:  # a Triton without fp8 loads for this chip: the identical bit-op form from now on
+        native_failed(cap, e)
+        return _launch(x, q, scale, cfg, False)
+
+
+def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: dict, native: bool) -> torch.Tensor:
+    m, k = x.shape
+    n = q.shape[0]
     if "split_k" in cfg and m <= GEMV_MAX_M:  # a GEMV config (the default one for M = 1, or explicit)
         return _gemv(x, q, scale, cfg, native)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
