@@ -39,9 +39,9 @@ class HostMirror:
         self.pushes = 0
         self.wait_seconds = 0.0  # host time spent waiting for a ring buffer's earlier upload
 
-    def push(self, row: int | None = None) -> None:
-        """Queue the upload of `host` (or of its `row` along dim 0) on the current stream; the host waits
-        only when the ring is full (the upload `depth` pushes ago has not run yet)."""
+    def push(self, row: int | slice | None = None) -> None:
+        """Queue the upload of `host` (or of its `row`, or rows, along dim 0) on the current stream; the host
+        waits only when the ring is full (the upload `depth` pushes ago has not run yet)."""
         self.pushes += 1
         sel = slice(None) if row is None else row
         if not self._cuda:

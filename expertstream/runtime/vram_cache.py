@@ -259,19 +259,19 @@ class VramExpertCache:
             queued.append(h)
         self._copy_pairs([(h.row, slot) for slot, _, h in blocks])
 
-    def _after_last_uses(self, slots: Sequence[int]) -> None:
-        waited: set[int] = set()
-        for slot in slots:
-            self._after_last_use(slot, waited)
-
     def _copy_pairs(self, pairs: list[tuple[int, int]]) -> None:
-        # (RAM row, slot) pairs: after the last kernel reading each slot, one upload of the pairs and one
-        # `copy_rows` (on the copy stream on CUDA)
-        self._after_last_uses([slot for _, slot in pairs])
+        # (RAM row, slot) pairs: one upload of the pairs, then `_rows_to_slots` (on the copy stream on CUDA)
         if pairs:
             self._pairs_np[: len(pairs)] = pairs
         self._pairs.push()
-        self._copy_rows(self._pairs.device_tensor, len(pairs), self.host_rows, self.slots)
+        self._rows_to_slots(self._pairs.device_tensor, [slot for _, slot in pairs])
+
+    def _rows_to_slots(self, pairs: torch.Tensor, slots: Sequence[int]) -> None:
+        # after the last kernel reading each slot, one `copy_rows` of device pairs [>= n, 2] (RAM row, slot)
+        waited: set[int] = set()
+        for slot in slots:
+            self._after_last_use(slot, waited)
+        self._copy_rows(pairs, len(slots), self.host_rows, self.slots)
 
     def _copy_as_landed(self, blocks: list, queued: list) -> None:
         # one copy call per run of blocks that follow each other both in host memory and in the slots; a
@@ -311,8 +311,7 @@ class VramExpertCache:
         if self.lru:
             self._forget()
         with self.on_copy_stream():
-            self._after_last_uses(slots)
-            self._copy_rows(pairs, len(slots), self.host_rows, self.slots)
+            self._rows_to_slots(pairs, slots)
         self._count(len(slots))
         self._join(self._copies_done())
         self.protected, self.last_layer = set(slots), layer
