@@ -157,6 +157,35 @@ def e2m1_pair(b, USE_PTX: tl.constexpr):
 
 
 @jit
+def e2m1_in(b, dtype: tl.constexpr, USE_PTX: tl.constexpr):
+    """Packed uint8 bytes -> (low-nibble, high-nibble) codes in `dtype` (fp32 / fp16 / bf16), divided by
+    e2m1_in_unit: in software the code's bits set straight into the dtype's sign, exponent and mantissa
+    (magnitude bits at the top mantissa bit, value * 2^(1 - bias); 0.5 is a subnormal), 3 integer ops a
+    code and no conversion; on Blackwell the hardware's fp16 values, converted."""
+    if USE_PTX:
+        lo, hi = e2m1_pair(b, True)
+        return lo.to(dtype), hi.to(dtype)
+    c = b.to(tl.int32)
+    if dtype == tl.float32:
+        lo = ((c & 0x8) << 28) | ((c & 0x7) << 22)
+        hi = ((c & 0x80) << 24) | ((c & 0x70) << 18)
+        return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+    # 16-bit: fp16 mantissa 10 bits, bf16 7
+    ms: tl.constexpr = 9 if dtype == tl.float16 else 6
+    lo = ((c & 0x8) << 12) | ((c & 0x7) << ms)
+    hi = ((c & 0x80) << 8) | ((c & 0x70) << (ms - 4))
+    return lo.to(tl.int16).to(dtype, bitcast=True), hi.to(tl.int16).to(dtype, bitcast=True)
+
+
+@jit
+def e2m1_in_unit(dtype: tl.constexpr, USE_PTX: tl.constexpr):
+    """The power of two e2m1_in's values are divided by: 2^(bias - 1) in software, 1 from the hardware."""
+    if USE_PTX:
+        return 1.0
+    return 16384.0 if dtype == tl.float16 else 2.0**126
+
+
+@jit
 def e2m1_words(w, USE_PTX: tl.constexpr):
     """int32 words of 8 E2M1 codes (nibble c = column c, the low nibble of byte 0 first) -> four uint32
     fp16x2 bit patterns, pattern j holding column j (low half) and column j + 4 (high half); in software

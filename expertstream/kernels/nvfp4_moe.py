@@ -25,7 +25,8 @@ from expertstream.formats.expert_block import ExpertLayout
 from expertstream.kernels.codec import (
     cdiv,
     dot_precision,
-    e2m1_pair,
+    e2m1_in,
+    e2m1_in_unit,
     e2m1_words,
     e4m3_f16,
     f16x2_halves,
@@ -290,6 +291,11 @@ def _decode_down_kernel(
 
 
 # ---------------------------------------------------------------- prefill
+
+
+# dequantised prefill tiles hold w 2^-8 (`_dequant_tile`), so that s times 2^(bias - 1), the unit of the
+# codes' bits, stays inside fp16 for every scale s <= 448; the epilogues multiply it back
+PREFILL_UNIT = tl.constexpr(256.0) if tl is not None else 256.0
 
 
 def nvfp4_moe_prefill_ref(
@@ -616,26 +622,34 @@ def _tile(tile_expert_ptr, e2s_ptr, pair_ptr, slots_ptr, block_bytes, T0, P, BLO
 
 @jit
 def _dequant_tile(
-    blk, w_off, s_off, kk, n, row_bytes, row_groups, mask, USE_PTX: tl.constexpr, dtype: tl.constexpr
-):
-    # W^T tile of rows n [BN] over packed bytes kk [BK]: (even-column, odd-column) halves [BK, BN] in dtype
-    b = tl.load(blk + w_off + n[None, :] * row_bytes + kk[:, None], mask=mask, other=0)
-    sb = tl.load(blk + s_off + n[None, :] * row_groups + kk[:, None] // 8, mask=mask, other=0)
-    s = e4m3_f16(sb).to(tl.float32) * nvfp4_unit(USE_PTX)
-    lo, hi = e2m1_pair(b, USE_PTX)
-    return (lo * s).to(dtype), (hi * s).to(dtype)
+    blk, w_off, s_off, k0, n, nmask, row_bytes, row_groups, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr,
+    dtype: tl.constexpr,
+):  # fmt: skip
+    # W^T tile of rows n [BN] over packed bytes k0 .. k0 + BK - 1: (even-column, odd-column) halves [BK, BN]
+    # in dtype, each weight times 2^-8 (PREFILL_UNIT). A code c times its scale s is exact in any of the three
+    # dtypes (6 significant bits, c s 2^-8 a multiple of 2^-18 and <= 10.5). One scale load and decode per
+    # 16 weights, broadcast over its 8 bytes; the codes' bits set straight into the dtype (e2m1_in)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    b = tl.load(
+        blk + w_off + n[None, :] * row_bytes + kk[:, None], mask=(kk < row_bytes)[:, None] & nmask[None, :],
+        other=0,
+    )  # fmt: skip
+    g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    sm = (g < row_groups)[:, None] & nmask[None, :]
+    sb = tl.load(blk + s_off + n[None, :] * row_groups + g[:, None], mask=sm, other=0)  # [BK / 8, BN]
+    s = (e4m3_f16(sb).to(tl.float32) * e2m1_in_unit(dtype, USE_PTX)).to(dtype)  # s 2^-8 times the unit
+    s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // 8, 8, n.shape[0])), (BLOCK_K, n.shape[0]))
+    lo, hi = e2m1_in(b, dtype, USE_PTX)
+    return lo * s, hi * s
 
 
 @jit
 def _x_tiles(xrow, xmask, k0, K_IN, BLOCK_K: tl.constexpr):
     # the step's input columns [BM, BK] of rows xrow [BM, 1] (pointers), (even, odd) columns of packed bytes
-    # k0 .. k0 + BK - 1, in the order _dot_step multiplies them
-    kk = k0 + tl.arange(0, BLOCK_K)
-    m = xmask & (kk < K_IN // 2)[None, :]
-    return (
-        tl.load(xrow + 2 * kk[None, :], mask=m, other=0.0),
-        tl.load(xrow + 2 * kk[None, :] + 1, mask=m, other=0.0),
-    )
+    # k0 .. k0 + BK - 1, in the order _dot_step multiplies them: one contiguous load, split in registers
+    kk = 2 * k0 + tl.arange(0, 2 * BLOCK_K)
+    xv = tl.load(xrow + kk[None, :], mask=xmask & (kk < K_IN)[None, :], other=0.0)
+    return tl.split(tl.reshape(xv, (xv.shape[0], BLOCK_K, 2)))
 
 
 @jit
@@ -643,11 +657,11 @@ def _dot_step(
     acc, xs, blk, w_off, s_off, k0, n, nmask, K_IN, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # acc [BM, BN] += the step's input columns xs (_x_tiles) times W^T for rows n of a [N, K_IN] matrix:
-    # a scale load per byte, 2 dots of K = BK
-    kk = k0 + tl.arange(0, BLOCK_K)
-    m = (kk < K_IN // 2)[:, None] & nmask[None, :]
-    lo, hi = _dequant_tile(blk, w_off, s_off, kk, n, K_IN // 2, K_IN // 16, m, USE_PTX, xs[0].dtype)
+    # acc [BM, BN] += the step's input columns xs (_x_tiles) times W^T 2^-8 for rows n of a [N, K_IN] matrix:
+    # 2 dots of K = BK
+    lo, hi = _dequant_tile(
+        blk, w_off, s_off, k0, n, nmask, K_IN // 2, K_IN // 16, BLOCK_K, USE_PTX, xs[0].dtype
+    )  # fmt: skip
     acc = tl.dot(xs[0], lo, acc, input_precision=DOT_PRECISION)
     return tl.dot(xs[1], hi, acc, input_precision=DOT_PRECISION)
 
@@ -677,8 +691,8 @@ def _prefill_gate_up_kernel(
         acc_u = _dot_step(
             acc_u, xs, blk, uw_off, us_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX
         )  # fmt: skip
-    g = acc_g * tl.load(ws2_ptr + slot * 3)
-    u = acc_u * tl.load(ws2_ptr + slot * 3 + 1)
+    g = acc_g * (tl.load(ws2_ptr + slot * 3) * PREFILL_UNIT)
+    u = acc_u * (tl.load(ws2_ptr + slot * 3 + 1) * PREFILL_UNIT)
     hv = g * tl.sigmoid(g) * u
     hm = valid[:, None] & nmask[None, :]
     tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=hm)
@@ -705,6 +719,6 @@ def _prefill_down_kernel(
         hs = _x_tiles(h_ptr + rows[:, None] * I, valid[:, None], k0, I, BLOCK_K)
         acc = _dot_step(acc, hs, blk, dw_off, ds_off, k0, n, nmask, I, BLOCK_K, DOT_PRECISION, USE_PTX)
     rw = tl.load(w_ptr + pair, mask=valid, other=0.0)
-    acc = acc * tl.load(ws2_ptr + slot * 3 + 2) * rw[:, None]
+    acc = acc * (tl.load(ws2_ptr + slot * 3 + 2) * PREFILL_UNIT) * rw[:, None]
     ym = valid[:, None] & nmask[None, :]
     tl.store(y_ptr + rows[:, None] * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)
