@@ -122,9 +122,10 @@ def test_decode_reads_host_rows_like_slots(bank):
     assert not torch.allclose(bad, got)
 
 
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("t,block_m", [(1, 16), (9, 16), (40, 32)])
-def test_prefill_matches_ref(bank, dtype, t, block_m):
+def test_prefill_matches_ref(bank, dtype, t, block_m, words):
     layout, slots, ws2 = bank
     g = torch.Generator().manual_seed(t)
     e, k = 10, 3
@@ -137,7 +138,7 @@ def test_prefill_matches_ref(bank, dtype, t, block_m):
     x = torch.randn(t, layout.hidden_size, generator=g).to(DEV, dtype)
     w = torch.rand(t, k, generator=g).to(DEV)
     ids = ids.to(DEV)
-    cfg = dict(block_m=block_m, block_n=32, block_k=16, num_warps=4, num_stages=2)
+    cfg = dict(block_m=block_m, block_n=32, block_k=16, num_warps=4, num_stages=2, words=words)
     got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg)
     assert got.shape == x.shape and got.dtype == dtype
     close(got, nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout), dtype)
@@ -352,25 +353,31 @@ def test_fp8_rows_matmul_matches_ref(dtype, m, n, k, native):
 
 
 @triton.jit
-def _decode_all_bytes(b_ptr, lo_ptr, hi_ptr, s_ptr):
+def _decode_all_bytes(w_ptr, c_ptr, s_ptr, DTYPE: tl.constexpr):
     i = tl.arange(0, 256)
-    b = tl.load(b_ptr + i)
-    lo, hi = codec.e2m1_pair(b, False)
-    tl.store(lo_ptr + i, lo)
-    tl.store(hi_ptr + i, hi)
-    tl.store(s_ptr + i, codec.e4m3_f16(b).to(tl.float32))
+    w = tl.load(w_ptr + i)
+    cols = codec.e2m1_word_cols(w, DTYPE, False)
+    for c in tl.static_range(8):
+        tl.store(c_ptr + c * 256 + i, cols[c].to(tl.float32) * codec.e2m1_in_unit(DTYPE, False))
+    tl.store(s_ptr + i, codec.e4m3_f16((w & 0xFF).to(tl.uint8)).to(tl.float32))
 
 
-def test_in_kernel_codecs_exact_on_every_byte():
-    b = torch.arange(256, dtype=torch.uint8, device=DEV)
-    lo, hi, s = (torch.empty(256, device=DEV) for _ in range(3))
-    _decode_all_bytes[(1,)](b, lo, hi, s)
+@pytest.mark.parametrize("dtype", [tl.float32, tl.float16] + ([tl.bfloat16] if DEV == "cuda" else []))
+def test_in_kernel_codecs_exact_on_every_byte(dtype):
+    # 256 words, every byte value once in each of the 4 byte positions: the 8 columns of each word in `dtype`
+    # (fp32 / fp16 in the interpreter, bf16 too on a GPU) are the E2M1 table's values, -0.0 included
+    i = torch.arange(256)
+    b = [(i + 64 * j) % 256 for j in range(4)]
+    w = (b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24).to(torch.int64)
+    cols, s = torch.empty(8, 256, device=DEV), torch.empty(256, device=DEV)
+    w32 = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)  # the same bits as int32
+    _decode_all_bytes[(1,)](w32.to(DEV), cols, s, dtype)
     table = nvfp4.e2m1_table(DEV)
-    assert torch.equal(lo * codec.E2M1_SOFT_UNIT, table[(b & 15).long()])
-    assert torch.equal(hi * codec.E2M1_SOFT_UNIT, table[(b >> 4).long()])
-    assert torch.equal(torch.signbit(lo), torch.signbit(table[(b & 15).long()]))  # -0.0 for code 8
-    ok = (b & 0x7F) != 0x7F  # E4M3 NaN bytes are never block scales
-    assert torch.equal((s * codec.E4M3_UNIT)[ok], fp8.e4m3_to_float(b)[ok])
+    for c in range(8):
+        want = table[((w >> (4 * c)) & 15).to(DEV)]
+        assert torch.equal(cols[c], want) and torch.equal(torch.signbit(cols[c]), torch.signbit(want)), c
+    ok = (b[0] & 0x7F) != 0x7F  # E4M3 NaN bytes are never block scales
+    assert torch.equal((s.cpu() * codec.E4M3_UNIT)[ok], fp8.e4m3_to_float(b[0].to(torch.uint8))[ok])
 
 
 def test_ptx_e2m1_only_from_sm100():

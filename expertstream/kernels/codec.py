@@ -112,7 +112,8 @@ E2M1_CVT = "cvt.rn.f16x2.e2m1x2 {d}, {b};"
 
 
 def e2m1x4_asm(cvt: str = E2M1_CVT) -> str:
-    """The PTX of `e2m1_pair`: the bytes of $4 split, `cvt` (with {d} and {b}) writing $0..$3."""
+    """The PTX of `e2m1_word_cols` on Blackwell: the bytes of $4 split, `cvt` (with {d} and {b}) writing
+    $0..$3."""
     body = "\n".join(cvt.format(d=f"${i}", b=f"b{i}") for i in range(4))
     return "{\n.reg .b8 b0, b1, b2, b3;\nmov.b32 {b0, b1, b2, b3}, $4;\n" + body + "\n}"
 
@@ -135,51 +136,63 @@ E2M1_WORD_ASM = tl.constexpr(e2m1_word_asm()) if HAVE_TRITON else e2m1_word_asm(
 
 
 @jit
-def e2m1_pair(b, USE_PTX: tl.constexpr):
-    """Packed uint8 bytes -> (low-nibble, high-nibble) fp32 values; in software divided by E2M1_SOFT_UNIT."""
-    if USE_PTX:
-        # one byte -> f16x2 in a 32-bit register, low nibble in the low half
-        r = tl.inline_asm_elementwise(
-            asm=E2M1X4_ASM,
-            constraints="=r,=r,=r,=r,r",
-            args=[b],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=4,
-        )
-        lo = r.to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (r >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        c = b.to(tl.int32)
-        lo = (((c & 0x8) << 12) | ((c & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (((c & 0x80) << 8) | ((c & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
-    return lo.to(tl.float32), hi.to(tl.float32)
+def _halves(p, dtype: tl.constexpr):
+    # uint32 pairs of 16-bit patterns -> (low half, high half) as dtype (fp16 or bf16)
+    return (p & 0xFFFF).to(tl.uint16).to(dtype, bitcast=True), (p >> 16).to(tl.uint16).to(dtype, bitcast=True)
 
 
 @jit
-def e2m1_in(b, dtype: tl.constexpr, USE_PTX: tl.constexpr):
-    """Packed uint8 bytes -> (low-nibble, high-nibble) codes in `dtype` (fp32 / fp16 / bf16), divided by
-    e2m1_in_unit: in software the code's bits set straight into the dtype's sign, exponent and mantissa
-    (magnitude bits at the top mantissa bit, value * 2^(1 - bias); 0.5 is a subnormal), 3 integer ops a
-    code and no conversion; on Blackwell the hardware's fp16 values, converted."""
-    if USE_PTX:
-        lo, hi = e2m1_pair(b, True)
-        return lo.to(dtype), hi.to(dtype)
-    c = b.to(tl.int32)
-    if dtype == tl.float32:
-        lo = ((c & 0x8) << 28) | ((c & 0x7) << 22)
-        hi = ((c & 0x80) << 24) | ((c & 0x70) << 18)
-        return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
-    # 16-bit: fp16 mantissa 10 bits, bf16 7
-    ms: tl.constexpr = 9 if dtype == tl.float16 else 6
-    lo = ((c & 0x8) << 12) | ((c & 0x7) << ms)
-    hi = ((c & 0x80) << 8) | ((c & 0x70) << (ms - 4))
-    return lo.to(tl.int16).to(dtype, bitcast=True), hi.to(tl.int16).to(dtype, bitcast=True)
+def e2m1_word_cols(w, dtype: tl.constexpr, USE_PTX: tl.constexpr):
+    """int32 words of 8 E2M1 codes (nibble c = column c, the low nibble of byte 0 first) -> their 8 columns in
+    `dtype`, column c of each word in the c-th, divided by e2m1_in_unit. In software each code's bits are set
+    straight into the dtype's sign, exponent and mantissa (magnitude bits at the top mantissa bit: value *
+    2^(1 - bias), 0.5 a subnormal), with no conversion; on Blackwell the hardware's fp16 values, converted.
+    For 16-bit dtypes the two codes of byte i are set in one 32-bit pair (column 2i in the low half): byte i
+    times 0x1001 puts its high nibble 16 bits above its low one, so one shift and mask serve both (5 integer
+    ops per byte)."""
+    u = w.to(tl.uint32, bitcast=True)
+    # one branch per form and a single return: Triton compiles the code after a constexpr if's return too
+    if USE_PTX:  # Blackwell: the hardware's conversion of each byte, true values in fp16
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            asm=E2M1X4_ASM, constraints="=r,=r,=r,=r,r", args=[w], dtype=(tl.uint32,) * 4, is_pure=True,
+            pack=1,
+        )  # fmt: skip
+        c0, c1 = _halves(p0, tl.float16)
+        c2, c3 = _halves(p1, tl.float16)
+        c4, c5 = _halves(p2, tl.float16)
+        c6, c7 = _halves(p3, tl.float16)
+        c0, c1, c2, c3 = c0.to(dtype), c1.to(dtype), c2.to(dtype), c3.to(dtype)
+        c4, c5, c6, c7 = c4.to(dtype), c5.to(dtype), c6.to(dtype), c7.to(dtype)
+    elif dtype == tl.float32:  # nibble c at bits 4c: sign to bit 31, magnitude to bits 22..24
+        sg: tl.constexpr = 0x80000000
+        mg: tl.constexpr = 0x01C00000
+        c0 = (((u << 28) & sg) | ((u << 22) & mg)).to(tl.float32, bitcast=True)
+        c1 = (((u << 24) & sg) | ((u << 18) & mg)).to(tl.float32, bitcast=True)
+        c2 = (((u << 20) & sg) | ((u << 14) & mg)).to(tl.float32, bitcast=True)
+        c3 = (((u << 16) & sg) | ((u << 10) & mg)).to(tl.float32, bitcast=True)
+        c4 = (((u << 12) & sg) | ((u << 6) & mg)).to(tl.float32, bitcast=True)
+        c5 = (((u << 8) & sg) | ((u << 2) & mg)).to(tl.float32, bitcast=True)
+        c6 = (((u << 4) & sg) | ((u >> 2) & mg)).to(tl.float32, bitcast=True)
+        c7 = ((u & sg) | ((u >> 6) & mg)).to(tl.float32, bitcast=True)
+    else:
+        # 16-bit: sign to bit 15 (31), magnitude to the top mantissa bit and the exponent's two lowest (bits
+        # 9..11 in fp16, 6..8 in bf16; + 16)
+        ms: tl.constexpr = 9 if dtype == tl.float16 else 6
+        mg16: tl.constexpr = 0x0E000E00 if dtype == tl.float16 else 0x01C001C0
+        t = (u & 0xFF) * 0x1001
+        c0, c1 = _halves(((t << 12) & 0x80008000) | ((t << ms) & mg16), dtype)
+        t = ((u >> 8) & 0xFF) * 0x1001
+        c2, c3 = _halves(((t << 12) & 0x80008000) | ((t << ms) & mg16), dtype)
+        t = ((u >> 16) & 0xFF) * 0x1001
+        c4, c5 = _halves(((t << 12) & 0x80008000) | ((t << ms) & mg16), dtype)
+        t = (u >> 24) * 0x1001
+        c6, c7 = _halves(((t << 12) & 0x80008000) | ((t << ms) & mg16), dtype)
+    return c0, c1, c2, c3, c4, c5, c6, c7
 
 
 @jit
 def e2m1_in_unit(dtype: tl.constexpr, USE_PTX: tl.constexpr):
-    """The power of two e2m1_in's values are divided by: 2^(bias - 1) in software, 1 from the hardware."""
+    """The power of two e2m1_word_cols' values are divided by: 2^(bias - 1) in software, 1 on Blackwell."""
     if USE_PTX:
         return 1.0
     return 16384.0 if dtype == tl.float16 else 2.0**126
@@ -201,7 +214,7 @@ def e2m1_words(w, USE_PTX: tl.constexpr):
         )
     else:
         # nibble at bits 4j (and 16 + 4j): sign -> bit 15 (31), magnitude -> bits 9..11 (25..27), as in
-        # e2m1_pair; the masks drop what crosses between the halves
+        # e2m1_word_cols; the masks drop what crosses between the halves
         u = w.to(tl.uint32, bitcast=True)
         p0 = ((u << 12) & 0x80008000) | ((u << 9) & 0x0E000E00)
         p1 = ((u << 8) & 0x80008000) | ((u << 5) & 0x0E000E00)
@@ -219,7 +232,7 @@ def e4m3_f16(b):
 
 @jit
 def nvfp4_unit(USE_PTX: tl.constexpr):
-    """fp32 factor turning e2m1_pair(...) * e4m3_f16(...) products into true values (a power of two)."""
+    """fp32 factor turning e2m1_words(...) * e4m3_f16(...) products into true values (a power of two)."""
     return 256.0 if USE_PTX else 4194304.0  # E4M3_UNIT, times E2M1_SOFT_UNIT in software
 
 

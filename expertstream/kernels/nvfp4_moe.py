@@ -25,8 +25,8 @@ from expertstream.formats.expert_block import ExpertLayout
 from expertstream.kernels.codec import (
     cdiv,
     dot_precision,
-    e2m1_in,
     e2m1_in_unit,
+    e2m1_word_cols,
     e2m1_words,
     e4m3_f16,
     f16x2_halves,
@@ -293,8 +293,8 @@ def _decode_down_kernel(
 # ---------------------------------------------------------------- prefill
 
 
-# dequantised prefill tiles hold w 2^-8 (`_dequant_tile`), so that s times 2^(bias - 1), the unit of the
-# codes' bits, stays inside fp16 for every scale s <= 448; the epilogues multiply it back
+# dequantised prefill tiles hold w 2^-8 (`_word_tile`), so that s times 2^(bias - 1), the unit of the codes'
+# bits, stays inside fp16 for every scale s <= 448; the epilogues multiply it back
 PREFILL_UNIT = tl.constexpr(256.0) if tl is not None else 256.0
 
 
@@ -621,35 +621,38 @@ def _tile(tile_expert_ptr, e2s_ptr, pair_ptr, slots_ptr, block_bytes, T0, P, BLO
 
 
 @jit
-def _dequant_tile(
+def _word_tile(
     blk, w_off, s_off, k0, n, nmask, row_bytes, row_groups, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr,
     dtype: tl.constexpr,
 ):  # fmt: skip
-    # W^T tile of rows n [BN] over packed bytes k0 .. k0 + BK - 1: (even-column, odd-column) halves [BK, BN]
-    # in dtype, each weight times 2^-8 (PREFILL_UNIT). A code c times its scale s is exact in any of the three
-    # dtypes (6 significant bits, c s 2^-8 a multiple of 2^-18 and <= 10.5). One scale load and decode per
-    # 16 weights, broadcast over its 8 bytes; the codes' bits set straight into the dtype (e2m1_in)
-    kk = k0 + tl.arange(0, BLOCK_K)
-    b = tl.load(
-        blk + w_off + n[None, :] * row_bytes + kk[:, None], mask=(kk < row_bytes)[:, None] & nmask[None, :],
-        other=0,
-    )  # fmt: skip
+    # W^T tile [2 BK, BN] of rows n over packed bytes k0 .. k0 + BK - 1 in dtype, read as int32 words of 8
+    # columns (e2m1_word_cols), each weight times 2^-8 (PREFILL_UNIT): a code c times its scale s is exact in
+    # any of the three dtypes (6 significant bits; c s 2^-8 a multiple of 2^-18 and <= 10.5). One scale load
+    # and decode per 16 weights, broadcast over its two words
+    BW: tl.constexpr = BLOCK_K // 4
+    ww = k0 // 4 + tl.arange(0, BW)
+    words = (blk + w_off).to(tl.pointer_type(tl.int32))
+    m = (ww < row_bytes // 4)[:, None] & nmask[None, :]
+    w = tl.load(words + n[None, :] * (row_bytes // 4) + ww[:, None], mask=m, other=0)  # [BW, BN]
     g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     sm = (g < row_groups)[:, None] & nmask[None, :]
-    sb = tl.load(blk + s_off + n[None, :] * row_groups + g[:, None], mask=sm, other=0)  # [BK / 8, BN]
-    s = (e4m3_f16(sb).to(tl.float32) * e2m1_in_unit(dtype, USE_PTX)).to(dtype)  # s 2^-8 times the unit
-    s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // 8, 8, n.shape[0])), (BLOCK_K, n.shape[0]))
-    lo, hi = e2m1_in(b, dtype, USE_PTX)
-    return lo * s, hi * s
+    sb = tl.load(blk + s_off + n[None, :] * row_groups + g[:, None], mask=sm, other=0)  # [BW / 2, BN]
+    s = (e4m3_f16(sb).to(tl.float32) * e2m1_in_unit(dtype, USE_PTX)).to(dtype)
+    s = tl.reshape(tl.broadcast_to(s[:, None, :], (BW // 2, 2, n.shape[0])), (BW, n.shape[0]))
+    c0, c1, c2, c3, c4, c5, c6, c7 = e2m1_word_cols(w, dtype, USE_PTX)
+    # [BW, BN, c >> 2, (c >> 1) & 1, c & 1]: a join's new dimension is its fastest in registers, so the two
+    # columns of a byte (one packed multiply) lie next to each other and the registers run in K order
+    t = tl.join(
+        tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7))
+    ) * s[:, :, None, None, None]  # fmt: skip
+    return tl.reshape(tl.permute(t, (0, 2, 3, 4, 1)), (2 * BLOCK_K, n.shape[0]))
 
 
 @jit
-def _x_tiles(xrow, xmask, k0, K_IN, BLOCK_K: tl.constexpr):
-    # the step's input columns [BM, BK] of rows xrow [BM, 1] (pointers), (even, odd) columns of packed bytes
-    # k0 .. k0 + BK - 1, in the order _dot_step multiplies them: one contiguous load, split in registers
+def _x_tile(xrow, xmask, k0, K_IN, BLOCK_K: tl.constexpr):
+    # the step's input columns [BM, 2 BK] of rows xrow [BM, 1] (pointers) for packed bytes k0 .. k0 + BK - 1
     kk = 2 * k0 + tl.arange(0, 2 * BLOCK_K)
-    xv = tl.load(xrow + kk[None, :], mask=xmask & (kk < K_IN)[None, :], other=0.0)
-    return tl.split(tl.reshape(xv, (xv.shape[0], BLOCK_K, 2)))
+    return tl.load(xrow + kk[None, :], mask=xmask & (kk < K_IN)[None, :], other=0.0)
 
 
 @jit
@@ -657,13 +660,10 @@ def _dot_step(
     acc, xs, blk, w_off, s_off, k0, n, nmask, K_IN, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PTX: tl.constexpr,
 ):  # fmt: skip
-    # acc [BM, BN] += the step's input columns xs (_x_tiles) times W^T 2^-8 for rows n of a [N, K_IN] matrix:
-    # 2 dots of K = BK
-    lo, hi = _dequant_tile(
-        blk, w_off, s_off, k0, n, nmask, K_IN // 2, K_IN // 16, BLOCK_K, USE_PTX, xs[0].dtype
-    )  # fmt: skip
-    acc = tl.dot(xs[0], lo, acc, input_precision=DOT_PRECISION)
-    return tl.dot(xs[1], hi, acc, input_precision=DOT_PRECISION)
+    # acc [BM, BN] += the step's input columns xs [BM, 2 BK] (_x_tile) times W^T 2^-8 for rows n of an
+    # [N, K_IN] matrix: one dot of K = 2 BK
+    wt = _word_tile(blk, w_off, s_off, k0, n, nmask, K_IN // 2, K_IN // 16, BLOCK_K, USE_PTX, xs.dtype)
+    return tl.dot(xs, wt, acc, input_precision=DOT_PRECISION)
 
 
 @jit(do_not_specialize=("P", "K", "T0"))  # pair counts and tile offsets vary per call: one variant
@@ -684,13 +684,9 @@ def _prefill_gate_up_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, H // 2, BLOCK_K):  # k0 in packed bytes: column pairs (2 k0, 2 k0 + 1) on
-        xs = _x_tiles(x_ptr + tok[:, None] * H, valid[:, None], k0, H, BLOCK_K)
-        acc_g = _dot_step(
-            acc_g, xs, blk, gw_off, gs_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX
-        )  # fmt: skip
-        acc_u = _dot_step(
-            acc_u, xs, blk, uw_off, us_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX
-        )  # fmt: skip
+        xs = _x_tile(x_ptr + tok[:, None] * H, valid[:, None], k0, H, BLOCK_K)
+        acc_g = _dot_step(acc_g, xs, blk, gw_off, gs_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX)
+        acc_u = _dot_step(acc_u, xs, blk, uw_off, us_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX)
     g = acc_g * (tl.load(ws2_ptr + slot * 3) * PREFILL_UNIT)
     u = acc_u * (tl.load(ws2_ptr + slot * 3 + 1) * PREFILL_UNIT)
     hv = g * tl.sigmoid(g) * u
@@ -716,7 +712,7 @@ def _prefill_down_kernel(
     nmask = n < H
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I // 2, BLOCK_K):
-        hs = _x_tiles(h_ptr + rows[:, None] * I, valid[:, None], k0, I, BLOCK_K)
+        hs = _x_tile(h_ptr + rows[:, None] * I, valid[:, None], k0, I, BLOCK_K)
         acc = _dot_step(acc, hs, blk, dw_off, ds_off, k0, n, nmask, I, BLOCK_K, DOT_PRECISION, USE_PTX)
     rw = tl.load(w_ptr + pair, mask=valid, other=0.0)
     acc = acc * (tl.load(ws2_ptr + slot * 3 + 2) * PREFILL_UNIT) * rw[:, None]
