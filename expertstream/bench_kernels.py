@@ -379,16 +379,14 @@ DECODE_SWEEP = [
     ]
 ]  # fmt: skip
 # the tiles' shapes (word tiles since the fourteenth session; the eleventh's, 8 dots of block_k / 4 per step,
-# lost 1.3-3x and were removed then)
+# lost 1.3-3x and were removed then). Two-stage shapes (less shared memory, more programs per SM) were within
+# 1 % of these or slower (2026-12-01 14:53, docs/benchmarks.md)
 PREFILL_SWEEP = [
     dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
     for bm, bn, bk, nw, ns in [
         (16, 64, 32, 4, 4), (16, 64, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
         (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 64, 128, 4, 3), (16, 128, 32, 4, 4),
         (32, 128, 64, 4, 3), (64, 128, 32, 4, 4), (64, 256, 64, 8, 3),
-        # two stages: less shared memory (64 x 128 x 64 takes 112 KiB with three), more programs per SM
-        (64, 128, 64, 4, 2), (64, 64, 64, 4, 2), (64, 128, 32, 4, 2), (16, 128, 32, 4, 2),
-        (16, 128, 64, 4, 2), (32, 128, 32, 4, 3), (128, 128, 32, 8, 2), (64, 256, 32, 8, 2),
     ]
 ]  # fmt: skip
 
