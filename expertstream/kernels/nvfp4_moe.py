@@ -495,6 +495,8 @@ def nvfp4_moe_prefill_rows(
     p = t * k
     cfg = {**order.config, **(launch or {}), "block_m": order.config["block_m"]}
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    # word tiles: block_k bytes are whole int32 words and whole 8-byte scale groups, a power of two
+    assert bk >= 8 and bk & (bk - 1) == 0, f"block_k {bk} must be a power of two >= 8 bytes"
     assert order.pair_ids.numel() == order.tiles * bm and order.row_of_pair.numel() == p, "order"
     t0, t1 = tiles
     assert 0 <= t0 <= t1 <= order.tiles, f"tiles {tiles} of {order.tiles}"
