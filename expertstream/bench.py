@@ -28,6 +28,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=list(MODES), help="what to measure")
     p.add_argument("model", nargs="?", default="", help="routing: WORKDIR (default: the bundled demo model)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="kernels: first time each kernel's candidate launch shapes on this GPU and record the fastest "
+        "in ~/.cache/expertstream/tuned_configs.json ($EXPERTSTREAM_TUNED), which the engine reads over "
+        "the shipped picks (a few minutes)",
+    )
     p.add_argument("--out", type=Path, help="append the table, with date, device and command, to this file")
     p.add_argument(
         "--workdir", default="/tmp/expertstream-bench", help="decode: where the synthetic model lives"

@@ -340,11 +340,21 @@ def table(rows: list[Row], device: dict) -> str:
 
 def run(args) -> int:
     import json
+    import os
 
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("bench kernels needs a CUDA GPU")
+    if args.tune:  # this GPU's picks first, so that the table below runs with them
+        from expertstream.kernels.codec import forget_tuned, user_tuned_path
+
+        path = user_tuned_path()
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        print(f"sweeping launch shapes on {torch.cuda.get_device_name()} (a few minutes)", flush=True)
+        sweep_configs(path, SWEPT)
+        forget_tuned()
+        print(f"recorded the picks in {path}; the engine reads them from there", flush=True)
     rows, device = run_benchmarks()
     if args.json:
         print(json.dumps({"device": device, "rows": [asdict(r) for r in rows]}, indent=1))
@@ -454,5 +464,4 @@ def sweep_configs(
              lambda cfg: pass_calls(layout, slots, ws2, launch=cfg)[0])  # fmt: skip
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
-    print(json.dumps(data))
     return data

@@ -1,5 +1,6 @@
 """Kernels against their plain-torch twins (interpreter on CPU); twins against the codecs in float64."""
 
+import json
 import subprocess
 import sys
 
@@ -792,3 +793,22 @@ def test_stage_blocks_addresses_rows_past_2_gib():
     out_loc = torch.empty_like(loc)
     stage_blocks(torch.tensor([0], device=DEV), loc, host, slots, first, out_loc)
     assert torch.equal(slots[first].cpu(), host[1]) and out_loc.tolist() == [first, -1]
+
+
+def test_user_tuned_configs_override_the_shipped_ones(tmp_path, monkeypatch):
+    # `bench kernels --tune` writes a user file; its entries replace the shipped ones shape by shape, the
+    # rest of the shipped file stays; a missing file is skipped, an unreadable one too
+    shipped, user, broken = tmp_path / "shipped.json", tmp_path / "user.json", tmp_path / "broken.json"
+    shipped.write_text(json.dumps({"GPU": {"fp8_gemv": {"1x2": {"block_n": 8}, "3x4": {"block_n": 16}}}}))
+    other = {"k": {"s": {"a": 1}}}
+    user.write_text(json.dumps({"GPU": {"fp8_gemv": {"1x2": {"block_n": 4}}}, "Other": other}))
+    broken.write_text("{not json")
+    merged = codec.load_tuned([str(shipped), str(user), str(broken), str(tmp_path / "missing.json")])
+    assert merged["GPU"]["fp8_gemv"] == {"1x2": {"block_n": 4}, "3x4": {"block_n": 16}}
+    assert merged["Other"] == other
+    assert codec.load_tuned([str(user), str(shipped)])["GPU"]["fp8_gemv"]["1x2"] == {"block_n": 8}  # order
+    monkeypatch.setenv("EXPERTSTREAM_TUNED", str(user))
+    assert codec.user_tuned_path() == str(user)
+    monkeypatch.delenv("EXPERTSTREAM_TUNED")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert codec.user_tuned_path() == str(tmp_path / "expertstream" / "tuned_configs.json")

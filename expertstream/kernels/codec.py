@@ -242,21 +242,51 @@ _TUNED_PATH = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
 _tuned_cache: dict | None = None
 
 
+def user_tuned_path() -> str:
+    """Where `expertstream bench kernels --tune` records this machine's picks: $EXPERTSTREAM_TUNED, else
+    tuned_configs.json under $XDG_CACHE_HOME/expertstream (~/.cache/expertstream)."""
+    if os.environ.get("EXPERTSTREAM_TUNED"):
+        return os.environ["EXPERTSTREAM_TUNED"]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "expertstream", "tuned_configs.json")
+
+
+def load_tuned(paths: list[str]) -> dict:
+    """{device name: {kernel: {shape key: cfg}}} from each file in turn, a later file's entries over an
+    earlier one's (a missing file is skipped; an unreadable one is skipped with a warning)."""
+    import json
+
+    merged: dict = {}
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            log.warning("cannot read %s (%s); its kernel configs are not used", path, e)
+            continue
+        for device, kernels in data.items():
+            for kernel, shapes in kernels.items():
+                merged.setdefault(device, {}).setdefault(kernel, {}).update(shapes)
+    return merged
+
+
+def forget_tuned() -> None:
+    """Drop the loaded picks: the next `tuned_config` reads the files again (after a --tune sweep)."""
+    global _tuned_cache
+    _tuned_cache = None
+
+
 def tuned_config(kernel: str, device: torch.device, key: str) -> dict | None:
-    """Config picked by the device sweep (tuned_configs.json: {device name: {kernel: {shape key: cfg}}}),
-    or None off CUDA, for unknown devices and shapes (callers then use their shape heuristics)."""
+    """Config picked by a device sweep, or None off CUDA, for unknown devices and shapes (callers then use
+    their shape heuristics). The shipped tuned_configs.json holds the lent H200's picks; the user's file
+    (`user_tuned_path`, written by `expertstream bench kernels --tune`) overrides them."""
     global _tuned_cache
     if device.type != "cuda" or interpreting():
         return None
     if _tuned_cache is None:
-        import json
-
-        try:
-            with open(_TUNED_PATH) as f:
-                _tuned_cache = json.load(f)
-        except (OSError, ValueError) as e:
-            log.warning("cannot read %s (%s); using default kernel configs", _TUNED_PATH, e)
-            _tuned_cache = {}
+        _tuned_cache = load_tuned([_TUNED_PATH, user_tuned_path()])
     cfg = _tuned_cache.get(torch.cuda.get_device_name(device), {}).get(kernel, {}).get(key)
     return dict(cfg) if cfg else None
 
