@@ -35,15 +35,20 @@ except ImportError:  # pragma: no cover
 
 
 @triton.jit
-def _native(
-    x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    PDL: tl.constexpr = 0,
-):  # fmt: skip
-    # PDL 1: wait for the call before; 2: and let the next launch at the start
+def _grid_dependency(PDL: tl.constexpr):
+    # PDL 1: wait for the call before; 2: and let the next call launch at once
     if PDL == 2:
         gdc_launch_dependents()
     if PDL > 0:
         gdc_wait()
+
+
+@triton.jit
+def _native(
+    x_ptr, q_ptr, s_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr = 0,
+):  # fmt: skip
+    _grid_dependency(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
     acc = tl.zeros([BN, BK], tl.float32)
@@ -60,10 +65,7 @@ def _native(
 
 @triton.jit
 def _read(q_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr = 0):
-    if PDL == 2:
-        gdc_launch_dependents()
-    if PDL > 0:
-        gdc_wait()
+    _grid_dependency(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nm = n < N
     acc = tl.zeros([BN, BW], tl.int32)
