@@ -358,7 +358,7 @@ def _decode_all_bytes(w_ptr, c_ptr, s_ptr, DTYPE: tl.constexpr):
     w = tl.load(w_ptr + i)
     cols = codec.e2m1_word_cols(w, DTYPE, False)
     for c in tl.static_range(8):
-        tl.store(c_ptr + c * 256 + i, cols[c].to(tl.float32) * codec.e2m1_in_unit(DTYPE, False))
+        tl.store(c_ptr + c * 256 + i, cols[c].to(tl.float32) * codec.e2m1_cols_unit(DTYPE, False))
     tl.store(s_ptr + i, codec.e4m3_f16((w & 0xFF).to(tl.uint8)).to(tl.float32))
 
 

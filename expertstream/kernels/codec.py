@@ -144,9 +144,9 @@ def _halves(p, dtype: tl.constexpr):
 @jit
 def e2m1_word_cols(w, dtype: tl.constexpr, USE_PTX: tl.constexpr):
     """int32 words of 8 E2M1 codes (nibble c = column c, the low nibble of byte 0 first) -> their 8 columns in
-    `dtype`, column c of each word in the c-th, divided by e2m1_in_unit. In software each code's bits are set
-    straight into the dtype's sign, exponent and mantissa (magnitude bits at the top mantissa bit: value *
-    2^(1 - bias), 0.5 a subnormal), with no conversion; on Blackwell the hardware's fp16 values, converted.
+    `dtype`, column c of each word in the c-th, divided by e2m1_cols_unit. In software each code's bits are
+    set straight into the dtype's sign, exponent and mantissa (magnitude bits at the top mantissa bit: value
+    * 2^(1 - bias), 0.5 a subnormal), with no conversion; on Blackwell the hardware's fp16 values, converted.
     For 16-bit dtypes the two codes of byte i are set in one 32-bit pair (column 2i in the low half): byte i
     times 0x1001 puts its high nibble 16 bits above its low one, so one shift and mask serve both (5 integer
     ops per byte)."""
@@ -191,7 +191,7 @@ def e2m1_word_cols(w, dtype: tl.constexpr, USE_PTX: tl.constexpr):
 
 
 @jit
-def e2m1_in_unit(dtype: tl.constexpr, USE_PTX: tl.constexpr):
+def e2m1_cols_unit(dtype: tl.constexpr, USE_PTX: tl.constexpr):
     """The power of two e2m1_word_cols' values are divided by: 2^(bias - 1) in software, 1 on Blackwell."""
     if USE_PTX:
         return 1.0

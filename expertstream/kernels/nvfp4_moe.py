@@ -25,7 +25,7 @@ from expertstream.formats.expert_block import ExpertLayout
 from expertstream.kernels.codec import (
     cdiv,
     dot_precision,
-    e2m1_in_unit,
+    e2m1_cols_unit,
     e2m1_word_cols,
     e2m1_words,
     e4m3_f16,
@@ -639,7 +639,7 @@ def _word_tile(
     g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     sm = (g < row_groups)[:, None] & nmask[None, :]
     sb = tl.load(blk + s_off + n[None, :] * row_groups + g[:, None], mask=sm, other=0)  # [BW / 2, BN]
-    s = (e4m3_f16(sb).to(tl.float32) * e2m1_in_unit(dtype, USE_PTX)).to(dtype)
+    s = (e4m3_f16(sb).to(tl.float32) * e2m1_cols_unit(dtype, USE_PTX)).to(dtype)
     s = tl.reshape(tl.broadcast_to(s[:, None, :], (BW // 2, 2, n.shape[0])), (BW, n.shape[0]))
     c0, c1, c2, c3, c4, c5, c6, c7 = e2m1_word_cols(w, dtype, USE_PTX)
     # [BW, BN, c >> 2, (c >> 1) & 1, c & 1]: a join's new dimension is its fastest in registers, so the two
