@@ -397,13 +397,20 @@ PREFILL_SWEEP = [
         (16, 64, 32, 4, 4), (16, 64, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3),
         (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 64, 128, 4, 3), (16, 128, 32, 4, 4),
         (32, 128, 64, 4, 3), (64, 128, 32, 4, 4), (64, 256, 64, 8, 3),
+        # two warp groups on one M = 64 tile (each half the columns): a 64 x 128 program alone on its SM
+        # (~160 KB of shared memory) has one warp per scheduler to hide the dequantisation's latencies
+        (64, 128, 64, 8, 3), (64, 128, 64, 8, 2), (64, 256, 64, 8, 2), (64, 128, 32, 8, 4),
+        (32, 128, 64, 8, 3), (16, 128, 32, 8, 4), (16, 256, 32, 8, 4),
     ]
 ]  # fmt: skip
 
 
 PASS_SWEEP = [
     dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-    for bn, bk, nw, ns in [(64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 4), (128, 64, 4, 3), (64, 128, 4, 3)]
+    for bn, bk, nw, ns in [
+        (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 4), (128, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3),
+        (128, 32, 8, 4),
+    ]
 ]  # fmt: skip  # the first is the tiles' own (ps64) shape: a sweep never records worse; narrower tiles lost
 
 
