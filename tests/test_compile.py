@@ -46,7 +46,7 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                     us_off="i32",
                     **DECODE_IN,
                 ),
-                dict(H=H, I=I, BLOCK_N=4, BLOCK_G=32, USE_PTX=p),
+                dict(H=H, I=I, BLOCK_N=4, BLOCK_G=32, PDL=True, USE_PTX=p),
                 2,
             )
         )
@@ -64,7 +64,7 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                     ds_off="i32",
                     **DECODE_IN,
                 ),
-                dict(K=K, PER=1, H=H, I=I, BLOCK_N=16, BLOCK_G=8, USE_PTX=p),
+                dict(K=K, PER=1, H=H, I=I, BLOCK_N=16, BLOCK_G=8, PDL=True, USE_PTX=p),
                 2,
             )
         )

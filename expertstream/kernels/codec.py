@@ -20,6 +20,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only install
     triton = tl = None
+try:  # programmatic dependent launch (Triton >= 3.4, sm_90+)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # older Triton, or none
+    gdc_launch_dependents = gdc_wait = None
 
 log = get_logger(__name__)
 
@@ -88,6 +92,12 @@ def native_failed(capability: tuple[int, int], error: Exception) -> None:
     _NATIVE_FAILED.add(tuple(capability))
 
 
+def dependent_launch(capability: tuple[int, int] | None) -> bool:
+    """sm_90+ can launch a kernel while the one before it runs (programmatic dependent launch): the second
+    waits in-kernel (`gdc_wait`) for the first's results, after work that does not need them."""
+    return capability is not None and tuple(capability) >= (9, 0) and gdc_wait is not None
+
+
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     return None if device.type != "cuda" or interpreting() else torch.cuda.get_device_capability(device)
 
@@ -141,6 +151,16 @@ E2M1_WORD_ASM = tl.constexpr(e2m1_word_asm()) if HAVE_TRITON else e2m1_word_asm(
 # 2,080 to 1,952 instructions. The interpreter has no inline asm
 PAIR_ASM = tl.constexpr("mov.b32 $0, $1;") if HAVE_TRITON else None
 PAIR_ASM_OK = tl.constexpr(not interpreting()) if HAVE_TRITON else False
+
+
+# start reading the line holding each address into L2 (nothing waits for it; the int32 result is 0)
+L2_PREFETCH_ASM = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;") if HAVE_TRITON else None
+
+
+@jit
+def l2_prefetch(ptrs):
+    """L2 prefetch of the lines at `ptrs` (device memory; compiled kernels only: no asm when interpreted)."""
+    return tl.inline_asm_elementwise(L2_PREFETCH_ASM, "=r,l", [ptrs], tl.int32, is_pure=False, pack=1)
 
 
 @jit

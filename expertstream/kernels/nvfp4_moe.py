@@ -24,13 +24,18 @@ import torch.nn.functional as F
 from expertstream.formats.expert_block import ExpertLayout
 from expertstream.kernels.codec import (
     cdiv,
+    dependent_launch,
+    device_capability,
     dot_precision,
     e2m1_cols_unit,
     e2m1_word_cols,
     e2m1_words,
     e4m3_f16,
     f16x2_halves,
+    gdc_launch_dependents,
+    gdc_wait,
     jit,
+    l2_prefetch,
     launch_e2m1,
     nvfp4_unit,
     require_triton,
@@ -141,20 +146,24 @@ def nvfp4_moe_decode(
     block_n, block_g = (cfg["block_n_gu"], cfg["block_n_down"]), (cfg["block_g_gu"], cfg["block_g_down"])
     h = torch.empty(k, i_size, dtype=torch.float32, device=x.device)  # silu(g) * u, [K, I]
     out = torch.empty_like(x)
-    common = dict(H=h_size, I=i_size, block_bytes=layout.block_bytes, num_warps=cfg["num_warps"])
+    n_blocks = cdiv(h_size, block_n[1])
+    per = cdiv(k, cfg.get("split_down", k))  # experts per down program; the split is cdiv(k, per) programs
+    part = torch.empty(cdiv(k, per), h_size, dtype=torch.float32, device=x.device)  # each split's rows
+    # programs finished per row block; zeroed before gate+up, so that down follows gate+up directly
+    done = torch.zeros(n_blocks, dtype=torch.int32, device=x.device)
+    # sm_90+: down launches while gate+up runs and reads its VRAM blocks into L2 before it waits for h
+    pdl = dependent_launch(device_capability(x.device))
+    common = dict(H=h_size, I=i_size, block_bytes=layout.block_bytes, num_warps=cfg["num_warps"], PDL=pdl)
     launch_e2m1(
         _decode_gate_up_kernel, (k, cdiv(i_size, block_n[0])), x.device,
         x, expert_ids, loc, scales, slots, host, h, gw_off=off["gw_off"], uw_off=off["uw_off"],
         gs_off=off["gs_off"], us_off=off["us_off"], BLOCK_N=block_n[0], BLOCK_G=block_g[0], **common,
     )  # fmt: skip
-    n_blocks = cdiv(h_size, block_n[1])
-    per = cdiv(k, cfg.get("split_down", k))  # experts per down program; the split is cdiv(k, per) programs
-    part = torch.empty(cdiv(k, per), h_size, dtype=torch.float32, device=x.device)  # each split's rows
-    done = torch.zeros(n_blocks, dtype=torch.int32, device=x.device)  # programs finished per row block
     launch_e2m1(
         _decode_down_kernel, (n_blocks, cdiv(k, per)), x.device,
         h, expert_ids, loc, scales, slots, host, weights, part, done, out, K=k, PER=per,
         dw_off=off["dw_off"], ds_off=off["ds_off"], BLOCK_N=block_n[1], BLOCK_G=block_g[1], **common,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
@@ -221,10 +230,12 @@ def _group_partial(
 def _decode_gate_up_kernel(
     x_ptr, ids_ptr, loc_ptr, scales_ptr, slots_ptr, host_ptr, h_ptr, block_bytes, gw_off, uw_off, gs_off,
     us_off, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    USE_PTX: tl.constexpr,
+    PDL: tl.constexpr, USE_PTX: tl.constexpr,
 ):  # fmt: skip
     # program (k, n block): h[k, n] = silu(gate[n] . x) * (up[n] . x) for BLOCK_N rows of expert k;
     # H, I, K are constexpr so the loops unroll and every block load is in flight at once
+    if PDL:  # the down launch may start now (it waits for h itself)
+        gdc_launch_dependents()
     k = tl.program_id(0)
     blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -254,10 +265,32 @@ def _swiglu_rows(
 
 
 @jit
+def _prefetch_down_rows(
+    ids_ptr, loc_ptr, slots_ptr, block_bytes, dw_off, ds_off, s, n, K: tl.constexpr, PER: tl.constexpr,
+    I: tl.constexpr,
+):  # fmt: skip
+    # L2 prefetch of the down rows n (codes, scales) of the split's experts in VRAM slots: a block in host
+    # RAM is left alone (read twice over the bus, it would cost the bus twice)
+    for kk in tl.static_range(PER):
+        k = s * PER + kk
+        if k < K:
+            c = tl.load(loc_ptr + tl.load(ids_ptr + k).to(tl.int64)).to(tl.int64)
+            if c >= 0:
+                codes = slots_ptr + c * block_bytes + dw_off + n * (I // 2)  # rows of I / 2 bytes
+                scales = slots_ptr + c * block_bytes + ds_off + n * (I // 16)  # and of I / 16
+                for j in tl.static_range(0, I // 2, 128):  # every 128-byte line a row touches
+                    l2_prefetch(codes + j)
+                l2_prefetch(codes + I // 2 - 1)
+                for j in tl.static_range(0, I // 16, 128):
+                    l2_prefetch(scales + j)
+                l2_prefetch(scales + I // 16 - 1)
+
+
+@jit
 def _decode_down_kernel(
     h_ptr, ids_ptr, loc_ptr, scales_ptr, slots_ptr, host_ptr, w_ptr, part_ptr, done_ptr, out_ptr, block_bytes,
     dw_off, ds_off, K: tl.constexpr, PER: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr, USE_PTX: tl.constexpr,
 ):  # fmt: skip
     # program (n block, split s): part[s, n] = sum over experts k = s PER .. s PER + PER - 1, in order, of
     # w[k] * down_k[n] . h[k]; the splits of a row block run in parallel (more bytes in flight than one
@@ -265,6 +298,9 @@ def _decode_down_kernel(
     nb, s = tl.program_id(0), tl.program_id(1)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
+    if PDL:  # launched while gate+up runs: start reading the rows into L2, then wait for h
+        _prefetch_down_rows(ids_ptr, loc_ptr, slots_ptr, block_bytes, dw_off, ds_off, s, n, K, PER, I)
+        gdc_wait()
     rows = tl.zeros([BLOCK_N], tl.float32)
     for kk in tl.static_range(PER):
         k = s * PER + kk
