@@ -405,6 +405,17 @@ PREFILL_SWEEP = [
 ]  # fmt: skip
 
 
+# the down launch's own shapes, tried once the shape of both is picked (its K = I is a quarter of H: fewer
+# steps per program, and a program per BLOCK_N of H's 2,560 rows)
+DOWN_SWEEP = [
+    dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+    for bn, bk, nw, ns in [
+        (64, 64, 4, 3), (128, 64, 4, 3), (256, 64, 8, 3), (128, 128, 4, 2), (64, 32, 4, 4), (128, 32, 4, 4),
+        (64, 128, 4, 2), (128, 64, 8, 3), (256, 32, 8, 4),
+    ]
+]  # fmt: skip
+
+
 PASS_SWEEP = [
     dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
     for bn, bk, nw, ns in [
@@ -437,7 +448,7 @@ def sweep_configs(
             print("   skipped:", str(e).splitlines()[0][:120], flush=True)
             return float("inf")
 
-    def pick(kernel: str, key: str, label: str, candidates: list[dict], make_calls) -> None:
+    def pick(kernel: str, key: str, label: str, candidates: list[dict], make_calls) -> dict | None:
         res = []
         for cfg in candidates:
             us = timed(lambda: make_calls(cfg))  # noqa: B023
@@ -446,6 +457,15 @@ def sweep_configs(
         us, cfg = min(res, key=lambda r: r[0])
         if us < float("inf"):
             best.setdefault(kernel, {})[key] = cfg
+            return cfg
+        return None
+
+    def pick_prefill(key: str, label: str, candidates: list[dict], make_calls) -> None:
+        # both launches' shape, then the down launch's own (the first candidate: the same shape)
+        cfg = pick("nvfp4_prefill", key, label, candidates, make_calls)
+        if cfg is not None:
+            downs = [cfg] + [{**cfg, "down": d} for d in DOWN_SWEEP]
+            pick("nvfp4_prefill", key, label + " down", downs, make_calls)
 
     data = {}
     if os.path.exists(path):
@@ -464,11 +484,11 @@ def sweep_configs(
                  lambda cfg: decode_calls(layout, slots, ws2, place, cfg))  # noqa: B023  # fmt: skip
     if "nvfp4_prefill" in kernels:  # one call per graph: a prompt's experts are far past L2
         for t in (512, 2451, 8192):
-            pick("nvfp4_prefill", f"{HIDDEN}x{INTER}x{prefill_bucket(t * TOPK, EXPERTS)}", f"prefill T={t}",
-                 PREFILL_SWEEP, lambda cfg: prefill_calls(layout, slots, ws2, t, cfg)[0])  # noqa: B023  # fmt: skip
+            pick_prefill(f"{HIDDEN}x{INTER}x{prefill_bucket(t * TOPK, EXPERTS)}", f"prefill T={t}",
+                         PREFILL_SWEEP, lambda cfg: prefill_calls(layout, slots, ws2, t, cfg)[0])  # noqa: B023  # fmt: skip
     if "nvfp4_prefill_pass" in kernels:  # one engine pass: few experts mapped, the tiles made for all
-        pick("nvfp4_prefill", f"{HIDDEN}x{INTER}xpass", "prefill pass", PASS_SWEEP,
-             lambda cfg: pass_calls(layout, slots, ws2, launch=cfg)[0])  # fmt: skip
+        pick_prefill(f"{HIDDEN}x{INTER}xpass", "prefill pass", PASS_SWEEP,
+                     lambda cfg: pass_calls(layout, slots, ws2, launch=cfg)[0])  # fmt: skip
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     return data

@@ -145,6 +145,25 @@ def test_prefill_matches_ref(bank, dtype, t, block_m):
     assert e < 11  # the mapping above covers every id drawn
 
 
+def test_prefill_down_launch_in_a_shape_of_its_own(bank):
+    # the down launch's own block_n / block_k / warps / stages ("down" in the config) change no sum
+    layout, slots, ws2 = bank
+    g = torch.Generator().manual_seed(5)
+    t, k = 24, 3
+    e2s = torch.tensor([3, 0, 5, 1, 4, 2], dtype=torch.int32, device=DEV)
+    ids = torch.randint(0, 6, (t, k), generator=g).to(DEV)
+    x = torch.randn(t, layout.hidden_size, generator=g).to(DEV)
+    w = torch.rand(t, k, generator=g).to(DEV)
+    cfg = dict(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=2)
+    want = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg)
+    down = dict(block_n=64, block_k=8, num_warps=4, num_stages=3)
+    got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "down": down})
+    close(got, want, torch.float32)
+    close(got, nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout), torch.float32)
+    with pytest.raises(AssertionError, match="block_k 12"):  # the down shape is the one launched
+        nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "down": {**down, "block_k": 12}})
+
+
 def test_prefill_one_token_equals_decode(bank):
     layout, slots, ws2 = bank
     x = torch.randn(1, layout.hidden_size, device=DEV)

@@ -519,7 +519,8 @@ def nvfp4_moe_prefill_rows(
     Args: as `nvfp4_moe_prefill`, plus order: the pairs of expert_ids [T, K] sorted by `order_pairs`; tiles:
     (t0, t1); y: [R, H] in x.dtype and work (h = silu(g) u): [R, I] in x.dtype, R >= (t1 - t0) BLOCK_M;
     launch: block_n, block_k, num_warps, num_stages in place of the order's (its block_m stays: the tiles
-    are made), e.g. the shape tuned for a bank's passes of a few experts each.
+    are made), e.g. the shape tuned for a bank's passes of a few experts each. Either config may hold a
+    "down" dict of those four keys: the down launch's own shape (K = I is a quarter of gate+up's K = H).
     """
     _check_common(x, slots, layout)
     assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
@@ -530,9 +531,10 @@ def nvfp4_moe_prefill_rows(
     h_size, i_size = layout.hidden_size, layout.intermediate_size
     p = t * k
     cfg = {**order.config, **(launch or {}), "block_m": order.config["block_m"]}
+    down = {**cfg, **cfg.get("down", {})}
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    # word tiles: block_k bytes are whole int32 words and whole 8-byte scale groups, a power of two
-    assert bk >= 8 and bk & (bk - 1) == 0, f"block_k {bk} must be a power of two >= 8 bytes"
+    for b in (bk, down["block_k"]):  # word tiles: whole int32 words and whole 8-byte scale groups
+        assert b >= 8 and b & (b - 1) == 0, f"block_k {b} must be a power of two >= 8 bytes"
     assert order.pair_ids.numel() == order.tiles * bm and order.row_of_pair.numel() == p, "order"
     t0, t1 = tiles
     assert 0 <= t0 <= t1 <= order.tiles, f"tiles {tiles} of {order.tiles}"
@@ -545,19 +547,28 @@ def nvfp4_moe_prefill_rows(
         return
     off = _offsets(layout)
     common = dict(
-        block_bytes=layout.block_bytes, H=h_size, I=i_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+        block_bytes=layout.block_bytes, H=h_size, I=i_size, BLOCK_M=bm, DOT_PRECISION=dot_precision(x.dtype)
+    )
     tile_args = (order.pair_ids, order.tile_expert, expert_to_slot)
     launch_e2m1(
         _prefill_gate_up_kernel, (t1 - t0, cdiv(i_size, bn)), x.device,
         x, *tile_args, slots, ws2, work, p, k, t0, gw_off=off["gw_off"], uw_off=off["uw_off"],
-        gs_off=off["gs_off"], us_off=off["us_off"], **common,
+        gs_off=off["gs_off"], us_off=off["us_off"], **common, **_launch_shape(cfg),
     )  # fmt: skip
     launch_e2m1(
-        _prefill_down_kernel, (t1 - t0, cdiv(h_size, bn)), x.device,
+        _prefill_down_kernel, (t1 - t0, cdiv(h_size, down["block_n"])), x.device,
         work, *tile_args, slots, ws2, weights, y, p, t0, dw_off=off["dw_off"], ds_off=off["ds_off"], **common,
+        **_launch_shape(down),
     )  # fmt: skip
+
+
+def _launch_shape(cfg: dict) -> dict:
+    return dict(
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
 
 
 def _combine_args(y, order: PairOrder, expert_to_slot, tiles, total):
