@@ -522,6 +522,7 @@ class GpuExperts:
         staging is on (stats only, never on the decode path)."""
         if not self.stage_guesses:
             return 0, 0
+        self.decode_join()  # the last layer's staging (and its count) may still be queued on the side stream
         staged, hits = self._stage_counts.tolist()
         return staged, hits
 
