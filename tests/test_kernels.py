@@ -526,6 +526,25 @@ def test_every_decode_sweep_candidate_matches_ref(bank):
         close(decode(x, slots, ids, ws2, w, layout, config=config), want, torch.float32)
 
 
+def test_every_prefill_sweep_candidate_matches_ref(bank):
+    # as for decode: every shape the sweep may record (both launches', the pass's, and down's own after
+    # the first) must be a valid launch
+    from expertstream.bench_kernels import DOWN_SWEEP, PASS_SWEEP, PREFILL_SWEEP
+
+    layout, slots, ws2 = bank
+    g = torch.Generator().manual_seed(8)
+    t, k = 20, 3
+    e2s = torch.tensor([3, 0, 5, 1, 4, 2], dtype=torch.int32, device=DEV)
+    ids = torch.randint(0, 6, (t, k), generator=g).to(DEV)
+    x = torch.randn(t, layout.hidden_size, generator=g).to(DEV)
+    w = torch.rand(t, k, generator=g).to(DEV)
+    want = nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout)
+    configs = PREFILL_SWEEP + [{"block_m": 64, **c} for c in PASS_SWEEP]
+    configs += [{**PREFILL_SWEEP[0], "down": d} for d in DOWN_SWEEP]
+    for config in configs:
+        close(nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=config), want, torch.float32)
+
+
 @pytest.mark.parametrize("split", [1, 2, 3])
 def test_decode_split_down_matches_ref(bank, split):
     # K = 5 experts in `split` down programs per row block: 5, 3 + 2 and 2 + 2 + 1 experts each
