@@ -89,13 +89,23 @@ def permute_cols(x):
     return x.view(t, h // 16, 8, 2).transpose(2, 3).reshape(t, h)
 
 
-def compare(layout, slots, ws2, ids, x, cfg: dict) -> None:
-    """h of the engine's gate+up and of the split kernel on the same tiles, and their times."""
+def launch_split(xp, args, h, p, layout, cfg: dict, grid, offs: dict) -> None:
+    """The split kernel over the tiles of `args`, on xp = permute_cols(x)."""
+    H, I = layout.hidden_size, layout.intermediate_size
+    _split_gate_up_kernel[grid](
+        xp, *args, h, p, TOPK, 0, layout.block_bytes, H, I, *offs.values(), BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def compare(layout, slots, ws2, ids, x, cfg: dict, name: str, launch, prep=None) -> None:
+    """h of the engine's gate+up and of `launch` (launch_split's signature, given prep(x), made once and not
+    timed) on the same tiles, and their times (graph-timed, one call per graph)."""
     bm, bn, bk, nw, ns = (cfg[k] for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
     e2s = torch.arange(EXPERTS, dtype=torch.int32, device=slots.device)
     off = nm._offsets(layout)
     H, I = layout.hidden_size, layout.intermediate_size
-    xp = permute_cols(x)
     order = nm.order_pairs(ids, EXPERTS, layout, config=cfg)
     h_ref = torch.zeros(order.tiles * bm, I, dtype=x.dtype, device=x.device)
     h_new = torch.zeros_like(h_ref)
@@ -111,35 +121,33 @@ def compare(layout, slots, ws2, ids, x, cfg: dict) -> None:
             DOT_PRECISION="tf32", num_warps=nw, num_stages=ns,
         )  # fmt: skip
 
+    xin = prep(x) if prep else x
+
     def new():
-        _split_gate_up_kernel[grid](
-            xp, *args, h_new, p, TOPK, 0, layout.block_bytes, H, I, *offs.values(), BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=bk, num_warps=nw, num_stages=ns,
-        )  # fmt: skip
+        launch(xin, args, h_new, p, layout, cfg, grid, offs)
 
     old()
     new()
     torch.cuda.synchronize()
     d = (h_new.float() - h_ref.float()).abs()
-    print(f"T={x.shape[0]} {cfg}: max |h new - h old| {d.max().item():.3e} (max |h| "
+    print(f"T={x.shape[0]} {cfg}: max |h {name} - h old| {d.max().item():.3e} (max |h| "
           f"{h_ref.float().abs().max().item():.3e})", flush=True)  # fmt: skip
-    print(f"  old {1e3 * graph_ms([old]):.1f} us  split {1e3 * graph_ms([new]):.1f} us  "
-          f"permute {1e3 * graph_ms([lambda: permute_cols(x)]):.1f} us", flush=True)  # fmt: skip
+    print(f"  old {1e3 * graph_ms([old]):.1f} us  {name} {1e3 * graph_ms([new]):.1f} us", flush=True)
 
 
-def main(tokens: int, cfgs: list[tuple]) -> None:
+def main(tokens: int, shapes: list[tuple], name: str, launch, prep=None) -> None:
+    """compare() for each (block_m, block_n, block_k, num_warps, num_stages) of `shapes`."""
     from expertstream.bench_kernels import _prompt
 
     layout, slots, ws2 = random_bank(EXPERTS)
     ids, _, x = _prompt(layout, EXPERTS, tokens, tokens, slots.device)
-    for bm, bn, bk, nw, ns in cfgs:
-        compare(
-            layout, slots, ws2, ids, x, dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-        )
+    keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    for shape in shapes:
+        compare(layout, slots, ws2, ids, x, dict(zip(keys, shape, strict=True)), name, launch, prep)
 
 
 if __name__ == "__main__":
     shapes = [(16, 128, 32, 4, 4), (64, 128, 64, 4, 3), (64, 64, 64, 4, 3), (16, 64, 64, 4, 3),
               (32, 128, 64, 4, 3), (64, 128, 32, 4, 4)]  # fmt: skip
     for t in [int(a) for a in sys.argv[1:]] or [512, 2451, 8192]:
-        main(t, shapes)
+        main(t, shapes, "split", launch_split, permute_cols)

@@ -1,0 +1,136 @@
+"""Probe (device): prefill gate+up written in Triton's Gluon dialect, where the wgmma waits are explicit. Each
+step's two wgmmas (gate, up) are issued asynchronously and at most one step's stay in flight while the next
+step decodes its tiles into the other of two shared-memory buffers, so a warp group's dequantisation
+overlaps its MMAs (the engine's tl.dot kernel waits for each wgmma at once). Same tiles, decoding and units
+as `nvfp4_moe._prefill_gate_up_kernel` (words, two codes of a byte in one pair scaled by one bf16x2
+multiply); bf16 only; needs I % BLOCK_N == 0 and (H / 2) % BLOCK_K == 0 (the real model's shapes) and
+BLOCK_M = 64 (one warp group's M). Compares h and the time with the engine's kernel on the same tiles
+(split_probe.compare). Written in the fifteenth session and compiled for sm_90 with Triton 3.9 on a CPU box
+(64 x 128 x 64: 1,198 SASS instructions per 256 weights a thread in the loop, no spills); not yet run."""
+
+import sys
+
+from split_probe import main
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from expertstream.bench_kernels import TOPK
+
+PAIR_ASM: gl.constexpr = gl.constexpr("mov.b32 $0, $1;")
+
+
+@gluon.jit
+def _halves(p):
+    pair = gl.inline_asm_elementwise(PAIR_ASM, "=r,r,r", [gl.join(p, p)], gl.bfloat16, True, 2)
+    return gl.split(pair)
+
+
+MUL_ASM: gl.constexpr = gl.constexpr("mul.rn.bf16x2 $0, $1, $2;")
+
+
+@gluon.jit
+def _pair(t, sp):
+    # a byte's two codes (t = byte * 0x1001) as a bf16x2 pair times the scale pair sp (HMUL2)
+    p = ((t << 12) & 0x80008000) | ((t << 6) & 0x01C001C0)
+    q = gl.inline_asm_elementwise(MUL_ASM, "=r,r,r", [p, sp], gl.uint32, True, 1)
+    return _halves(q)
+
+
+@gluon.jit
+def _word_tile(blk, w_off, s_off, k0, n, row_bytes, row_groups, BLOCK_K: gl.constexpr, WL: gl.constexpr):
+    # W^T tile [2 BK, BN] bf16 times 2^-8 (as the Triton kernel's), n: [BN] in SliceLayout(0, WL)
+    BW: gl.constexpr = BLOCK_K // 4
+    ww = k0 // 4 + gl.arange(0, BW, layout=gl.SliceLayout(1, WL))
+    words = (blk + w_off).to(gl.pointer_type(gl.int32))
+    u = gl.load(words + n[None, :] * (row_bytes // 4) + ww[:, None]).to(gl.uint32, bitcast=True)  # [BW, BN]
+    SL: gl.constexpr = gl.SliceLayout(2, gl.BlockedLayout([2, 1, 2], [4, 8, 1], [1, 4, 1], [2, 0, 1]))
+    g = k0 // 8 + gl.arange(0, BW // 2, layout=gl.SliceLayout(1, SL))
+    ns = gl.convert_layout(n, gl.SliceLayout(0, SL))
+    sb = gl.load(blk + s_off + ns[None, :] * row_groups + g[:, None]).to(gl.int32)  # [BW / 2, BN]
+    f16 = (((sb & 0x80) << 8) | ((sb & 0x7F) << 7)).to(gl.int16).to(gl.float16, bitcast=True)
+    s16 = (f16.to(gl.float32) * 2.0**126).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    sp = (s16 | (s16 << 16)).to(gl.uint32, bitcast=True)
+    sp = gl.reshape(gl.permute(gl.join(sp, sp), (0, 2, 1)), (BW, n.shape[0]))  # a word's scale pair
+    sp = gl.convert_layout(sp, u.type.layout)
+    c0, c1 = _pair((u & 0xFF) * 0x1001, sp)
+    c2, c3 = _pair(((u >> 8) & 0xFF) * 0x1001, sp)
+    c4, c5 = _pair(((u >> 16) & 0xFF) * 0x1001, sp)
+    c6, c7 = _pair((u >> 24) * 0x1001, sp)
+    t = gl.join(gl.join(gl.join(c0, c4), gl.join(c2, c6)), gl.join(gl.join(c1, c5), gl.join(c3, c7)))
+    return gl.reshape(gl.permute(t, (0, 2, 3, 4, 1)), (2 * BLOCK_K, n.shape[0]))
+
+
+@gluon.jit
+def _gl_gate_up_kernel(
+    x_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, h_ptr, P, K, T0, block_bytes, H, I,
+    gw_off, uw_off, gs_off, us_off, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+):  # fmt: skip
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # x tile [BM, 2 BK]: 16 B a thread
+    WL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 4], [0, 1])  # words [BW, BN]: 16 B along K
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * BLOCK_K], gl.bfloat16)
+    WS: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [2 * BLOCK_K, BLOCK_N], gl.bfloat16, transposed=True
+    )
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 2 * BLOCK_K], XS)
+    g_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BLOCK_K, BLOCK_N], WS)
+    u_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BLOCK_K, BLOCK_N], WS)
+
+    tile = T0 + gl.program_id(0)
+    e = gl.load(tile_expert_ptr + tile)
+    slot = gl.where(e >= 0, gl.load(e2s_ptr + gl.maximum(e, 0)).to(gl.int64), -1)
+    if slot >= 0:
+        blk = slots_ptr + slot * block_bytes
+        m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+        pair = gl.load(pair_ptr + tile * BLOCK_M + m)
+        valid = pair < P
+        tok = (pair // K).to(gl.int64)
+        n = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, WL))
+        acc_g = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA))
+        acc_u = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA))
+        kk = gl.arange(0, 2 * BLOCK_K, layout=gl.SliceLayout(0, XL))
+        for k0 in range(0, H // 2, BLOCK_K):
+            b = (k0 // BLOCK_K) % 2
+            # buffer b was read by the step before last: at most the last step's two wgmmas in flight
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            x_smem.index(b).store(
+                gl.load(x_ptr + tok[:, None] * H + 2 * k0 + kk[None, :], mask=valid[:, None], other=0.0)
+            )
+            g_smem.index(b).store(_word_tile(blk, gw_off, gs_off, k0, n, H // 2, H // 16, BLOCK_K, WL))
+            u_smem.index(b).store(_word_tile(blk, uw_off, us_off, k0, n, H // 2, H // 16, BLOCK_K, WL))
+            fence_async_shared()
+            gl.barrier()
+            acc_g = warpgroup_mma(x_smem.index(b), g_smem.index(b), acc_g, is_async=True)
+            acc_u = warpgroup_mma(x_smem.index(b), u_smem.index(b), acc_u, is_async=True)
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        g = acc_g * (gl.load(ws2_ptr + slot * 3) * 256.0)
+        u = acc_u * (gl.load(ws2_ptr + slot * 3 + 1) * 256.0)
+        hv = g * (1.0 / (1.0 + gl.exp(-g))) * u
+        rows = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
+        vm = gl.load(pair_ptr + tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))) < P
+        nn = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+        gl.store(h_ptr + rows[:, None].to(gl.int64) * I + nn[None, :], hv.to(gl.bfloat16), mask=vm[:, None])
+
+
+def launch_gluon(x, args, h, p, layout, cfg: dict, grid, offs: dict) -> None:
+    """The Gluon kernel over the tiles of `args` (split_probe.launch_split's signature)."""
+    H, I = layout.hidden_size, layout.intermediate_size
+    _gl_gate_up_kernel[grid](
+        x, *args, h, p, TOPK, 0, layout.block_bytes, H, I, *offs.values(), BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"],
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    # (block_m, block_n, block_k, num_warps, num_stages): stages are the engine kernel's (Gluon's are two)
+    shapes = [(64, 128, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4)]
+    for t in [int(a) for a in sys.argv[1:]] or [512, 2451, 8192]:
+        main(t, shapes, "gluon", launch_gluon)
