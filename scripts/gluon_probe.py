@@ -1,15 +1,18 @@
-"""Probe (device): prefill gate+up written in Triton's Gluon dialect, where the wgmma waits are explicit. Each
-step's two wgmmas (gate, up) are issued asynchronously and at most one step's stay in flight while the next
-step decodes its tiles into the other of two shared-memory buffers, so a warp group's dequantisation
-overlaps its MMAs (the engine's tl.dot kernel waits for each wgmma at once). Same tiles, decoding and units
-as `nvfp4_moe._prefill_gate_up_kernel` (words, two codes of a byte in one pair scaled by one bf16x2
-multiply); bf16 only; needs I % BLOCK_N == 0 and (H / 2) % BLOCK_K == 0 (the real model's shapes) and
-BLOCK_M = 64 (one warp group's M). Compares h and the time with the engine's kernel on the same tiles
-(split_probe.compare). Written in the fifteenth session and compiled for sm_90 with Triton 3.9 on a CPU box
-(64 x 128 x 64: 1,198 SASS instructions per 256 weights a thread in the loop, no spills); not yet run."""
+"""Probe (device): the prefill kernels written in Triton's Gluon dialect, where the wgmma waits are explicit.
+Each step's wgmmas are issued asynchronously and one step's stay in flight while the next step decodes its
+tiles into the other of two shared-memory buffers, so a warp group's dequantisation overlaps its MMAs (the
+engine's tl.dot kernels wait for each wgmma at once). Same tiles, decoding and units as
+`nvfp4_moe._prefill_gate_up_kernel` and `_prefill_down_kernel` (words, two codes of a byte in one pair
+scaled by one bf16x2 multiply); bf16 only; needs BLOCK_N to divide I and H, BLOCK_K to divide H / 2 and
+I / 2 (the real model's shapes), and BLOCK_M = 64 (one warp group's M). Compares h (gate+up, through
+split_probe.compare) and y (down, on random h) and the times with the engine's kernels on the same tiles.
+Written in the fifteenth session and compiled for sm_90 with Triton 3.9 on a CPU box (64 x 128 x 64, loop
+instructions per thread: gate+up 1,198 per 256 weights, down 639 per 128, no spills); not yet run."""
 
 import sys
 
+import torch
+import triton
 from split_probe import main
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -20,7 +23,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from expertstream.bench_kernels import TOPK
+from expertstream.bench_kernels import EXPERTS, TOPK, _prompt, graph_ms, random_bank
+from expertstream.kernels import nvfp4_moe as nm
 
 PAIR_ASM: gl.constexpr = gl.constexpr("mov.b32 $0, $1;")
 
@@ -120,6 +124,57 @@ def _gl_gate_up_kernel(
         gl.store(h_ptr + rows[:, None].to(gl.int64) * I + nn[None, :], hv.to(gl.bfloat16), mask=vm[:, None])
 
 
+@gluon.jit
+def _gl_down_kernel(
+    h_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, w_ptr, y_ptr, P, T0, block_bytes, H, I,
+    dw_off, ds_off, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+):  # fmt: skip
+    # y[i BM + m, n] = w[pair] * h[i BM + m] down^T, as nvfp4_moe._prefill_down_kernel; one wgmma a step,
+    # the previous one in flight
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    WL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 4], [0, 1])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * BLOCK_K], gl.bfloat16)
+    WS: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [2 * BLOCK_K, BLOCK_N], gl.bfloat16, transposed=True
+    )
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 2 * BLOCK_K], XS)
+    d_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BLOCK_K, BLOCK_N], WS)
+
+    tile = T0 + gl.program_id(0)
+    e = gl.load(tile_expert_ptr + tile)
+    slot = gl.where(e >= 0, gl.load(e2s_ptr + gl.maximum(e, 0)).to(gl.int64), -1)
+    if slot >= 0:
+        blk = slots_ptr + slot * block_bytes
+        m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+        valid = gl.load(pair_ptr + tile * BLOCK_M + m) < P
+        rows = (gl.program_id(0) * BLOCK_M + m).to(gl.int64)
+        n = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, WL))
+        acc = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA))
+        kk = gl.arange(0, 2 * BLOCK_K, layout=gl.SliceLayout(0, XL))
+        for k0 in range(0, I // 2, BLOCK_K):
+            b = (k0 // BLOCK_K) % 2
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # buffer b's last reader is done
+            h_smem.index(b).store(
+                gl.load(h_ptr + rows[:, None] * I + 2 * k0 + kk[None, :], mask=valid[:, None], other=0.0)
+            )
+            d_smem.index(b).store(_word_tile(blk, dw_off, ds_off, k0, n, I // 2, I // 16, BLOCK_K, WL))
+            fence_async_shared()
+            gl.barrier()
+            acc = warpgroup_mma(h_smem.index(b), d_smem.index(b), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA))
+        pair = gl.load(pair_ptr + tile * BLOCK_M + mm)
+        vm = pair < P
+        rw = gl.load(w_ptr + pair, mask=vm, other=0.0)
+        yv = acc * (gl.load(ws2_ptr + slot * 3 + 2) * 256.0) * rw[:, None]
+        ro = (gl.program_id(0) * BLOCK_M + mm).to(gl.int64)
+        nn = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+        gl.store(y_ptr + ro[:, None] * H + nn[None, :], yv.to(gl.bfloat16), mask=vm[:, None])
+
+
 def launch_gluon(x, args, h, p, layout, cfg: dict, grid, offs: dict) -> None:
     """The Gluon kernel over the tiles of `args` (split_probe.launch_split's signature)."""
     H, I = layout.hidden_size, layout.intermediate_size
@@ -129,8 +184,46 @@ def launch_gluon(x, args, h, p, layout, cfg: dict, grid, offs: dict) -> None:
     )  # fmt: skip
 
 
+def compare_down(tokens: int, shape: tuple) -> None:
+    """y of the engine's down launch and of the Gluon one on the same tiles and random h, and their times."""
+    bm, bn, bk, nw, ns = shape
+    layout, slots, ws2 = random_bank(EXPERTS)
+    ids, w, x = _prompt(layout, EXPERTS, tokens, tokens, slots.device)
+    cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+    order = nm.order_pairs(ids, EXPERTS, layout, config=cfg)
+    H, I, off = layout.hidden_size, layout.intermediate_size, nm._offsets(layout)
+    h = torch.randn(order.tiles * bm, I, dtype=torch.bfloat16, device=x.device)
+    y_ref = torch.zeros(order.tiles * bm, H, dtype=x.dtype, device=x.device)
+    y_new = torch.zeros_like(y_ref)
+    e2s = torch.arange(EXPERTS, dtype=torch.int32, device=x.device)
+    args = (order.pair_ids, order.tile_expert, e2s, slots, ws2, w)
+    grid, p = (order.tiles, triton.cdiv(H, bn)), ids.numel()
+
+    def old():
+        nm.launch_e2m1(
+            nm._prefill_down_kernel, grid, x.device, h, *args, y_ref, p, 0, dw_off=off["dw_off"],
+            ds_off=off["ds_off"], block_bytes=layout.block_bytes, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk, DOT_PRECISION="tf32", num_warps=nw, num_stages=ns,
+        )  # fmt: skip
+
+    def new():
+        _gl_down_kernel[grid](
+            h, *args, y_new, p, 0, layout.block_bytes, H, I, off["dw_off"], off["ds_off"], BLOCK_M=bm,
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=nw,
+        )  # fmt: skip
+
+    old()
+    new()
+    torch.cuda.synchronize()
+    d, top = (y_new.float() - y_ref.float()).abs().max().item(), y_ref.float().abs().max().item()
+    print(f"down T={tokens} {cfg}: max |y gluon - y old| {d:.3e} (max |y| {top:.3e})")
+    print(f"  old {1e3 * graph_ms([old]):.1f} us  gluon {1e3 * graph_ms([new]):.1f} us", flush=True)
+
+
 if __name__ == "__main__":
     # (block_m, block_n, block_k, num_warps, num_stages): stages are the engine kernel's (Gluon's are two)
     shapes = [(64, 128, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4)]
     for t in [int(a) for a in sys.argv[1:]] or [512, 2451, 8192]:
         main(t, shapes, "gluon", launch_gluon)
+        for shape in shapes:
+            compare_down(t, shape)
