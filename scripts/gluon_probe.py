@@ -70,27 +70,40 @@ def _word_tile(blk, w_off, s_off, k0, n, row_bytes, row_groups, BLOCK_K: gl.cons
     return gl.reshape(gl.permute(t, (0, 2, 3, 4, 1)), (2 * BLOCK_K, n.shape[0]))
 
 
+# the x (or h) tile [BM, 2 BK], 16 B a thread; the code words [BW, BN], 16 B a thread along K
+XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+WL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 4], [0, 1])
+
+
+def layouts(block_m: int, block_n: int, block_k: int) -> dict:
+    """The kernels' MMA accumulator layout (one warp group, M = 64) and shared layouts of the x tile and
+    the dequantised W^T tile [2 BK, BN] (K contiguous), as constexpr arguments."""
+    return dict(
+        MMA=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16]),
+        XS=gl.NVMMASharedLayout.get_default_for([block_m, 2 * block_k], gl.bfloat16),
+        WS=gl.NVMMASharedLayout.get_default_for([2 * block_k, block_n], gl.bfloat16, transposed=True),
+    )
+
+
+@gluon.jit
+def _tile_slot(tile_expert_ptr, e2s_ptr, tile):
+    # slot of the tile's expert (int64), or -1
+    e = gl.load(tile_expert_ptr + tile)
+    return gl.where(e >= 0, gl.load(e2s_ptr + gl.maximum(e, 0)).to(gl.int64), -1)
+
+
 @gluon.jit
 def _gl_gate_up_kernel(
     x_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, h_ptr, P, K, T0, block_bytes, H, I,
     gw_off, uw_off, gs_off, us_off, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    MMA: gl.constexpr, XS: gl.constexpr, WS: gl.constexpr,
 ):  # fmt: skip
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # x tile [BM, 2 BK]: 16 B a thread
-    WL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 4], [0, 1])  # words [BW, BN]: 16 B along K
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * BLOCK_K], gl.bfloat16)
-    WS: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [2 * BLOCK_K, BLOCK_N], gl.bfloat16, transposed=True
-    )
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 2 * BLOCK_K], XS)
     g_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BLOCK_K, BLOCK_N], WS)
     u_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BLOCK_K, BLOCK_N], WS)
 
     tile = T0 + gl.program_id(0)
-    e = gl.load(tile_expert_ptr + tile)
-    slot = gl.where(e >= 0, gl.load(e2s_ptr + gl.maximum(e, 0)).to(gl.int64), -1)
+    slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
     if slot >= 0:
         blk = slots_ptr + slot * block_bytes
         m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
@@ -127,25 +140,16 @@ def _gl_gate_up_kernel(
 @gluon.jit
 def _gl_down_kernel(
     h_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, w_ptr, y_ptr, P, T0, block_bytes, H, I,
-    dw_off, ds_off, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    dw_off, ds_off, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, MMA: gl.constexpr,
+    XS: gl.constexpr, WS: gl.constexpr,
 ):  # fmt: skip
     # y[i BM + m, n] = w[pair] * h[i BM + m] down^T, as nvfp4_moe._prefill_down_kernel; one wgmma a step,
     # the previous one in flight
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    WL: gl.constexpr = gl.BlockedLayout([4, 1], [4, 8], [1, 4], [0, 1])
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * BLOCK_K], gl.bfloat16)
-    WS: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [2 * BLOCK_K, BLOCK_N], gl.bfloat16, transposed=True
-    )
     h_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 2 * BLOCK_K], XS)
     d_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BLOCK_K, BLOCK_N], WS)
 
     tile = T0 + gl.program_id(0)
-    e = gl.load(tile_expert_ptr + tile)
-    slot = gl.where(e >= 0, gl.load(e2s_ptr + gl.maximum(e, 0)).to(gl.int64), -1)
+    slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
     if slot >= 0:
         blk = slots_ptr + slot * block_bytes
         m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
@@ -181,6 +185,7 @@ def launch_gluon(x, args, h, p, layout, cfg: dict, grid, offs: dict) -> None:
     _gl_gate_up_kernel[grid](
         x, *args, h, p, TOPK, 0, layout.block_bytes, H, I, *offs.values(), BLOCK_M=cfg["block_m"],
         BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"],
+        **layouts(cfg["block_m"], cfg["block_n"], cfg["block_k"]),
     )  # fmt: skip
 
 
@@ -209,7 +214,7 @@ def compare_down(tokens: int, shape: tuple) -> None:
     def new():
         _gl_down_kernel[grid](
             h, *args, y_new, p, 0, layout.block_bytes, H, I, off["dw_off"], off["ds_off"], BLOCK_M=bm,
-            BLOCK_N=bn, BLOCK_K=bk, num_warps=nw,
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, **layouts(bm, bn, bk),
         )  # fmt: skip
 
     old()
