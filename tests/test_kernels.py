@@ -145,19 +145,10 @@ def test_prefill_matches_ref(bank, dtype, t, block_m):
     assert e < 11  # the mapping above covers every id drawn
 
 
-def prompt_on_slots(layout, t: int, seed: int):
-    """A t-token prompt routed (k = 3) over experts 0..5, each in a slot of its own: (e2s, ids, x, w)."""
-    g = torch.Generator().manual_seed(seed)
-    e2s = torch.tensor([3, 0, 5, 1, 4, 2], dtype=torch.int32, device=DEV)
-    ids = torch.randint(0, 6, (t, 3), generator=g).to(DEV)
-    x = torch.randn(t, layout.hidden_size, generator=g).to(DEV)
-    return e2s, ids, x, torch.rand(t, 3, generator=g).to(DEV)
-
-
 def test_prefill_down_launch_in_a_shape_of_its_own(bank):
     # the down launch's own block_n / block_k / warps / stages ("down" in the config) change no sum
     layout, slots, ws2 = bank
-    e2s, ids, x, w = prompt_on_slots(layout, 24, seed=5)
+    ids, x, w, e2s = six_expert_prompt(layout, 24, seed=5)
     cfg = dict(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=2)
     want = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg)
     down = dict(block_n=64, block_k=8, num_warps=4, num_stages=3)
@@ -536,7 +527,7 @@ def test_every_prefill_sweep_candidate_matches_ref(bank):
     from expertstream.bench_kernels import DOWN_SWEEP, PASS_SWEEP, PREFILL_SWEEP
 
     layout, slots, ws2 = bank
-    e2s, ids, x, w = prompt_on_slots(layout, 20, seed=8)
+    ids, x, w, e2s = six_expert_prompt(layout, 20, seed=8)
     want = nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout)
     configs = PREFILL_SWEEP + [{"block_m": 64, **c} for c in PASS_SWEEP]
     configs += [{**PREFILL_SWEEP[0], "down": d} for d in DOWN_SWEEP]
