@@ -10,8 +10,9 @@ on the same tiles. Runs with Triton 3.6 (the lent H200s) and 3.9.
 
 Measured 2026-12-01 (docs/benchmarks.md, sixteenth session): bit-identical to the engine's kernels; at
 their best shapes (gate+up 64 x 64 x 64, down 64 x 128 x 64) 2-9 % (gate+up) and 3-10 % (down) faster
-than the engine's best of the same four shapes at T = 512, 2,451 and 8,192. Not built into the engine: Hopper only (the target
-Blackwell cards have no wgmma), on an experimental API, for a gain that meets no goal."""
+than the engine's best of the same four shapes at T = 512, 2,451 and 8,192. Not built into the engine:
+Hopper only (the target Blackwell cards have no wgmma), on an experimental API, for a gain that meets no
+goal."""
 
 import sys
 
