@@ -9,9 +9,14 @@ import argparse
 
 import torch
 
-from expertstream.bench_kernels import EXPERTS, decode_calls, fp8_calls, prefill_calls, random_bank
-
-FP8_SHAPES = [(10240, 2560), (6144, 2560), (2560, 6144)]  # the DeltaNet matrices (N, K), as bench kernels
+from expertstream.bench_kernels import (
+    EXPERTS,
+    FP8_SHAPES,
+    decode_calls,
+    fp8_calls,
+    prefill_calls,
+    random_bank,
+)
 
 
 def main() -> None:
