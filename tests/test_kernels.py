@@ -159,6 +159,38 @@ def test_prefill_down_launch_in_a_shape_of_its_own(bank):
         nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "down": {**down, "block_k": 12}})
 
 
+def test_prefill_register_cap_goes_to_the_shape_that_names_it(bank, monkeypatch):
+    # maxnreg caps gate+up's launch, never down's unless down's own shape names one, and a pass's launch
+    # shape replaces the order's whole (its cap too); the sums do not change
+    from expertstream.kernels import nvfp4_moe
+
+    layout, slots, ws2 = bank
+    ids, x, w, e2s = six_expert_prompt(layout, 24, seed=9)
+    cfg = dict(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=2)
+    want = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg)
+    seen = []
+    launch_e2m1 = nvfp4_moe.launch_e2m1
+
+    def record(kernel, grid, device, *args, **kwargs):
+        seen.append((kernel.fn.__name__, kwargs.get("maxnreg")))
+        launch_e2m1(kernel, grid, device, *args, **kwargs)
+
+    monkeypatch.setattr(nvfp4_moe, "launch_e2m1", record)
+    got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "maxnreg": 128})
+    assert seen == [("_prefill_gate_up_kernel", 128), ("_prefill_down_kernel", None)]
+    close(got, want, torch.float32)
+    seen.clear()
+    down = dict(block_n=64, block_k=8, num_warps=4, num_stages=3, maxnreg=96)
+    nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "down": down})
+    assert seen == [("_prefill_gate_up_kernel", None), ("_prefill_down_kernel", 96)]
+    seen.clear()
+    order = order_pairs(ids, e2s.numel(), layout, config={**cfg, "maxnreg": 128})
+    y, work = nvfp4_moe.prefill_buffers(x, layout, order.tiles * cfg["block_m"])
+    shape = dict(block_n=32, block_k=16, num_warps=4, num_stages=2)
+    nvfp4_moe_prefill_rows(x, slots, e2s, ws2, w, layout, order, (0, order.tiles), y, work, launch=shape)
+    assert seen == [("_prefill_gate_up_kernel", None), ("_prefill_down_kernel", None)]
+
+
 def test_prefill_one_token_equals_decode(bank):
     layout, slots, ws2 = bank
     x = torch.randn(1, layout.hidden_size, device=DEV)

@@ -475,7 +475,8 @@ def nvfp4_moe_prefill(
         ws2: [S, 3] float32 weight_scale_2 (gate, up, down) of each slot.
         weights: [T, K] float32 router weights.
         layout: the block layout.
-        config: block_m, block_n, block_k (bytes), num_warps, num_stages; default from the routing size.
+        config: block_m, block_n, block_k (bytes), num_warps, num_stages, optionally maxnreg (a register
+            cap per thread for gate+up, so that more programs share an SM); default from the routing size.
         order: expert_ids' pairs already sorted by `order_pairs` (its config is used): the call then has no
             host-side step, so a CUDA graph can capture it.
 
@@ -518,9 +519,10 @@ def nvfp4_moe_prefill_rows(
 
     Args: as `nvfp4_moe_prefill`, plus order: the pairs of expert_ids [T, K] sorted by `order_pairs`; tiles:
     (t0, t1); y: [R, H] in x.dtype and work (h = silu(g) u): [R, I] in x.dtype, R >= (t1 - t0) BLOCK_M;
-    launch: block_n, block_k, num_warps, num_stages in place of the order's (its block_m stays: the tiles
-    are made), e.g. the shape tuned for a bank's passes of a few experts each. Either config may hold a
-    "down" dict of those four keys: the down launch's own shape (K = I is a quarter of gate+up's K = H).
+    launch: block_n, block_k, num_warps, num_stages (and maxnreg) in place of the order's (its block_m
+    stays: the tiles are made), e.g. the shape tuned for a bank's passes of a few experts each. Either config
+    may hold a "down" dict of those keys: the down launch's own shape (K = I is a quarter of gate+up's K =
+    H). A maxnreg caps the launch of the shape that names it: gate+up's is not down's.
     """
     _check_common(x, slots, layout)
     assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
@@ -530,8 +532,9 @@ def nvfp4_moe_prefill_rows(
     t, k = weights.shape
     h_size, i_size = layout.hidden_size, layout.intermediate_size
     p = t * k
-    cfg = {**order.config, **(launch or {}), "block_m": order.config["block_m"]}
-    down = {**cfg, **cfg.get("down", {})}
+    own = {key: v for key, v in order.config.items() if not (launch and key == "maxnreg")}  # launch: a shape
+    cfg = {**own, **(launch or {}), "block_m": order.config["block_m"]}
+    down = {**{key: v for key, v in cfg.items() if key != "maxnreg"}, **cfg.get("down", {})}
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     for b in (bk, down["block_k"]):  # word tiles: whole int32 words and whole 8-byte scale groups
         assert b >= 8 and b & (b - 1) == 0, f"block_k {b} must be a power of two >= 8 bytes"
@@ -563,11 +566,14 @@ def nvfp4_moe_prefill_rows(
 
 
 def _launch_shape(cfg: dict) -> dict:
+    # maxnreg: ptxas' .maxnreg register cap (the interpreter ignores it)
+    cap = {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
     return dict(
         BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **cap,
     )
 
 
