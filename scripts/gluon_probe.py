@@ -32,8 +32,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from expertstream.bench_kernels import EXPERTS, TOPK, _prompt, graph_ms, random_bank
 from expertstream.kernels import nvfp4_moe as nm
 
-# a CTA-wide thread barrier: gl.barrier in Triton 3.9, gl.thread_barrier in the lent 3.6
+# the names of Triton 3.9 or of the lent 3.6: a CTA-wide thread barrier, and cp.async into shared memory
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 PAIR_ASM: gl.constexpr = gl.constexpr("mov.b32 $0, $1;")
 
@@ -106,10 +107,14 @@ def layouts(block_m: int, block_n: int, block_k: int) -> dict:
 
 
 @gluon.jit
-def _tile_slot(tile_expert_ptr, e2s_ptr, tile):
-    # slot of the tile's expert (int64), or -1
+def _tile(T0, tile_expert_ptr, e2s_ptr, slots_ptr, block_bytes, BLOCK_N: gl.constexpr):
+    # program's tile T0 + program_id(0): (tile, its expert's slot (int64) or -1, the slot's block, the
+    # program's columns n [BN] in SliceLayout(0, WL)), as nvfp4_moe._tile
+    tile = T0 + gl.program_id(0)
     e = gl.load(tile_expert_ptr + tile)
-    return gl.where(e >= 0, gl.load(e2s_ptr + gl.maximum(e, 0)).to(gl.int64), -1)
+    slot = gl.where(e >= 0, gl.load(e2s_ptr + gl.maximum(e, 0)).to(gl.int64), -1)
+    n = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, WL))
+    return tile, slot, slots_ptr + gl.maximum(slot, 0) * block_bytes, n
 
 
 @gluon.jit
@@ -127,19 +132,16 @@ def _gl_gate_up_kernel(
     g_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BLOCK_K, BLOCK_N], WS)
     u_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BLOCK_K, BLOCK_N], WS)
 
-    tile = T0 + gl.program_id(0)
-    slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
+    tile, slot, blk, n = _tile(T0, tile_expert_ptr, e2s_ptr, slots_ptr, block_bytes, BLOCK_N)
     if slot >= 0:
-        blk = slots_ptr + slot * block_bytes
         m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
         pair = gl.load(pair_ptr + tile * BLOCK_M + m)
         valid = pair < P
         tok = (pair // K).to(gl.int64)
-        n = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, WL))
         acc_g = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA))
         acc_u = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA))
         xp = x_ptr + tok[:, None] * H + gl.arange(0, 2 * BLOCK_K, layout=gl.SliceLayout(0, XL))[None, :]
-        async_copy.async_copy_global_to_shared(x_smem.index(0), xp, mask=valid[:, None])
+        _async_load(x_smem.index(0), xp, mask=valid[:, None])
         async_copy.commit_group()
         ug, sg = _word_loads(blk, gw_off, gs_off, 0, n, H // 2, H // 16, BLOCK_K, WL)
         uu, su = _word_loads(blk, uw_off, us_off, 0, n, H // 2, H // 16, BLOCK_K, WL)
@@ -149,9 +151,7 @@ def _gl_gate_up_kernel(
             # the step before last's wgmmas are done: g/u buffer b and x slot (step + 1) % 3 are free
             acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
             nk = k0 + BLOCK_K
-            async_copy.async_copy_global_to_shared(
-                x_smem.index((step + 1) % 3), xp + 2 * nk, mask=valid[:, None] & (nk < H // 2)
-            )
+            _async_load(x_smem.index((step + 1) % 3), xp + 2 * nk, mask=valid[:, None] & (nk < H // 2))
             async_copy.commit_group()
             ug_next, sg_next = _word_loads(blk, gw_off, gs_off, nk, n, H // 2, H // 16, BLOCK_K, WL)
             uu_next, su_next = _word_loads(blk, uw_off, us_off, nk, n, H // 2, H // 16, BLOCK_K, WL)
@@ -184,17 +184,14 @@ def _gl_down_kernel(
     h_smem = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 2 * BLOCK_K], XS)
     d_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BLOCK_K, BLOCK_N], WS)
 
-    tile = T0 + gl.program_id(0)
-    slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
+    tile, slot, blk, n = _tile(T0, tile_expert_ptr, e2s_ptr, slots_ptr, block_bytes, BLOCK_N)
     if slot >= 0:
-        blk = slots_ptr + slot * block_bytes
         m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
         valid = gl.load(pair_ptr + tile * BLOCK_M + m) < P
         rows = (gl.program_id(0) * BLOCK_M + m).to(gl.int64)
-        n = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, WL))
         acc = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA))
         hp = h_ptr + rows[:, None] * I + gl.arange(0, 2 * BLOCK_K, layout=gl.SliceLayout(0, XL))[None, :]
-        async_copy.async_copy_global_to_shared(h_smem.index(0), hp, mask=valid[:, None])
+        _async_load(h_smem.index(0), hp, mask=valid[:, None])
         async_copy.commit_group()
         ud, sd = _word_loads(blk, dw_off, ds_off, 0, n, I // 2, I // 16, BLOCK_K, WL)
         for k0 in range(0, I // 2, BLOCK_K):
@@ -202,9 +199,7 @@ def _gl_down_kernel(
             b = step % 2
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the step before last's wgmma is done
             nk = k0 + BLOCK_K
-            async_copy.async_copy_global_to_shared(
-                h_smem.index((step + 1) % 3), hp + 2 * nk, mask=valid[:, None] & (nk < I // 2)
-            )
+            _async_load(h_smem.index((step + 1) % 3), hp + 2 * nk, mask=valid[:, None] & (nk < I // 2))
             async_copy.commit_group()
             ud_next, sd_next = _word_loads(blk, dw_off, ds_off, nk, n, I // 2, I // 16, BLOCK_K, WL)
             d_smem.index(b).store(_word_decode(ud, sd, BLOCK_K))
