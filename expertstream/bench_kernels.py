@@ -401,14 +401,17 @@ PREFILL_SWEEP = [
         # (~160 KB of shared memory) has one warp per scheduler to hide the dequantisation's latencies
         (64, 128, 64, 8, 3), (64, 128, 64, 8, 2), (64, 256, 64, 8, 2), (64, 128, 32, 8, 4),
         (32, 128, 64, 8, 3), (16, 128, 32, 8, 4), (16, 256, 32, 8, 4),
+        # four programs an SM (127-128 registers, 41 / 53 KB of shared memory): Nsight Compute found the
+        # 64 x 128 x 64 shape (255 registers, two programs) waiting on memory with two warps a scheduler
+        (64, 64, 32, 4, 3), (64, 64, 32, 4, 4),
+        # for ~10 tokens an expert (T = 512): more loads in flight a program, or more programs (64 registers
+        # at block_k 16)
+        (16, 64, 32, 4, 6), (16, 64, 16, 4, 6), (16, 64, 16, 4, 8), (16, 128, 16, 4, 6),
     ]
 ] + [
-    # a register cap for more programs an SM: the shipped 64 x 128 x 64 holds two (255 registers), and
-    # Nsight Compute finds it waiting on memory with two warps a scheduler (2026-12-01). These fit three or
-    # four without spills (SASS, Triton 3.6 and 3.9): 64 x 64 x 32 at 128 registers and 41 / 53 KB of shared
-    # memory, 64 x 64 x 64 with two stages at 168 and 57 KB. Not yet swept on a GPU
-    dict(block_m=64, block_n=bn, block_k=bk, num_warps=4, num_stages=ns, maxnreg=r)
-    for bn, bk, ns, r in [(64, 32, 3, 128), (64, 32, 4, 128), (64, 64, 2, 168)]
+    # a register cap for a third program an SM: 210 registers uncapped, 168 without spills (SASS, Triton 3.6
+    # and 3.9). A cap that does not bind changes nothing, so only this shape names one
+    dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=2, maxnreg=168)
 ]  # fmt: skip
 
 
@@ -423,15 +426,14 @@ DOWN_SWEEP = [
 ]  # fmt: skip
 
 
-# the first is the tiles' own (ps64) shape: a sweep never records worse; narrower tiles lost. The last has
-# a register cap, as PREFILL_SWEEP's last three
+# the first is the tiles' own (ps64) shape: a sweep never records worse; narrower tiles lost
 PASS_SWEEP = [
     dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
     for bn, bk, nw, ns in [
-        (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 4), (128, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3),
-        (128, 32, 8, 4),
+        (64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 4), (128, 64, 4, 3), (64, 128, 4, 3),
+        (128, 64, 8, 3), (128, 32, 8, 4),
     ]
-] + [dict(block_n=64, block_k=32, num_warps=4, num_stages=3, maxnreg=128)]  # fmt: skip
+]  # fmt: skip
 
 
 SWEPT = ("fp8_gemv", "nvfp4_decode", "nvfp4_prefill", "nvfp4_prefill_pass")
