@@ -191,6 +191,51 @@ def test_prefill_register_cap_goes_to_the_shape_that_names_it(bank, monkeypatch)
     assert seen == [("_prefill_gate_up_kernel", None), ("_prefill_down_kernel", None)]
 
 
+@pytest.mark.parametrize("dims", [(128, 64), (96, 48)], ids=["words", "fallback"])
+def test_prefill_scale_words_equal_scale_bytes(dims, monkeypatch):
+    # scale_words reads a step's four scale bytes of a row as one int32 word: bit for bit the byte reads'
+    # sums. Used where each row's step holds whole words (K / 16 a multiple of 4, block_k >= 32): with
+    # H = 128, I = 64 both launches; with 96 / 48 (6 and 3 groups a row) neither. Down follows gate+up unless
+    # its own shape says otherwise; a pass's launch shape replaces the order's choice
+    from expertstream.kernels import nvfp4_moe
+
+    h, i = dims
+    layout = ExpertLayout.for_dims(h, i, align=64)
+    slots, ws2 = random_slots(layout, 6, seed=h + 1)
+    ids, x, w, e2s = six_expert_prompt(layout, 24, seed=10)
+    cfg = dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    want = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg)
+    close(want, nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout), torch.float32)
+    seen = []
+    launch_e2m1 = nvfp4_moe.launch_e2m1
+
+    def record(kernel, grid, device, *args, **kwargs):
+        seen.append(kwargs["SCALE_WORDS"])
+        launch_e2m1(kernel, grid, device, *args, **kwargs)
+
+    monkeypatch.setattr(nvfp4_moe, "launch_e2m1", record)
+    words = h // 16 % 4 == 0
+    got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "scale_words": True})
+    assert seen == [words, words] and torch.equal(got, want)
+    seen.clear()
+    down = dict(block_n=32, block_k=32, num_warps=4, num_stages=2, scale_words=False)
+    got = nvfp4_moe_prefill(
+        x, slots, ids, e2s, ws2, w, layout, config={**cfg, "scale_words": True, "down": down}
+    )
+    assert seen == [words, False] and torch.equal(got, want)
+    seen.clear()
+    got = nvfp4_moe_prefill(
+        x, slots, ids, e2s, ws2, w, layout, config={**cfg, "block_k": 16, "scale_words": True}
+    )
+    assert seen == [False, False]
+    seen.clear()
+    order = order_pairs(ids, e2s.numel(), layout, config={**cfg, "scale_words": True})
+    y, work = nvfp4_moe.prefill_buffers(x, layout, order.tiles * cfg["block_m"])
+    shape = dict(block_n=32, block_k=32, num_warps=4, num_stages=2)
+    nvfp4_moe_prefill_rows(x, slots, e2s, ws2, w, layout, order, (0, order.tiles), y, work, launch=shape)
+    assert seen == [False, False]
+
+
 def test_prefill_one_token_equals_decode(bank):
     layout, slots, ws2 = bank
     x = torch.randn(1, layout.hidden_size, device=DEV)

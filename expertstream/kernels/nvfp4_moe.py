@@ -476,7 +476,8 @@ def nvfp4_moe_prefill(
         weights: [T, K] float32 router weights.
         layout: the block layout.
         config: block_m, block_n, block_k (bytes), num_warps, num_stages, optionally maxnreg (a register
-            cap per thread for gate+up, so that more programs share an SM); default from the routing size.
+            cap per thread for gate+up, so that more programs share an SM) and scale_words (see
+            `nvfp4_moe_prefill_rows`); default from the routing size.
         order: expert_ids' pairs already sorted by `order_pairs` (its config is used): the call then has no
             host-side step, so a CUDA graph can capture it.
 
@@ -519,10 +520,13 @@ def nvfp4_moe_prefill_rows(
 
     Args: as `nvfp4_moe_prefill`, plus order: the pairs of expert_ids [T, K] sorted by `order_pairs`; tiles:
     (t0, t1); y: [R, H] in x.dtype and work (h = silu(g) u): [R, I] in x.dtype, R >= (t1 - t0) BLOCK_M;
-    launch: block_n, block_k, num_warps, num_stages (and maxnreg) in place of the order's (its block_m
-    stays: the tiles are made), e.g. the shape tuned for a bank's passes of a few experts each. Either config
-    may hold a "down" dict of those keys: the down launch's own shape (K = I is a quarter of gate+up's K =
-    H). A maxnreg caps the launch of the shape that names it: gate+up's is not down's.
+    launch: block_n, block_k, num_warps, num_stages (and maxnreg, scale_words) in place of the order's (its
+    block_m stays: the tiles are made), e.g. the shape tuned for a bank's passes of a few experts each.
+    Either config may hold a "down" dict of those keys: the down launch's own shape (K = I is a quarter of
+    gate+up's K = H). A maxnreg caps the launch of the shape that names it: gate+up's is not down's.
+    scale_words reads a step's E4M3 scales as int32 words, which the compiler can stage ahead like the codes,
+    where the rows allow it (block_k >= 32, K / 16 a multiple of 4); down follows gate+up unless it names its
+    own.
     """
     _check_common(x, slots, layout)
     assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
@@ -532,7 +536,8 @@ def nvfp4_moe_prefill_rows(
     t, k = weights.shape
     h_size, i_size = layout.hidden_size, layout.intermediate_size
     p = t * k
-    own = {key: v for key, v in order.config.items() if not (launch and key == "maxnreg")}  # launch: a shape
+    # a launch shape replaces the order's whole (its cap and scale reads too; the order's down stays)
+    own = {key: v for key, v in order.config.items() if not (launch and key in ("maxnreg", "scale_words"))}
     cfg = {**own, **(launch or {}), "block_m": order.config["block_m"]}
     down = {**{key: v for key, v in cfg.items() if key != "maxnreg"}, **cfg.get("down", {})}
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
@@ -556,21 +561,24 @@ def nvfp4_moe_prefill_rows(
     launch_e2m1(
         _prefill_gate_up_kernel, (t1 - t0, cdiv(i_size, bn)), x.device,
         x, *tile_args, slots, ws2, work, p, k, t0, gw_off=off["gw_off"], uw_off=off["uw_off"],
-        gs_off=off["gs_off"], us_off=off["us_off"], **common, **_launch_shape(cfg),
+        gs_off=off["gs_off"], us_off=off["us_off"], **common, **_launch_shape(cfg, h_size),
     )  # fmt: skip
     launch_e2m1(
         _prefill_down_kernel, (t1 - t0, cdiv(h_size, down["block_n"])), x.device,
         work, *tile_args, slots, ws2, weights, y, p, t0, dw_off=off["dw_off"], ds_off=off["ds_off"], **common,
-        **_launch_shape(down),
+        **_launch_shape(down, i_size),
     )  # fmt: skip
 
 
-def _launch_shape(cfg: dict) -> dict:
-    # maxnreg: ptxas' .maxnreg register cap (the interpreter ignores it)
+def _launch_shape(cfg: dict, k_in: int) -> dict:
+    # maxnreg: ptxas' .maxnreg register cap (the interpreter ignores it). scale_words: a step's scale bytes
+    # read as int32 words, where each row's step holds whole words (k_in / 16 groups a row, a multiple of 4)
     cap = {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
+    words = bool(cfg.get("scale_words")) and cfg["block_k"] >= 32 and (k_in // 16) % 4 == 0
     return dict(
         BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"],
+        SCALE_WORDS=words,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **cap,
@@ -678,7 +686,7 @@ def _tile(tile_expert_ptr, e2s_ptr, pair_ptr, slots_ptr, block_bytes, T0, P, BLO
 @jit
 def _word_tile(
     blk, w_off, s_off, k0, n, nmask, row_bytes, row_groups, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr,
-    dtype: tl.constexpr,
+    dtype: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):  # fmt: skip
     # W^T tile [2 BK, BN] of rows n over packed bytes k0 .. k0 + BK - 1 in dtype, read as int32 words of 8
     # columns (e2m1_word_cols), each weight times 2^-8 (PREFILL_UNIT): a code c times its scale s is exact in
@@ -689,11 +697,22 @@ def _word_tile(
     words = (blk + w_off).to(tl.pointer_type(tl.int32))
     m = (ww < row_bytes // 4)[:, None] & nmask[None, :]
     w = tl.load(words + n[None, :] * (row_bytes // 4) + ww[:, None], mask=m, other=0)  # [BW, BN]
-    g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    sm = (g < row_groups)[:, None] & nmask[None, :]
-    sb = tl.load(blk + s_off + n[None, :] * row_groups + g[:, None], mask=sm, other=0)  # [BW / 2, BN]
-    s = (e4m3_f16(sb).to(tl.float32) * e2m1_cols_unit(dtype, USE_PTX)).to(dtype)
-    s = tl.reshape(tl.broadcast_to(s[:, None, :], (BW // 2, 2, n.shape[0])), (BW, n.shape[0]))
+    if SCALE_WORDS:  # int32 words of 4 scale bytes (the pipeliner stages them: cp.async moves >= 4 bytes)
+        SW: tl.constexpr = BLOCK_K // 32
+        sw = k0 // 32 + tl.arange(0, SW)
+        sm = (sw < row_groups // 4)[:, None] & nmask[None, :]
+        swords = (blk + s_off).to(tl.pointer_type(tl.int32))
+        sv = tl.load(swords + n[None, :] * (row_groups // 4) + sw[:, None], mask=sm, other=0)  # [SW, BN]
+        byte = tl.arange(0, 4) * 8
+        sb = ((sv[:, None, :] >> byte[None, :, None]) & 0xFF).to(tl.uint8)  # [SW, 4, BN]: group 4 sw + j
+        s = (e4m3_f16(sb).to(tl.float32) * e2m1_cols_unit(dtype, USE_PTX)).to(dtype)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None, :], (SW, 4, 2, n.shape[0])), (BW, n.shape[0]))
+    else:  # a byte per 16 weights
+        g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        sm = (g < row_groups)[:, None] & nmask[None, :]
+        sb = tl.load(blk + s_off + n[None, :] * row_groups + g[:, None], mask=sm, other=0)  # [BW / 2, BN]
+        s = (e4m3_f16(sb).to(tl.float32) * e2m1_cols_unit(dtype, USE_PTX)).to(dtype)
+        s = tl.reshape(tl.broadcast_to(s[:, None, :], (BW // 2, 2, n.shape[0])), (BW, n.shape[0]))
     c0, c1, c2, c3, c4, c5, c6, c7 = e2m1_word_cols(w, dtype, USE_PTX)
     # [BW, BN, c >> 2, (c >> 1) & 1, c & 1]: a join's new dimension is its fastest in registers, so the two
     # columns of a byte (one packed multiply) lie next to each other and the registers run in K order
@@ -713,11 +732,13 @@ def _x_tile(xrow, xmask, k0, K_IN, BLOCK_K: tl.constexpr):
 @jit
 def _dot_step(
     acc, xs, blk, w_off, s_off, k0, n, nmask, K_IN, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PTX: tl.constexpr,
+    USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):  # fmt: skip
     # acc [BM, BN] += the step's input columns xs [BM, 2 BK] (_x_tile) times W^T 2^-8 for rows n of an
     # [N, K_IN] matrix: one dot of K = 2 BK
-    wt = _word_tile(blk, w_off, s_off, k0, n, nmask, K_IN // 2, K_IN // 16, BLOCK_K, USE_PTX, xs.dtype)
+    wt = _word_tile(
+        blk, w_off, s_off, k0, n, nmask, K_IN // 2, K_IN // 16, BLOCK_K, USE_PTX, xs.dtype, SCALE_WORDS
+    )
     return tl.dot(xs, wt, acc, input_precision=DOT_PRECISION)
 
 
@@ -725,7 +746,7 @@ def _dot_step(
 def _prefill_gate_up_kernel(
     x_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, h_ptr, P, K, T0, block_bytes, H, I,
     gw_off, uw_off, gs_off, us_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):  # fmt: skip
     # program (tile T0 + i, n block): h[i BM + m, n] = silu(x[tok] gate^T) * (x[tok] up^T), rows of one expert
     slot, blk, pair, rows, valid = _tile(
@@ -740,8 +761,12 @@ def _prefill_gate_up_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, H // 2, BLOCK_K):  # k0 in packed bytes: column pairs (2 k0, 2 k0 + 1) on
         xs = _x_tile(x_ptr + tok[:, None] * H, valid[:, None], k0, H, BLOCK_K)
-        acc_g = _dot_step(acc_g, xs, blk, gw_off, gs_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX)
-        acc_u = _dot_step(acc_u, xs, blk, uw_off, us_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX)
+        acc_g = _dot_step(
+            acc_g, xs, blk, gw_off, gs_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX, SCALE_WORDS
+        )
+        acc_u = _dot_step(
+            acc_u, xs, blk, uw_off, us_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX, SCALE_WORDS
+        )
     g = acc_g * (tl.load(ws2_ptr + slot * 3) * PREFILL_UNIT)
     u = acc_u * (tl.load(ws2_ptr + slot * 3 + 1) * PREFILL_UNIT)
     hv = g * tl.sigmoid(g) * u
@@ -754,7 +779,7 @@ def _prefill_down_kernel(
     h_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, w_ptr, y_ptr, P, T0, block_bytes, H, I,
     dw_off, ds_off,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PTX: tl.constexpr,
+    USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):  # fmt: skip
     # program (tile T0 + i, n block): y[i BM + m, n] = w[pair] * h[i BM + m] down^T, rows of one expert
     slot, blk, pair, rows, valid = _tile(
@@ -768,7 +793,9 @@ def _prefill_down_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I // 2, BLOCK_K):
         hs = _x_tile(h_ptr + rows[:, None] * I, valid[:, None], k0, I, BLOCK_K)
-        acc = _dot_step(acc, hs, blk, dw_off, ds_off, k0, n, nmask, I, BLOCK_K, DOT_PRECISION, USE_PTX)
+        acc = _dot_step(
+            acc, hs, blk, dw_off, ds_off, k0, n, nmask, I, BLOCK_K, DOT_PRECISION, USE_PTX, SCALE_WORDS
+        )
     rw = tl.load(w_ptr + pair, mask=valid, other=0.0)
     acc = acc * (tl.load(ws2_ptr + slot * 3 + 2) * PREFILL_UNIT) * rw[:, None]
     ym = valid[:, None] & nmask[None, :]
