@@ -68,50 +68,52 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                 2,
             )
         )
-        for words in (False, True):  # scale bytes read one by one, or as int32 words
-            tiles = dict(
-                BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32", USE_PTX=p, SCALE_WORDS=words
+        tiles = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32", USE_PTX=p, SCALE_WORDS=False)
+        out.append(
+            (
+                "prefill gate+up",
+                nvfp4_moe._prefill_gate_up_kernel,
+                dict(
+                    x_ptr="*bf16",
+                    h_ptr="*bf16",
+                    K="i32",
+                    H="i32",
+                    I="i32",
+                    gw_off="i32",
+                    uw_off="i32",
+                    gs_off="i32",
+                    us_off="i32",
+                    **TILES,
+                    **BLOCK,
+                ),
+                tiles,
+                4,
             )
-            out.append(
-                (
-                    "prefill gate+up" + (" words" if words else ""),
-                    nvfp4_moe._prefill_gate_up_kernel,
-                    dict(
-                        x_ptr="*bf16",
-                        h_ptr="*bf16",
-                        K="i32",
-                        H="i32",
-                        I="i32",
-                        gw_off="i32",
-                        uw_off="i32",
-                        gs_off="i32",
-                        us_off="i32",
-                        **TILES,
-                        **BLOCK,
-                    ),
-                    tiles,
-                    4,
-                )
+        )
+        out.append(
+            (
+                "prefill down",
+                nvfp4_moe._prefill_down_kernel,
+                dict(
+                    h_ptr="*bf16",
+                    w_ptr="*fp32",
+                    y_ptr="*bf16",
+                    H="i32",
+                    I="i32",
+                    dw_off="i32",
+                    ds_off="i32",
+                    **TILES,
+                    **BLOCK,
+                ),
+                tiles,
+                4,
             )
-            out.append(
-                (
-                    "prefill down" + (" words" if words else ""),
-                    nvfp4_moe._prefill_down_kernel,
-                    dict(
-                        h_ptr="*bf16",
-                        w_ptr="*fp32",
-                        y_ptr="*bf16",
-                        H="i32",
-                        I="i32",
-                        dw_off="i32",
-                        ds_off="i32",
-                        **TILES,
-                        **BLOCK,
-                    ),
-                    tiles,
-                    4,
-                )
-            )
+        )
+        # the same two launches reading the block scales as int32 words
+        out += [
+            (name + " words", fn, types, {**c, "SCALE_WORDS": True}, nw)
+            for name, fn, types, c, nw in out[-2:]
+        ]
     out.append(
         (
             "combine rows",
