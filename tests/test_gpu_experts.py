@@ -228,6 +228,9 @@ def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(tiny_workdir, ke
             want = ref(layer, xs, ids_p, ws)  # (the torch bank requests its blocks)
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
             assert bank.cache.stats.copies - copies == torch.unique(ids_p).numel()
+            # the store read the blocks in (layer, expert) order into consecutive rows, and this prompt
+            # routes every expert: each pass is one run of rows into one half of the slots (one copy call)
+            assert all(run is not None for run in bank._pass_tables.runs)
         for layer in range(n_layers):
             want = ref(layer, x, ids, w)
             got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()

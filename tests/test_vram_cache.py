@@ -119,6 +119,17 @@ def test_load_pairs_copies_fixed_ram_rows_outside_the_cache_bookkeeping():
     assert not torch.all(cache.slots[3] == 7)
 
 
+def test_load_pairs_copies_a_run_of_rows_with_one_copy_call(monkeypatch):
+    # consecutive RAM rows into consecutive slots: one copy call (the copy engine on CUDA), no copy kernel
+    ram = torch.arange(8, dtype=torch.uint8)[:, None].repeat(1, BLOCK)
+    cache = VramExpertCache(make(6)[0].fetch_host, BLOCK, 6, torch.zeros(4, 8, 3), "cpu", host_rows=ram)
+    monkeypatch.setattr(cache, "_copy_rows", lambda *a: pytest.fail("a run must not launch copy_rows"))
+    pairs = torch.tensor([[3, 2], [4, 3], [5, 4]], dtype=torch.int32)
+    cache.load_pairs(pairs, [2, 3, 4], layer=0, run=(3, 2))
+    assert [int(cache.slots[s][0]) for s in (2, 3, 4)] == [3, 4, 5] and cache.stats.copies == 3
+    assert torch.equal(cache.slots[2:5], ram[3:6]) and cache.protected == {2, 3, 4}
+
+
 def test_pass_tables_hold_each_pass_map_pairs_and_scales():
     tables = PassTables(num_experts=6, slot_rows=5, pass_size=2, device=torch.device("cpu"))
     rows = np.array([10, 11, 12, 13, 14, 15])
@@ -128,8 +139,11 @@ def test_pass_tables_hold_each_pass_map_pairs_and_scales():
     assert tables.pairs[1].tolist() == [[13, 2], [14, 3]] and tables.pairs[2][0].tolist() == [15, 0]
     assert torch.equal(tables.ws2[1][2:4], torch.from_numpy(scales[3:5]))
     assert torch.equal(tables.ws2[0][1], torch.from_numpy(scales[2]))
+    # runs: pass 1 copies rows 13, 14 into slots 2, 3; pass 0's rows (10, 12) are not consecutive
+    assert tables.runs == [None, (13, 2), (15, 0)]
     tables.plan([[1]], [[4]], rows, scales, contextlib.nullcontext())  # the next layer: row 0 rewritten
     assert tables.maps[0].tolist() == [-1, 4, -1, -1, -1, -1] and tables.pairs[0][0].tolist() == [11, 4]
+    assert tables.runs == [(11, 4)]
 
 
 def test_evicts_the_coldest_but_never_the_previous_layer():

@@ -457,7 +457,7 @@ class GpuExperts:
                 pending.append(self._read_ahead(layer, groups[g + 1]) if g + 1 < len(groups) else [])
                 if slots is not None:  # the layer's tables are up: one copy launch
                     t = self._pass_tables
-                    self.cache.load_pairs(t.pairs[g], slots[g], layer)
+                    self.cache.load_pairs(t.pairs[g], slots[g], layer, run=t.runs[g])
                     e2s, ws2 = t.maps[g], t.ws2[g]
                 else:
                     self._map_pass(members, self.cache.fetch(layer, members))

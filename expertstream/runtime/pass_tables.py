@@ -4,7 +4,8 @@ Once every block has a fixed RAM row, a layer's passes are known before the firs
 its slots (`slots[g]`) and copies its experts' rows there. `PassTables` writes, for every pass of the layer,
 the expert -> slot map [E], the (RAM row, slot) pairs of its copy [n, 2] and its slots' global scales
 [S, 3], and uploads each table once per layer; pass g then hands row g of them to `copy_rows` and the
-kernels. Uploading them per pass cost 0.18 of a pass's 0.37 ms of host time on a fast host (twelfth
+kernels, or, where its rows and slots both run consecutively (`runs[g]`), copies them with one copy-engine
+call. Uploading them per pass cost 0.18 of a pass's 0.37 ms of host time on a fast host (twelfth
 session), and on slow hosts the passes' host time is what bounds a prompt from RAM.
 """
 
@@ -20,7 +21,8 @@ from expertstream.runtime.host_mirror import HostMirror
 
 class PassTables:
     """Per-pass tables of one layer on the device, as row views: `maps[g]` [E] int32 (-1 off the pass),
-    `pairs[g]` [pass_size, 2] int32 and `ws2[g]` [slot_rows, 3] float32.
+    `pairs[g]` [pass_size, 2] int32 and `ws2[g]` [slot_rows, 3] float32; `runs[g]`: (first RAM row, first
+    slot) where pass g's rows and slots are both consecutive, else None.
 
     Args:
         num_experts: experts per layer (at most that many passes per layer).
@@ -40,6 +42,7 @@ class PassTables:
         self.maps, self.pairs, self.ws2 = (
             m.device_tensor.unbind(0) for m in (self._maps, self._pairs, self._ws2)
         )
+        self.runs: list[tuple[int, int] | None] = []
 
     @property
     def mirrors(self) -> tuple[HostMirror, ...]:
@@ -66,6 +69,11 @@ class PassTables:
             pairs[g, : len(s), 0] = rows[members]
             pairs[g, : len(s), 1] = s
             ws2[g, s] = scales[members]
+        # a pass whose rows and slots both run consecutively is one copy-engine copy (`load_pairs`' run)
+        self.runs = [
+            (int(rows[m[0]]), s[0]) if np.all(np.diff(rows[m]) == 1) and np.all(np.diff(s) == 1) else None
+            for m, s in zip(groups, slots)
+        ]
         self._maps.push(slice(0, n))
         self._ws2.push(slice(0, n))
         with copy_stream:
