@@ -96,11 +96,16 @@ def pcie_rate(nbytes: int = 1 << 30) -> float:
 
 
 def warm_caches(eng, vram: bool) -> None:
-    """Fill the RAM cache (as many blocks as it holds, in random order) and, with `vram`, the VRAM cache,
-    so the timed tokens see the steady state of their regime, not a cold start."""
+    """Fill the RAM cache and, with `vram`, the VRAM cache, so the timed tokens see the steady state of their
+    regime, not a cold start: a RAM cache that holds every block is filled in (layer, expert) order, as
+    `--preload-experts` fills it (consecutive rows: a prompt pass over them is one copy), a smaller one with
+    as many blocks as it holds, in random order."""
     wd = eng.workdir
     keys = [(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]
-    order = torch.randperm(len(keys)).tolist()[: eng.store.capacity]
+    if eng.store.capacity >= len(keys):
+        order = list(range(len(keys)))
+    else:
+        order = torch.randperm(len(keys)).tolist()[: eng.store.capacity]
     for i in range(0, len(order), 64):
         handles = eng.store.request([keys[j] for j in order[i : i + 64]])
         for h in handles:
