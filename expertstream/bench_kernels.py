@@ -414,8 +414,9 @@ PREFILL_SWEEP = [
     dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=2, maxnreg=168)
 ] + [
     # scale bytes as int32 words, which the pipeliner stages ahead (Nsight Compute: at T = 2,451 a third of
-    # the stall samples wait on the byte loads, issued in the step that uses them); capped at 128 registers
-    # (136 uncapped, no spills capped: SASS, Triton 3.6) for four programs an SM
+    # the stall samples wait on the byte loads, issued in the step that uses them); 64 x 64 x 32 with and
+    # without a cap at 128 registers (136 uncapped: three programs an SM, four capped, no spills; Triton 3.6).
+    # The uncapped one won at 2,451 and 8,192 tokens, the capped one for the passes (2026-12-01 18:45)
     dict(block_m=bm, block_n=bn, block_k=bk, num_warps=4, num_stages=ns, scale_words=True, **cap)
     for bm, bn, bk, ns, cap in [
         (16, 64, 32, 4, {}), (64, 64, 32, 3, {"maxnreg": 128}), (64, 64, 32, 4, {"maxnreg": 128}),
