@@ -17,23 +17,18 @@ from expertstream.kernels.codec import e4m3_f16
 # 4 code bytes (b0 b1 | b2 b3 of one register) -> bf16 pairs (lo b0, lo b1), (lo b2, lo b3), (hi ..), (hi ..)
 # code bits: sign to bit 15, magnitude to bits 6..8 (value * 2^-126); nibble masked, then one multiply places
 # both fields (no overlap), one mask keeps them
-SPLIT_ASM = tl.constexpr("""{
-.reg .b32 p, q, l, h;
-prmt.b32 p, $4, 0, 0x4140;
-prmt.b32 q, $4, 0, 0x4342;
-and.b32 l, p, 0x000F000F;
-mul.lo.u32 l, l, 0x1040;
-and.b32 $0, l, 0x81C081C0;
-and.b32 l, q, 0x000F000F;
-mul.lo.u32 l, l, 0x1040;
-and.b32 $1, l, 0x81C081C0;
-and.b32 h, p, 0x00F000F0;
-mul.lo.u32 h, h, 0x104;
-and.b32 $2, h, 0x81C081C0;
-and.b32 h, q, 0x00F000F0;
-mul.lo.u32 h, h, 0x104;
-and.b32 $3, h, 0x81C081C0;
-}""")
+# per output register: (scratch register, source pair, nibble mask, multiplier), low nibbles then high
+_SPLIT_OPS = [("l", "p", 0x000F000F, 0x1040), ("l", "q", 0x000F000F, 0x1040),
+              ("h", "p", 0x00F000F0, 0x104), ("h", "q", 0x00F000F0, 0x104)]  # fmt: skip
+SPLIT_ASM = tl.constexpr(
+    "{\n.reg .b32 p, q, l, h;\nprmt.b32 p, $4, 0, 0x4140;\nprmt.b32 q, $4, 0, 0x4342;\n"
+    + "".join(
+        f"and.b32 {r}, {src}, 0x{mask:08X};\nmul.lo.u32 {r}, {r}, 0x{mul:X};\n"
+        f"and.b32 ${i}, {r}, 0x81C081C0;\n"
+        for i, (r, src, mask, mul) in enumerate(_SPLIT_OPS)
+    )
+    + "}"
+)
 
 
 @triton.jit

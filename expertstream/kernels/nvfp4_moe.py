@@ -265,6 +265,14 @@ def _swiglu_rows(
 
 
 @jit
+def _prefetch_rows(rows, NBYTES: tl.constexpr):
+    # L2 prefetch of every 128-byte line that the rows starting at `rows` [BN] (NBYTES bytes each) touch
+    for j in tl.static_range(0, NBYTES, 128):
+        l2_prefetch(rows + j)
+    l2_prefetch(rows + NBYTES - 1)
+
+
+@jit
 def _prefetch_down_rows(
     ids_ptr, loc_ptr, slots_ptr, block_bytes, dw_off, ds_off, s, n, K: tl.constexpr, PER: tl.constexpr,
     I: tl.constexpr,
@@ -276,14 +284,8 @@ def _prefetch_down_rows(
         if k < K:
             c = tl.load(loc_ptr + tl.load(ids_ptr + k).to(tl.int64)).to(tl.int64)
             if c >= 0:
-                codes = slots_ptr + c * block_bytes + dw_off + n * (I // 2)  # rows of I / 2 bytes
-                scales = slots_ptr + c * block_bytes + ds_off + n * (I // 16)  # and of I / 16
-                for j in tl.static_range(0, I // 2, 128):  # every 128-byte line a row touches
-                    l2_prefetch(codes + j)
-                l2_prefetch(codes + I // 2 - 1)
-                for j in tl.static_range(0, I // 16, 128):
-                    l2_prefetch(scales + j)
-                l2_prefetch(scales + I // 16 - 1)
+                _prefetch_rows(slots_ptr + c * block_bytes + dw_off + n * (I // 2), I // 2)  # codes
+                _prefetch_rows(slots_ptr + c * block_bytes + ds_off + n * (I // 16), I // 16)  # scales
 
 
 @jit
