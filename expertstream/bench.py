@@ -39,7 +39,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workdir", default="/tmp/expertstream-bench", help="decode: where the synthetic model lives"
     )
-    p.add_argument("--layers", type=int, default=4, help="decode, prefill: full-shape layers to synthesise")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="decode, prefill: full-shape layers to synthesise (0: the largest model already in --workdir, "
+        "else as many as the free disk and RAM allow, up to the real 48)",
+    )
     p.add_argument(
         "--tokens", type=int, help="decode: tokens timed per regime (32); routing: tokens traced (1024)"
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -38,7 +39,37 @@ REAL_VOCAB = 248320
 BIG_BUDGET_GB = 24  # issue 5's regime 3: a 24 GiB card with the disk regime's RAM cache
 
 
+def layers_that_fit(free_disk: int, host_ram: int, layer_expert_bytes: int) -> int:
+    """Issue 5's "as many layers as the disk allows", up to the real 48: a layer costs its experts twice on
+    disk (snapshot and working directory, plus 10 % of dense weights; a tenth of the free disk and 2 GB
+    more left for the rest), and the `ram` regime pins every expert block, which may take half the RAM."""
+    by_disk = int(0.9 * free_disk - 2e9) // int(2.2 * layer_expert_bytes)
+    by_ram = host_ram // 2 // layer_expert_bytes
+    return max(1, min(REAL_LAYERS, by_disk, by_ram))
+
+
+def bench_layers(root: Path, layers: int) -> int:
+    """--layers, where 0 (the default) means as many layers as this machine's free disk and RAM allow
+    (`layers_that_fit`), or the largest full-shape model already under `root` if that has more."""
+    if layers:
+        return layers
+    from expertstream.synth import preset_dims
+
+    tc = preset_dims("full-shape")
+    weights = 3 * tc["hidden_size"] * tc["moe_intermediate_size"]  # gate, up, down
+    layer_expert_bytes = tc["num_experts"] * (weights // 2 + weights // 16)  # E2M1 codes + E4M3 scales
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    made = [int(p.name[5:-3]) for p in root.glob("full-*-wd") if (p / "manifest.json").exists()]
+    n = max([layers_that_fit(free, ram, layer_expert_bytes), *made])
+    log.info("--layers 0: %d full-shape layers (%.0f GB free disk, %.0f GB RAM, models made: %s)",
+             n, free / 1e9, ram / 1e9, made or "none")  # fmt: skip
+    return n
+
+
 def ensure_model(root: Path, layers: int) -> Path:
+    """The working directory of a full-shape synthetic model of `layers` layers under root, made once."""
     from expertstream.repack import setup_workdir
     from expertstream.synth import write_synthetic
 
@@ -368,6 +399,7 @@ def bench_model(args, what: str, max_model_len: int):
 
     if not torch.cuda.is_available():
         raise SystemExit(f"bench {what} needs a CUDA GPU (it measures the GPU runtime); none is visible")
+    args.layers = bench_layers(Path(args.workdir), args.layers)  # the baseline scales by it too
     work = ensure_model(Path(args.workdir), args.layers)
     base = EngineConfig(
         model=str(work),

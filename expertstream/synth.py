@@ -72,11 +72,16 @@ _VISION = {
 }
 
 
+def preset_dims(preset: str) -> dict:
+    """A preset's text_config values that differ between presets (a copy)."""
+    return dict(_TEXT[preset])
+
+
 def build_config(
     preset: str, layers: int | None, experts: int | None, vocab_size: int, ids: dict[str, int]
 ) -> dict:
     """The composite config.json (no quantization_config) with the shipped field set and its traps."""
-    d = dict(_TEXT[preset])
+    d = preset_dims(preset)
     n_layers = layers or d.pop("num_hidden_layers")
     d.pop("num_hidden_layers", None)
     n_experts = experts or d.pop("num_experts")

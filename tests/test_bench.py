@@ -10,7 +10,14 @@ import torch
 from expertstream import bench
 from expertstream.bench_baseline import baseline_table, max_memory
 from expertstream.bench_prefill import plan_prefill, prefill_table
-from expertstream.bench_runtime import busy_ms, decode_regimes, decode_table, profile_tokens
+from expertstream.bench_runtime import (
+    bench_layers,
+    busy_ms,
+    decode_regimes,
+    decode_table,
+    layers_that_fit,
+    profile_tokens,
+)
 from expertstream.config import EngineConfig
 from expertstream.workdir import Workdir
 
@@ -32,6 +39,21 @@ def test_arguments_of_the_new_modes():
     )
     assert parse(["decode"]).prompts is None and not parse(["decode"]).baseline
     assert parse(["decode", "--profile", "/tmp/p"]).profile.name == "p"
+
+
+def test_layers_as_many_as_the_disk_and_ram_allow(tmp_path):
+    gb = 10**9
+    # 1.4 GB of experts a layer: 3.08 GB of disk each; 0.9 x 100 GB - 2 GB leaves room for 28 layers
+    assert layers_that_fit(100 * gb, 1000 * gb, int(1.4 * gb)) == 28
+    assert layers_that_fit(100 * gb, 20 * gb, int(1.4 * gb)) == 7  # half of 20 GB of RAM pinned
+    assert layers_that_fit(10**6 * gb, 10**6 * gb, int(1.4 * gb)) == 48  # never more than the real model
+    assert layers_that_fit(gb, gb, int(1.4 * gb)) == 1
+    assert bench_layers(tmp_path, 3) == 3  # an explicit --layers is taken as it is
+    # auto: a model already made with more layers than fit now (its own bytes use the disk) is reused
+    (tmp_path / "full-999-wd").mkdir()
+    (tmp_path / "full-999-wd" / "manifest.json").write_text("{}")
+    (tmp_path / "full-7-wd").mkdir()  # unfinished: no manifest, not counted
+    assert bench_layers(tmp_path, 0) == 999
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
