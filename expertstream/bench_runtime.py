@@ -428,9 +428,11 @@ def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, di
     share24 = real_model_cache_share(wd, BIG_BUDGET_GB, base.max_model_len)
     all_in_ram = dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1)
     quarter_in_ram = dataclasses.replace(base, ram_cache_gb=0.25 * expert_bytes / GiB)
+    # the floor, not an 8 GiB claim: the budget grows by the expert bytes so that every expert fits
+    all_in_vram = dataclasses.replace(all_in_ram, gpu_memory_gb=base.gpu_memory_gb + expert_bytes / GiB)
     regimes = {
-        "vram": (all_in_ram, wd.num_layers * wd.num_experts),
-        "vram eager": (dataclasses.replace(all_in_ram, enforce_eager=True), wd.num_layers * wd.num_experts),
+        "vram": (all_in_vram, wd.num_layers * wd.num_experts),
+        "vram eager": (dataclasses.replace(all_in_vram, enforce_eager=True), wd.num_layers * wd.num_experts),
         "ram": (dataclasses.replace(all_in_ram, stage_guesses=staged), vram_blocks + 2 * staged),
         "ram unstaged": (dataclasses.replace(all_in_ram, stage_guesses=0), vram_blocks),
         "disk": (quarter_in_ram, vram_blocks),

@@ -245,6 +245,11 @@ def test_decode_regimes_stage_in_ram_only_on_top_of_the_cache_share(tiny_workdir
     regimes, info = decode_regimes(wd, base, stage_guesses=2)
     every = wd.num_layers * wd.num_experts
     assert regimes["vram"][1] == every and regimes["vram eager"][0].enforce_eager
+    # the floor's budget holds every block on top of the 8 GiB (a 19-layer model's 25 GiB did not fit in 8)
+    expert_gib = every * wd.layout.block_bytes / 2**30
+    for name in ("vram", "vram eager"):
+        assert regimes[name][0].gpu_memory_gb == pytest.approx(8.0 + expert_gib)
+    assert all(regimes[n][0].gpu_memory_gb == 8.0 for n in ("ram", "ram unstaged", "disk"))
     assert info["staged"] == 2 and regimes["ram"][0].stage_guesses == 2
     assert regimes["ram"][1] == info["vram_blocks"] + 4 and regimes["ram unstaged"][0].stage_guesses == 0
     assert regimes["disk"][0].ram_cache_gb < regimes["ram"][0].ram_cache_gb
