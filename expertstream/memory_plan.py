@@ -39,13 +39,6 @@ DECODE_WORKSPACE = 64 * MiB  # one-token activations and the decode graphs' pool
 ELEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I64": 8, "I32": 4}
 
 
-def staged_guesses(k: int) -> int:
-    """Next-layer guesses decode copies to VRAM early once every block sits in RAM (--stage-guesses auto):
-    2 K / 5. On the H200 with 19 layers 4 of K = 10 took a token from 13.76 ms (3) to 13.15, 5 to 13.08
-    with two more rows; 7 and 9 were slower at 4 layers (docs/runtime.md)."""
-    return 2 * k // 5
-
-
 class MemoryPlanError(ValueError):
     pass
 
@@ -59,7 +52,7 @@ class MemoryPlan:
     state: int  # DeltaNet recurrent + conv, PLE context
     kv: int  # attention K/V for max_model_len
     indexer_keys: int
-    slots: int  # three banks of K expert slots (this layer, the previous one, half a prompt pass) + staging
+    slots: int  # three banks of K expert slots: this layer, the previous one, and half a prompt pass
     decode_workspace: int
     prefill_piece: int
     prefill_span: int  # tokens per layer-major span (a multiple of the piece)
@@ -236,23 +229,13 @@ def plan_memory(
     budget_piece = max(p for p in PREFILL_PIECES if affordable(p) or p == PREFILL_PIECES[-1])
     workspace = prefill_ws(budget_piece)
     left -= workspace
-    pieces = [p for p in PREFILL_PIECES if SPAN_MIN_PIECE <= p <= budget_piece] or [budget_piece]
-    # two layers' staged guesses (decode, every block in RAM): from the cache's room, the rest in whole blocks
-    # from the workspace's span share (0.9 x 8 GiB: 2 of their 8 rows, 5,888 -> 5,632-token spans, still 6
-    # for 32k tokens); they neither push weights to FP8 nor shrink the piece
-    stage = 2 * staged_guesses(k) * block_bytes
-    room = (workspace - prefill_ws(min(pieces))) // block_bytes * block_bytes
-    taken = min(-(-max(0, stage - left) // block_bytes) * block_bytes, room)
-    stage_rows = min(stage, left + taken) // block_bytes
-    workspace -= taken
-    left += taken - stage_rows * block_bytes
-    slots += stage_rows * block_bytes
 
     # split that workspace into the piece and the span that make the span longest (ties: the longer piece)
     def span_of(p: int) -> int:
         extra = (workspace - prefill_ws(p)) // per_span_tok
         return max(p, min(max_model_len, p + extra) // p * p)
 
+    pieces = [p for p in PREFILL_PIECES if SPAN_MIN_PIECE <= p <= budget_piece] or [budget_piece]
     piece = max(pieces, key=lambda p: (span_of(p), p))
     span = span_of(piece)
     chunk = min(span, max(piece, prefill_ws(piece) // per_moe_tok // piece * piece))

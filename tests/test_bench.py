@@ -204,7 +204,7 @@ def test_busy_time_counts_overlaps_once():
 
 
 def test_the_real_plans_prefill_span_is_what_the_bench_uses():
-    """The 48-layer model under 8 GiB with a 32k context runs prompts in 5,632-token spans of 256-token
+    """The 48-layer model under 8 GiB with a 32k context runs prompts in 5,888-token spans of 256-token
     pieces (the bench's 4-layer model would allow far longer), and each span fetches its experts once."""
     import collections
     from types import SimpleNamespace
@@ -217,13 +217,13 @@ def test_the_real_plans_prefill_span_is_what_the_bench_uses():
     tc = build_config("full-shape", None, None, 1024, collections.defaultdict(lambda: 7))["text_config"]
     wd = SimpleNamespace(text_config=tc, layout=ExpertLayout.for_dims(2560, 640))
     small, big = real_model_plan(wd, 8.0, 32768), real_model_plan(wd, 24.0, 32768)
-    assert (small.prefill_piece, small.prefill_span) == (256, 5632)
+    assert (small.prefill_piece, small.prefill_span) == (256, 5888)
     assert big.prefill_span > 4 * small.prefill_span
     block = wd.layout.block_bytes
     one = plan_prefill(2451, 4096, 4096, 2, 512, 10, block).max_expert_bytes_per_layer
     # a 2,451-token prompt fits one span: each expert once per layer (three times with 1,024-token pieces)
-    assert plan_prefill(2451, 256, 5632, 2, 512, 10, block).max_expert_bytes_per_layer == one
-    assert plan_prefill(32768, 256, 5632, 2, 512, 10, block).max_expert_bytes_per_layer == 6 * one
+    assert plan_prefill(2451, 256, 5888, 2, 512, 10, block).max_expert_bytes_per_layer == one
+    assert plan_prefill(32768, 256, 5888, 2, 512, 10, block).max_expert_bytes_per_layer == 6 * one
 
 
 def test_regimes_flag_picks_regimes_by_slug_and_names_unknown_ones():

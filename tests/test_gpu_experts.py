@@ -284,9 +284,9 @@ def test_a_vram_resident_bank_is_fixed_even_with_staging_configured(tiny_workdir
         bank.close()
 
 
-def test_stage_guesses_auto_takes_two_fifths_of_k_from_slots_beyond_three_banks():
-    # K = 10: three banks of K leave none; the plan's 8 staging rows beyond them buy 2 K / 5 = 4, no more
-    assert [stage_guesses_for(-1, 10, n) for n in (20, 30, 31, 36, 38, 40, 5000)] == [0, 0, 0, 3, 4, 4, 4]
+def test_stage_guesses_auto_takes_half_of_k_from_slots_beyond_three_banks():
+    # K = 10: the real 8 GiB plan's 30 slots leave none; its 0.9 x 8 GiB plan's 8 cache blocks buy 4
+    assert [stage_guesses_for(-1, 10, n) for n in (20, 30, 31, 38, 40, 5000)] == [0, 0, 0, 4, 5, 5]
     # an explicit count needs two layers' K slots beside its 2 G rows
     assert [stage_guesses_for(g, 10, 30) for g in (0, 5, 6)] == [0, 5, 0]
 
@@ -307,9 +307,9 @@ def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_de
         plain = GpuExperts(wd, store, 4 * k, kernel_device)
         staged = GpuExperts(wd, store, 4 * k, kernel_device, stage_guesses=2)
         assert staged.stage_guesses == 2 and staged.cache.n_slots == 4 * k - 4
-        # auto (the engine's default): at most 2 K / 5, and only from slots beyond three banks of K
+        # auto (the engine's default): at most K / 2, and only from slots beyond three banks of K
         autos = [GpuExperts(wd, store, n, kernel_device, stage_guesses=-1) for n in (5 * k, 3 * k + 2, 3 * k)]
-        assert [a.stage_guesses for a in autos] == [2 * k // 5, min(2 * k // 5, 1), 0]
+        assert [a.stage_guesses for a in autos] == [k // 2, min(k // 2, 1), 0]
         for a in autos:
             a.close()
         for bank in (plain, staged):

@@ -26,7 +26,6 @@ from expertstream.kernels import nvfp4_moe
 from expertstream.kernels.codec import tuned_config
 from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
-from expertstream.memory_plan import staged_guesses
 from expertstream.runtime.host_mirror import HostMirror
 from expertstream.runtime.pass_tables import PassTables
 from expertstream.runtime.speculation import Speculator
@@ -78,10 +77,10 @@ class _SwappedNibbles:
 
 def stage_guesses_for(requested: int, k: int, n_slots: int) -> int:
     """Guesses staged per layer for --stage-guesses `requested` with n_slots expert slots (staging rows for
-    two layers come out of them). Auto (-1): `memory_plan.staged_guesses`, which the plan gives its own
-    rows, from slots beyond the plan's three banks of K only, so that prompt passes keep their 1.5 K
-    experts; an explicit count needs two layers' K slots left beside its rows, else 0."""
-    g = min(staged_guesses(k), (n_slots - 3 * k) // 2) if requested < 0 else requested
+    two layers come out of them). Auto (-1): at most K / 2 (4 and 5 of K = 10 paid on the H200,
+    docs/runtime.md), from slots beyond the memory plan's three banks of K only, so that prompt passes keep
+    their 1.5 K experts; an explicit count needs two layers' K slots left beside its rows, else 0."""
+    g = min(k // 2, (n_slots - 3 * k) // 2) if requested < 0 else requested
     g = max(0, g)
     return g if n_slots - 2 * g >= 2 * k else 0
 
