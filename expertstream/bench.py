@@ -43,8 +43,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--layers",
         type=int,
         default=0,
-        help="decode, prefill: full-shape layers to synthesise (0: the largest model already in --workdir, "
-        "else as many as the free disk and RAM allow, up to the real 48)",
+        help="decode, prefill: full-shape layers to synthesise (0: as many as the free disk and RAM allow, "
+        "up to the real 48, or a larger model already in --workdir)",
     )
     p.add_argument(
         "--tokens", type=int, help="decode: tokens timed per regime (32); routing: tokens traced (1024)"
