@@ -39,32 +39,43 @@ REAL_VOCAB = 248320
 BIG_BUDGET_GB = 24  # issue 5's regime 3: a 24 GiB card with the disk regime's RAM cache
 
 
-def layers_that_fit(free_disk: int, host_ram: int, layer_expert_bytes: int) -> int:
-    """Issue 5's "as many layers as the disk allows", up to the real 48: a layer costs its experts twice on
-    disk (snapshot and working directory, plus 10 % of dense weights; a tenth of the free disk and 2 GB
-    more left for the rest), and the `ram` regime pins every expert block, which may take half the RAM."""
+def layers_that_fit(free_disk: int, host_ram: int, layer_expert_bytes: int) -> tuple[int, int]:
+    """(by disk, by RAM): full-shape layers that fit. A layer costs its experts twice on disk (snapshot and
+    working directory, plus 10 % of dense weights; a tenth of the free disk and 2 GB more are left for the
+    rest), and the `ram` regime pins every expert block, which may take half the RAM."""
     by_disk = int(0.9 * free_disk - 2e9) // int(2.2 * layer_expert_bytes)
-    by_ram = host_ram // 2 // layer_expert_bytes
-    return max(1, min(REAL_LAYERS, by_disk, by_ram))
+    return max(0, by_disk), host_ram // 2 // layer_expert_bytes
+
+
+def host_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def bench_layers(root: Path, layers: int) -> int:
-    """--layers, where 0 (the default) means as many layers as this machine's free disk and RAM allow
-    (`layers_that_fit`), or the largest full-shape model already under `root` if that has more."""
-    if layers:
-        return layers
+    """--layers, where 0 (the default) is issue 5's "as many layers as the disk allows": as many as this
+    machine's free disk and RAM hold (`layers_that_fit`), up to the real 48, or the largest full-shape
+    model already under `root` if that has more. A model that cannot fit on the disk is refused before
+    anything is written."""
     from expertstream.synth import preset_dims
 
+    made = [int(p.name[5:-3]) for p in root.glob("full-*-wd") if (p / "manifest.json").exists()]
+    if layers in made:
+        return layers
     tc = preset_dims("full-shape")
     weights = 3 * tc["hidden_size"] * tc["moe_intermediate_size"]  # gate, up, down
     layer_expert_bytes = tc["num_experts"] * (weights // 2 + weights // 16)  # E2M1 codes + E4M3 scales
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    made = [int(p.name[5:-3]) for p in root.glob("full-*-wd") if (p / "manifest.json").exists()]
-    n = max([layers_that_fit(free, ram, layer_expert_bytes), *made])
-    log.info("--layers 0: %d full-shape layers (%.0f GB free disk, %.0f GB RAM, models made: %s)",
-             n, free / 1e9, ram / 1e9, made or "none")  # fmt: skip
+    by_disk, by_ram = layers_that_fit(free, host_ram_bytes(), layer_expert_bytes)
+    n = layers or max([min(REAL_LAYERS, by_disk, by_ram), *made]) or 1
+    if n > by_disk and n not in made:
+        need = (n * int(2.2 * layer_expert_bytes) + 2e9) / 0.9
+        raise SystemExit(
+            f"a {n}-layer full-shape bench model needs ~{need / 1e9:.0f} GB free under {root} (snapshot and "
+            f"working directory); {free / 1e9:.1f} GB are free: free some, or point --workdir elsewhere"
+        )
+    log.info("--layers %d: %d full-shape layers (%.0f GB free disk; fit by disk %d, by RAM %d; made: %s)",
+             layers, n, free / 1e9, by_disk, by_ram, made or "none")  # fmt: skip
     return n
 
 

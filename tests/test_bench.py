@@ -3,11 +3,13 @@
 import argparse
 import dataclasses
 import json
+import shutil
+import types
 
 import pytest
 import torch
 
-from expertstream import bench
+from expertstream import bench, bench_runtime
 from expertstream.bench_baseline import baseline_table, max_memory
 from expertstream.bench_prefill import plan_prefill, prefill_table
 from expertstream.bench_runtime import (
@@ -41,19 +43,32 @@ def test_arguments_of_the_new_modes():
     assert parse(["decode", "--profile", "/tmp/p"]).profile.name == "p"
 
 
-def test_layers_as_many_as_the_disk_and_ram_allow(tmp_path):
+def test_layers_as_many_as_the_disk_and_ram_allow(tmp_path, monkeypatch):
     gb = 10**9
     # 1.4 GB of experts a layer: 3.08 GB of disk each; 0.9 x 100 GB - 2 GB leaves room for 28 layers
-    assert layers_that_fit(100 * gb, 1000 * gb, int(1.4 * gb)) == 28
-    assert layers_that_fit(100 * gb, 20 * gb, int(1.4 * gb)) == 7  # half of 20 GB of RAM pinned
-    assert layers_that_fit(10**6 * gb, 10**6 * gb, int(1.4 * gb)) == 48  # never more than the real model
-    assert layers_that_fit(gb, gb, int(1.4 * gb)) == 1
+    assert layers_that_fit(100 * gb, 1000 * gb, int(1.4 * gb)) == (28, 357)
+    assert layers_that_fit(100 * gb, 20 * gb, int(1.4 * gb)) == (28, 7)  # half of 20 GB of RAM pinned
+    assert layers_that_fit(gb, gb, int(1.4 * gb)) == (0, 0)
+    disk = [10**6 * gb]  # what shutil.disk_usage says is free
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: types.SimpleNamespace(free=disk[0]))
+    monkeypatch.setattr(bench_runtime, "host_ram_bytes", lambda: 10**6 * gb)
+    assert bench_layers(tmp_path, 0) == 48  # never more than the real model
     assert bench_layers(tmp_path, 3) == 3  # an explicit --layers is taken as it is
-    # auto: a model already made with more layers than fit now (its own bytes use the disk) is reused
-    (tmp_path / "full-999-wd").mkdir()
-    (tmp_path / "full-999-wd" / "manifest.json").write_text("{}")
+    disk[0] = 10 * gb  # room for 2 layers
+    assert bench_layers(tmp_path, 0) == 2
+    with pytest.raises(SystemExit, match="a 5-layer full-shape bench model needs ~20 GB free"):
+        bench_layers(tmp_path, 5)
+    # a model already made is reused, by --layers 0 too when it has more layers than fit now
+    (tmp_path / "full-5-wd").mkdir()
+    (tmp_path / "full-5-wd" / "manifest.json").write_text("{}")
     (tmp_path / "full-7-wd").mkdir()  # unfinished: no manifest, not counted
-    assert bench_layers(tmp_path, 0) == 999
+    assert bench_layers(tmp_path, 5) == 5 and bench_layers(tmp_path, 0) == 5
+    disk[0] = gb  # not even one layer fits: refused before anything is written
+    with pytest.raises(SystemExit, match="a 7-layer"):
+        bench_layers(tmp_path, 7)
+    shutil.rmtree(tmp_path / "full-5-wd")
+    with pytest.raises(SystemExit, match="a 1-layer full-shape bench model needs ~6 GB free"):
+        bench_layers(tmp_path, 0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
