@@ -39,11 +39,20 @@ REAL_VOCAB = 248320
 BIG_BUDGET_GB = 24  # issue 5's regime 3: a 24 GiB card with the disk regime's RAM cache
 
 
+# a full-shape bench model on disk: its experts twice (snapshot and working directory) and 10 % more of dense
+# weights a layer, with a tenth of the free disk and 2 GB more left over
+LAYER_DISK, DISK_USE, DISK_SPARE = 2.2, 0.9, 2e9
+
+
+def disk_needed(layers: int, layer_expert_bytes: int) -> float:
+    """Free disk a full-shape bench model of `layers` layers needs."""
+    return (layers * LAYER_DISK * layer_expert_bytes + DISK_SPARE) / DISK_USE
+
+
 def layers_that_fit(free_disk: int, host_ram: int, layer_expert_bytes: int) -> tuple[int, int]:
-    """(by disk, by RAM): full-shape layers that fit. A layer costs its experts twice on disk (snapshot and
-    working directory, plus 10 % of dense weights; a tenth of the free disk and 2 GB more are left for the
-    rest), and the `ram` regime pins every expert block, which may take half the RAM."""
-    by_disk = int(0.9 * free_disk - 2e9) // int(2.2 * layer_expert_bytes)
+    """(by disk, by RAM): full-shape layers that fit, on the disk (the inverse of `disk_needed`) and in
+    half the RAM (the `ram` regime pins every expert block)."""
+    by_disk = int((DISK_USE * free_disk - DISK_SPARE) // (LAYER_DISK * layer_expert_bytes))
     return max(0, by_disk), host_ram // 2 // layer_expert_bytes
 
 
@@ -69,7 +78,7 @@ def bench_layers(root: Path, layers: int) -> int:
     by_disk, by_ram = layers_that_fit(free, host_ram_bytes(), layer_expert_bytes)
     n = layers or max([min(REAL_LAYERS, by_disk, by_ram), *made]) or 1
     if n > by_disk and n not in made:
-        need = (n * int(2.2 * layer_expert_bytes) + 2e9) / 0.9
+        need = disk_needed(n, layer_expert_bytes)
         raise SystemExit(
             f"a {n}-layer full-shape bench model needs ~{need / 1e9:.0f} GB free under {root} (snapshot and "
             f"working directory); {free / 1e9:.1f} GB are free: free some, or point --workdir elsewhere"
