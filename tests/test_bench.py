@@ -50,7 +50,8 @@ def test_layers_as_many_as_the_disk_and_ram_allow(tmp_path, monkeypatch):
     assert layers_that_fit(100 * gb, 20 * gb, int(1.4 * gb)) == (28, 7)  # half of 20 GB of RAM pinned
     assert layers_that_fit(gb, gb, int(1.4 * gb)) == (0, 0)
     # the refusal's figure is the same arithmetic: 28 layers need at most 100 GB, 29 more
-    assert bench_runtime.disk_needed(28, int(1.4 * gb)) <= 100 * gb < bench_runtime.disk_needed(29, int(1.4 * gb))
+    need = [bench_runtime.disk_needed(n, int(1.4 * gb)) for n in (28, 29)]
+    assert need[0] <= 100 * gb < need[1]
     disk = [10**6 * gb]  # what shutil.disk_usage says is free
     monkeypatch.setattr(shutil, "disk_usage", lambda p: types.SimpleNamespace(free=disk[0]))
     monkeypatch.setattr(bench_runtime, "host_ram_bytes", lambda: 10**6 * gb)
