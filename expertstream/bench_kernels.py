@@ -422,6 +422,12 @@ PREFILL_SWEEP = [
         (16, 64, 32, 4, {}), (64, 64, 32, 3, {"maxnreg": 128}), (64, 64, 32, 4, {"maxnreg": 128}),
         (64, 64, 32, 3, {}), (64, 64, 64, 3, {}),
     ]
+] + [
+    # the shipped shapes launched tile-major (a tile's n blocks together, sharing its input rows in L2):
+    # Nsight Compute put down at T = 2,451 at 65 % of DRAM, ~1.5 GB for ~0.6 GB of distinct bytes, as if
+    # each n block re-read the 31 MB of h (2026-12-01 19:37). Not yet swept
+    dict(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=4, tile_major=True),
+    dict(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3, scale_words=True, tile_major=True),
 ]  # fmt: skip
 
 
@@ -438,6 +444,10 @@ DOWN_SWEEP = [
     # lost with words; down waited on memory first, 2026-12-01 18:36). Not yet swept
     dict(block_n=bn, block_k=bk, num_warps=4, num_stages=ns, scale_words=True)
     for bn, bk, ns in [(128, 64, 3), (64, 32, 3)]
+] + [
+    # down alone tile-major (above), under gate+up's shape and under T = 512's 128 x 64 down. Not yet swept
+    dict(block_n=64, block_k=32, num_warps=4, num_stages=3, scale_words=True, tile_major=True),
+    dict(block_n=128, block_k=64, num_warps=4, num_stages=3, tile_major=True),
 ]  # fmt: skip
 
 
@@ -448,7 +458,10 @@ PASS_SWEEP = [
         (64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 32, 4, 4), (128, 64, 4, 3), (64, 128, 4, 3),
         (128, 64, 8, 3), (128, 32, 8, 4),
     ]
-] + [dict(block_n=64, block_k=32, num_warps=4, num_stages=3, scale_words=True, maxnreg=128)]  # fmt: skip
+] + [
+    dict(block_n=64, block_k=32, num_warps=4, num_stages=3, scale_words=True, maxnreg=128, tile_major=t)
+    for t in (False, True)
+]  # fmt: skip
 
 
 SWEPT = ("fp8_gemv", "nvfp4_decode", "nvfp4_prefill", "nvfp4_prefill_pass")

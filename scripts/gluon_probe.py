@@ -248,7 +248,8 @@ def compare_down(tokens: int, shape: tuple) -> None:
         nm.launch_e2m1(
             nm._prefill_down_kernel, grid, x.device, h, *args, y_ref, p, 0, dw_off=off["dw_off"],
             ds_off=off["ds_off"], block_bytes=layout.block_bytes, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=bk, DOT_PRECISION="tf32", SCALE_WORDS=False, num_warps=nw, num_stages=ns,
+            BLOCK_K=bk, DOT_PRECISION="tf32", SCALE_WORDS=False, TILE_MAJOR=False, num_warps=nw,
+            num_stages=ns,
         )  # fmt: skip
 
     def new():

@@ -113,7 +113,8 @@ def compare(layout, slots, ws2, ids, x, cfg: dict, name: str, launch, prep=None)
         nm.launch_e2m1(
             nm._prefill_gate_up_kernel, grid, x.device, x, *args, h_ref, p, TOPK, 0, **offs,
             block_bytes=layout.block_bytes, H=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            DOT_PRECISION="tf32", SCALE_WORDS=False, num_warps=nw, num_stages=ns,
+            DOT_PRECISION="tf32", SCALE_WORDS=False, TILE_MAJOR=False, num_warps=nw,
+            num_stages=ns,
         )  # fmt: skip
 
     xin = prep(x) if prep else x

@@ -68,7 +68,15 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                 2,
             )
         )
-        tiles = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32", USE_PTX=p, SCALE_WORDS=False)
+        tiles = dict(
+            BLOCK_M=64,
+            BLOCK_N=64,
+            BLOCK_K=64,
+            DOT_PRECISION="tf32",
+            USE_PTX=p,
+            SCALE_WORDS=False,
+            TILE_MAJOR=False,
+        )
         out.append(
             (
                 "prefill gate+up",
@@ -109,10 +117,11 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                 4,
             )
         )
-        # the same two launches reading the block scales as int32 words
+        # the same two launches reading the block scales as int32 words, then also in tile-major order
         out += [
-            (name + " words", fn, types, {**c, "SCALE_WORDS": True}, nw)
+            (name + suffix, fn, types, {**c, "SCALE_WORDS": True, "TILE_MAJOR": major}, nw)
             for name, fn, types, c, nw in out[-2:]
+            for suffix, major in ((" words", False), (" words tile-major", True))
         ]
     out.append(
         (

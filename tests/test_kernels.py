@@ -236,6 +236,45 @@ def test_prefill_scale_words_equal_scale_bytes(dims, monkeypatch):
     assert seen == [False, False]
 
 
+def test_prefill_tile_major_order_changes_no_bit(monkeypatch):
+    # tile_major launches each tile's n blocks together (a 1-D grid): the same programs in another order,
+    # so the same bits. Down follows gate+up unless its own shape says otherwise; a pass's launch shape
+    # replaces the order's choice
+    from expertstream.kernels import nvfp4_moe
+
+    layout = ExpertLayout.for_dims(128, 64, align=64)
+    slots, ws2 = random_slots(layout, 6, seed=3)
+    ids, x, w, e2s = six_expert_prompt(layout, 24, seed=12)
+    cfg = dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
+    want = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg)
+    seen = []
+    launch_e2m1 = nvfp4_moe.launch_e2m1
+
+    def record(kernel, grid, device, *args, **kwargs):
+        seen.append((len(grid), kwargs["TILE_MAJOR"]))
+        launch_e2m1(kernel, grid, device, *args, **kwargs)
+
+    monkeypatch.setattr(nvfp4_moe, "launch_e2m1", record)
+    got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "tile_major": True})
+    assert seen == [(1, True), (1, True)] and torch.equal(got, want)
+    seen.clear()
+    down = dict(block_n=64, block_k=16, num_warps=4, num_stages=2, tile_major=False)
+    got = nvfp4_moe_prefill(
+        x, slots, ids, e2s, ws2, w, layout, config={**cfg, "tile_major": True, "down": down}
+    )
+    assert seen == [(1, True), (2, False)]
+    close(got, want, torch.float32)  # down's other block_k sums in another order
+    seen.clear()
+    nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "tile_major": True, "down": {}})
+    assert seen == [(1, True), (1, True)]  # a down shape that does not name it follows gate+up
+    seen.clear()
+    order = order_pairs(ids, e2s.numel(), layout, config={**cfg, "tile_major": True})
+    y, work = nvfp4_moe.prefill_buffers(x, layout, order.tiles * cfg["block_m"])
+    shape = dict(block_n=32, block_k=32, num_warps=4, num_stages=2)
+    nvfp4_moe_prefill_rows(x, slots, e2s, ws2, w, layout, order, (0, order.tiles), y, work, launch=shape)
+    assert seen == [(2, False), (2, False)]
+
+
 def test_prefill_one_token_equals_decode(bank):
     layout, slots, ws2 = bank
     x = torch.randn(1, layout.hidden_size, device=DEV)

@@ -478,7 +478,7 @@ def nvfp4_moe_prefill(
         weights: [T, K] float32 router weights.
         layout: the block layout.
         config: block_m, block_n, block_k (bytes), num_warps, num_stages, optionally maxnreg (a register
-            cap per thread for gate+up, so that more programs share an SM) and scale_words (see
+            cap per thread for gate+up, so that more programs share an SM), scale_words and tile_major (see
             `nvfp4_moe_prefill_rows`); default from the routing size.
         order: expert_ids' pairs already sorted by `order_pairs` (its config is used): the call then has no
             host-side step, so a CUDA graph can capture it.
@@ -522,13 +522,14 @@ def nvfp4_moe_prefill_rows(
 
     Args: as `nvfp4_moe_prefill`, plus order: the pairs of expert_ids [T, K] sorted by `order_pairs`; tiles:
     (t0, t1); y: [R, H] in x.dtype and work (h = silu(g) u): [R, I] in x.dtype, R >= (t1 - t0) BLOCK_M;
-    launch: block_n, block_k, num_warps, num_stages (and maxnreg, scale_words) in place of the order's (its
-    block_m stays: the tiles are made), e.g. the shape tuned for a bank's passes of a few experts each.
-    Either config may hold a "down" dict of those keys: the down launch's own shape (K = I is a quarter of
-    gate+up's K = H). A maxnreg caps the launch of the shape that names it: gate+up's is not down's.
+    launch: block_n, block_k, num_warps, num_stages (and maxnreg, scale_words, tile_major) in place of the
+    order's (its block_m stays: the tiles are made), e.g. the shape tuned for a bank's passes of a few experts
+    each. Either config may hold a "down" dict of those keys: the down launch's own shape (K = I is a quarter
+    of gate+up's K = H). A maxnreg caps the launch of the shape that names it: gate+up's is not down's.
     scale_words reads a step's E4M3 scales as int32 words, which the compiler can stage ahead like the codes,
-    where the rows allow it (block_k >= 32, K / 16 a multiple of 4); down follows gate+up unless it names its
-    own.
+    where the rows allow it (block_k >= 32, K / 16 a multiple of 4); tile_major launches a tile's n blocks
+    one after another (they share its input rows in L2) instead of one n block's tiles; down follows gate+up
+    in both unless it names its own.
     """
     _check_common(x, slots, layout)
     assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
@@ -539,7 +540,8 @@ def nvfp4_moe_prefill_rows(
     h_size, i_size = layout.hidden_size, layout.intermediate_size
     p = t * k
     # a launch shape replaces the order's whole (its cap and scale reads too; the order's down stays)
-    own = {key: v for key, v in order.config.items() if not (launch and key in ("maxnreg", "scale_words"))}
+    replaced = ("maxnreg", "scale_words", "tile_major") if launch else ()
+    own = {key: v for key, v in order.config.items() if key not in replaced}
     cfg = {**own, **(launch or {}), "block_m": order.config["block_m"]}
     down = {**{key: v for key, v in cfg.items() if key != "maxnreg"}, **cfg.get("down", {})}
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
@@ -561,26 +563,33 @@ def nvfp4_moe_prefill_rows(
     )
     tile_args = (order.pair_ids, order.tile_expert, expert_to_slot)
     launch_e2m1(
-        _prefill_gate_up_kernel, (t1 - t0, cdiv(i_size, bn)), x.device,
+        _prefill_gate_up_kernel, _tile_grid(t1 - t0, cdiv(i_size, bn), cfg), x.device,
         x, *tile_args, slots, ws2, work, p, k, t0, gw_off=off["gw_off"], uw_off=off["uw_off"],
         gs_off=off["gs_off"], us_off=off["us_off"], **common, **_launch_shape(cfg, h_size),
     )  # fmt: skip
     launch_e2m1(
-        _prefill_down_kernel, (t1 - t0, cdiv(h_size, down["block_n"])), x.device,
+        _prefill_down_kernel, _tile_grid(t1 - t0, cdiv(h_size, down["block_n"]), down), x.device,
         work, *tile_args, slots, ws2, weights, y, p, t0, dw_off=off["dw_off"], ds_off=off["ds_off"], **common,
         **_launch_shape(down, i_size),
     )  # fmt: skip
 
 
+def _tile_grid(tiles: int, n_blocks: int, cfg: dict) -> tuple[int, ...]:
+    # (tiles, n blocks), or tile-major in one dimension (`_program`)
+    return (tiles * n_blocks,) if cfg.get("tile_major") else (tiles, n_blocks)
+
+
 def _launch_shape(cfg: dict, k_in: int) -> dict:
     # maxnreg: ptxas' .maxnreg register cap (the interpreter ignores it). scale_words: a step's scale bytes
-    # read as int32 words, where each row's step holds whole words (k_in / 16 groups a row, a multiple of 4)
+    # read as int32 words, where each row's step holds whole words (k_in / 16 groups a row, a multiple of 4).
+    # tile_major: the programs in tile-major launch order (`_program`)
     cap = {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
     words = bool(cfg.get("scale_words")) and cfg["block_k"] >= 32 and (k_in // 16) % 4 == 0
     return dict(
         BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"],
         SCALE_WORDS=words,
+        TILE_MAJOR=bool(cfg.get("tile_major")),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **cap,
@@ -675,13 +684,23 @@ def _tile_slot(tile_expert_ptr, e2s_ptr, tile):
 
 
 @jit
-def _tile(tile_expert_ptr, e2s_ptr, pair_ptr, slots_ptr, block_bytes, T0, P, BLOCK_M: tl.constexpr):
-    # program's tile T0 + program_id(0): (its expert's slot or -1, the slot's block, its pairs [BM] (P:
-    # padding), their rows in the range's buffers, which pairs are real)
-    tile = T0 + tl.program_id(0)
+def _program(n_blocks, TILE_MAJOR: tl.constexpr):
+    # (tile i of the range, n block) of this program. The hardware starts programs in launch order: a
+    # (tiles, n blocks) grid runs every tile of one n block before the next, re-reading each tile's input
+    # rows per n block; a tile-major 1-D grid runs a tile's n blocks together, so they share its rows in L2
+    if TILE_MAJOR:
+        return tl.program_id(0) // n_blocks, tl.program_id(0) % n_blocks
+    return tl.program_id(0), tl.program_id(1)
+
+
+@jit
+def _tile(tile_expert_ptr, e2s_ptr, pair_ptr, slots_ptr, block_bytes, T0, i, P, BLOCK_M: tl.constexpr):
+    # tile T0 + i: (its expert's slot or -1, the slot's block, its pairs [BM] (P: padding), their rows in the
+    # range's buffers, which pairs are real)
+    tile = T0 + i
     slot = _tile_slot(tile_expert_ptr, e2s_ptr, tile)
     pair = tl.load(pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
     return slot, slots_ptr + tl.maximum(slot, 0) * block_bytes, pair, rows, pair < P
 
 
@@ -748,16 +767,17 @@ def _dot_step(
 def _prefill_gate_up_kernel(
     x_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, h_ptr, P, K, T0, block_bytes, H, I,
     gw_off, uw_off, gs_off, us_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr, TILE_MAJOR: tl.constexpr,
 ):  # fmt: skip
     # program (tile T0 + i, n block): h[i BM + m, n] = silu(x[tok] gate^T) * (x[tok] up^T), rows of one expert
+    i, nb = _program(tl.cdiv(I, BLOCK_N), TILE_MAJOR)
     slot, blk, pair, rows, valid = _tile(
-        tile_expert_ptr, e2s_ptr, pair_ptr, slots_ptr, block_bytes, T0, P, BLOCK_M
+        tile_expert_ptr, e2s_ptr, pair_ptr, slots_ptr, block_bytes, T0, i, P, BLOCK_M
     )
     if slot < 0:  # past the last tile, or its expert is not in this pass
         return
     tok = (pair // K).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -781,16 +801,17 @@ def _prefill_down_kernel(
     h_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, w_ptr, y_ptr, P, T0, block_bytes, H, I,
     dw_off, ds_off,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr, TILE_MAJOR: tl.constexpr,
 ):  # fmt: skip
     # program (tile T0 + i, n block): y[i BM + m, n] = w[pair] * h[i BM + m] down^T, rows of one expert
+    i, nb = _program(tl.cdiv(H, BLOCK_N), TILE_MAJOR)
     slot, blk, pair, rows, valid = _tile(
-        tile_expert_ptr, e2s_ptr, pair_ptr, slots_ptr, block_bytes, T0, P, BLOCK_M
+        tile_expert_ptr, e2s_ptr, pair_ptr, slots_ptr, block_bytes, T0, i, P, BLOCK_M
     )
     if slot < 0:  # past the last tile, or its expert is not in this pass
         return
     rows = rows.to(tl.int64)  # of h and y (int64 offsets: a long one-shot prompt passes 2^31 elements)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I // 2, BLOCK_K):
