@@ -56,18 +56,26 @@ class CheckpointWriteError(ValueError):
 
 
 class SafetensorsStreamWriter:
-    """One .safetensors file written tensor by tensor: data to a side file, the header prepended last."""
+    """One .safetensors file written tensor by tensor: the data go after a header slot of `reserve` bytes and
+    the header is written into it last, padded with spaces as safetensors allows. A header that outgrows its
+    slot is written in front of a copy of the data (the whole file once more)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, reserve: int = 0):
         self.path = path
-        self._data_path = path.with_name(path.name + ".data")
-        self._data = open(self._data_path, "wb")
+        self._reserve = -(-reserve // 8) * 8  # the data start 8-byte aligned
+        self._file = open(path, "wb")
+        self._file.seek(8 + self._reserve)
         self._header: dict[str, dict] = {}
         self._offset = 0
+        self.header_bytes = 0  # the header's own length, once closed
 
     @property
     def nbytes(self) -> int:
         return self._offset
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if name in self._header:
@@ -77,7 +85,7 @@ class SafetensorsStreamWriter:
                 f"tensor {name!r} has dtype {tensor.dtype}, not storable in safetensors"
             )
         raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._data.write(memoryview(raw))
+        self._file.write(memoryview(raw))
         end = self._offset + raw.nbytes
         self._header[name] = {
             "dtype": _ST_DTYPES[tensor.dtype],
@@ -87,15 +95,26 @@ class SafetensorsStreamWriter:
         self._offset = end
 
     def close(self) -> list[str]:
-        self._data.close()
+        if self.closed:
+            return list(self._header)
         header = {"__metadata__": {"format": "pt"}, **self._header}
         blob = json.dumps(header, separators=(",", ":")).encode()
+        self.header_bytes = len(blob)
+        if len(blob) <= self._reserve:
+            self._file.seek(0)
+            self._file.write(self._reserve.to_bytes(8, "little") + blob + b" " * (self._reserve - len(blob)))
+            self._file.close()
+            return list(self._header)
+        self._file.close()
         blob += b" " * (-len(blob) % 8)  # safetensors pads the header to 8 bytes
-        with open(self.path, "wb") as f, open(self._data_path, "rb") as data:
+        data = self.path.with_name(self.path.name + ".data")
+        os.replace(self.path, data)
+        with open(self.path, "wb") as f, open(data, "rb") as src:
             f.write(len(blob).to_bytes(8, "little"))
             f.write(blob)
-            shutil.copyfileobj(data, f, 16 << 20)
-        self._data_path.unlink()
+            src.seek(8 + self._reserve)
+            shutil.copyfileobj(src, f, 16 << 20)
+        data.unlink()
         return list(self._header)
 
 
@@ -182,8 +201,14 @@ class _Sharder:
             if not self.shards or (
                 layer is not None and self.shard_layer is not None and layer != self.shard_layer
             ):
+                # a layer's shard is done when the next starts; the next (the same tensors, other numbers)
+                # gets a header slot a little larger than its header, so its data are written once
+                reserve = 0
+                if self.shards:
+                    self.shards[-1].close()
+                    reserve = self.shards[-1].header_bytes * 5 // 4 + 1024
                 self.shards.append(
-                    SafetensorsStreamWriter(self.out_dir / f"shard-{len(self.shards):05d}.tmp")
+                    SafetensorsStreamWriter(self.out_dir / f"shard-{len(self.shards):05d}.tmp", reserve)
                 )
                 self.shard_layer = None
             if layer is not None:

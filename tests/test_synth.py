@@ -295,3 +295,42 @@ def test_cli_refuses_non_empty_out(tmp_path):
     assert cli_main(["synth", str(out)]) == 1
     assert cli_main(["synth", str(out), "--force", "--seed", "2", "--dtype", "bf16"]) == 0
     assert (out / "keep.txt").exists() and (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize("reserve", [0, 16, 4096], ids=["no slot", "slot too small", "slot"])
+def test_stream_writer_header_in_its_slot_or_before_a_copy(tmp_path, reserve):
+    # the header goes into the slot left before the data (padded with spaces), or, when it does not fit,
+    # in front of a copy of the data: either way safetensors reads the same tensors
+    from expertstream.checkpoint_writer import SafetensorsStreamWriter
+
+    tensors = {f"t{i}": torch.randn(3, i + 1).to(torch.bfloat16) for i in range(5)}
+    w = SafetensorsStreamWriter(tmp_path / "a.safetensors", reserve)
+    for name, t in tensors.items():
+        w.add(name, t)
+    assert w.close() == list(tensors) and w.close() == list(tensors)  # closing twice changes nothing
+    raw = (tmp_path / "a.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    assert n % 8 == 0 and json.loads(raw[8 : 8 + n])["t4"]["shape"] == [3, 5]
+    assert n == (reserve if w.header_bytes <= reserve else -(-w.header_bytes // 8) * 8)
+    assert len(raw) == 8 + n + w.nbytes and not list(tmp_path.glob("*.data"))
+    with safe_open(tmp_path / "a.safetensors", "pt") as st:
+        assert all(torch.equal(st.get_tensor(k), t) for k, t in tensors.items())
+
+
+def test_layer_shards_after_the_first_write_their_data_once(tmp_path):
+    # a layer's shard is finished when the next layer starts, and the next gets a header slot from it
+    from expertstream.checkpoint_writer import PREFIX, _Sharder
+
+    sharder = _Sharder(tmp_path, separate_fp8=False)
+    for layer in range(3):
+        for j in range(4):
+            sharder.add(f"{PREFIX}layers.{layer}.w{j}.weight", torch.ones(2, 2, dtype=torch.bfloat16))
+    first, second, third = sharder.shards
+    assert first.closed and second.closed and not third.closed
+    weight_map, total = sharder.close()
+    assert total == 3 * 4 * 8 and len(set(weight_map.values())) == 3
+    assert _read_all(tmp_path)[f"{PREFIX}layers.2.w3.weight"].sum() == 4
+    # the first shard's header fits its file exactly (a copy); the later ones sit in slots 1 KB larger
+    slots = [int.from_bytes(f.read_bytes()[:8], "little") for f in sorted(tmp_path.glob("model-*"))]
+    heads = [-(-w.header_bytes // 8) * 8 for w in (first, second, third)]
+    assert slots[0] == heads[0] and all(s >= h + 1024 for s, h in zip(slots[1:], heads[1:]))
