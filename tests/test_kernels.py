@@ -159,6 +159,20 @@ def test_prefill_down_launch_in_a_shape_of_its_own(bank):
         nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "down": {**down, "block_k": 12}})
 
 
+def record_launches(monkeypatch, pick) -> list:
+    """The list that gets pick(kernel, grid, launch kwargs) of every kernel launch from here on."""
+    from expertstream.kernels import nvfp4_moe
+
+    seen, launch = [], nvfp4_moe.launch_e2m1
+
+    def record(kernel, grid, device, *args, **kwargs):
+        seen.append(pick(kernel, grid, kwargs))
+        launch(kernel, grid, device, *args, **kwargs)
+
+    monkeypatch.setattr(nvfp4_moe, "launch_e2m1", record)
+    return seen
+
+
 def test_prefill_register_cap_goes_to_the_shape_that_names_it(bank, monkeypatch):
     # maxnreg caps gate+up's launch, never down's unless down's own shape names one, and a pass's launch
     # shape replaces the order's whole (its cap too); the sums do not change
@@ -168,14 +182,7 @@ def test_prefill_register_cap_goes_to_the_shape_that_names_it(bank, monkeypatch)
     ids, x, w, e2s = six_expert_prompt(layout, 24, seed=9)
     cfg = dict(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=2)
     want = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg)
-    seen = []
-    launch_e2m1 = nvfp4_moe.launch_e2m1
-
-    def record(kernel, grid, device, *args, **kwargs):
-        seen.append((kernel.fn.__name__, kwargs.get("maxnreg")))
-        launch_e2m1(kernel, grid, device, *args, **kwargs)
-
-    monkeypatch.setattr(nvfp4_moe, "launch_e2m1", record)
+    seen = record_launches(monkeypatch, lambda kernel, grid, kw: (kernel.fn.__name__, kw.get("maxnreg")))
     got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "maxnreg": 128})
     assert seen == [("_prefill_gate_up_kernel", 128), ("_prefill_down_kernel", None)]
     close(got, want, torch.float32)
@@ -206,14 +213,7 @@ def test_prefill_scale_words_equal_scale_bytes(dims, monkeypatch):
     cfg = dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
     want = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg)
     close(want, nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout), torch.float32)
-    seen = []
-    launch_e2m1 = nvfp4_moe.launch_e2m1
-
-    def record(kernel, grid, device, *args, **kwargs):
-        seen.append(kwargs["SCALE_WORDS"])
-        launch_e2m1(kernel, grid, device, *args, **kwargs)
-
-    monkeypatch.setattr(nvfp4_moe, "launch_e2m1", record)
+    seen = record_launches(monkeypatch, lambda kernel, grid, kw: kw["SCALE_WORDS"])
     words = h // 16 % 4 == 0
     got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "scale_words": True})
     assert seen == [words, words] and torch.equal(got, want)
@@ -247,14 +247,7 @@ def test_prefill_tile_major_order_changes_no_bit(monkeypatch):
     ids, x, w, e2s = six_expert_prompt(layout, 24, seed=12)
     cfg = dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
     want = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg)
-    seen = []
-    launch_e2m1 = nvfp4_moe.launch_e2m1
-
-    def record(kernel, grid, device, *args, **kwargs):
-        seen.append((len(grid), kwargs["TILE_MAJOR"]))
-        launch_e2m1(kernel, grid, device, *args, **kwargs)
-
-    monkeypatch.setattr(nvfp4_moe, "launch_e2m1", record)
+    seen = record_launches(monkeypatch, lambda kernel, grid, kw: (len(grid), kw["TILE_MAJOR"]))
     got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "tile_major": True})
     assert seen == [(1, True), (1, True)] and torch.equal(got, want)
     seen.clear()
