@@ -1,14 +1,15 @@
 """The model used when no WORKDIR is given: prepared once into the cache directory, reused afterwards.
 
 The demo snapshot shipped at `expertstream/assets/demo-snapshot` is set up into `<cache>/demo` and set up
-again when the shipped one changes (a package upgrade). The cache is $EXPERTSTREAM_CACHE or
-~/.cache/expertstream.
+again when the shipped one changes (a package upgrade) or lies elsewhere (another install). The cache is
+$EXPERTSTREAM_CACHE or ~/.cache/expertstream.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -36,9 +37,14 @@ def demo_fingerprint() -> str:
 
 
 def _stale(workdir: Path) -> bool:
-    """True when the shipped demo changed (a package upgrade) since its workdir was set up."""
+    """True when the shipped demo changed (a package upgrade) since its workdir was set up, or when the
+    workdir was set up from the demo of another install (another venv or checkout): it reads the PLE table
+    in place there, which may be gone."""
     mark = workdir / FINGERPRINT
-    return not mark.is_file() or mark.read_text().strip() != demo_fingerprint()
+    if not mark.is_file() or mark.read_text().strip() != demo_fingerprint():
+        return True
+    source = json.loads((workdir / MANIFEST).read_text())["source"]["snapshot"]
+    return Path(source).resolve() != DEMO_SNAPSHOT.resolve()
 
 
 def default_workdir() -> Path:

@@ -410,3 +410,16 @@ def test_shipped_demo_is_set_up_and_refreshed_when_it_changes(tmp_path, monkeypa
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
     assert dm.resolve_model("") == workdir and manifest.stat().st_mtime_ns != stamp
+    # the same demo in another install (its PLE table is read in place): set up again from there, so that
+    # removing the first install breaks nothing
+    other = tmp_path / "venv2" / "demo-snapshot"
+    shutil.copytree(demo, other)
+    monkeypatch.setattr(dm, "DEMO_SNAPSHOT", other)
+    stamp = manifest.stat().st_mtime_ns
+    assert dm.resolve_model("") == workdir and manifest.stat().st_mtime_ns != stamp
+    assert json.loads(manifest.read_text())["source"]["snapshot"] == str(other)
+    shutil.rmtree(demo)
+    from expertstream.workdir import Workdir
+
+    assert dm.resolve_model("") == workdir
+    assert Workdir(workdir).ple["shards"][0]["path"].startswith(str(other))
