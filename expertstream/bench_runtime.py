@@ -65,14 +65,15 @@ def bench_layers(root: Path, layers: int) -> int:
     machine's free disk and RAM hold (`layers_that_fit`), up to the real 48, or the largest full-shape
     model already under `root` if that has more. A model that cannot fit on the disk is refused before
     anything is written."""
+    from expertstream.formats.expert_block import ExpertLayout
     from expertstream.synth import preset_dims
 
     made = [int(p.name[5:-3]) for p in root.glob("full-*-wd") if (p / "manifest.json").exists()]
     if layers in made:
         return layers
     tc = preset_dims("full-shape")
-    weights = 3 * tc["hidden_size"] * tc["moe_intermediate_size"]  # gate, up, down
-    layer_expert_bytes = tc["num_experts"] * (weights // 2 + weights // 16)  # E2M1 codes + E4M3 scales
+    block = ExpertLayout.for_dims(tc["hidden_size"], tc["moe_intermediate_size"]).block_bytes
+    layer_expert_bytes = tc["num_experts"] * block
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
     by_disk, by_ram = layers_that_fit(free, host_ram_bytes(), layer_expert_bytes)

@@ -726,14 +726,13 @@ def _word_tile(
         sv = tl.load(swords + n[None, :] * (row_groups // 4) + sw[:, None], mask=sm, other=0)  # [SW, BN]
         byte = tl.arange(0, 4) * 8
         sb = ((sv[:, None, :] >> byte[None, :, None]) & 0xFF).to(tl.uint8)  # [SW, 4, BN]: group 4 sw + j
-        s = (e4m3_f16(sb).to(tl.float32) * e2m1_cols_unit(dtype, USE_PTX)).to(dtype)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None, :], (SW, 4, 2, n.shape[0])), (BW, n.shape[0]))
+        sb = tl.reshape(sb, (BW // 2, n.shape[0]))
     else:  # a byte per 16 weights
         g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         sm = (g < row_groups)[:, None] & nmask[None, :]
         sb = tl.load(blk + s_off + n[None, :] * row_groups + g[:, None], mask=sm, other=0)  # [BW / 2, BN]
-        s = (e4m3_f16(sb).to(tl.float32) * e2m1_cols_unit(dtype, USE_PTX)).to(dtype)
-        s = tl.reshape(tl.broadcast_to(s[:, None, :], (BW // 2, 2, n.shape[0])), (BW, n.shape[0]))
+    s = (e4m3_f16(sb).to(tl.float32) * e2m1_cols_unit(dtype, USE_PTX)).to(dtype)
+    s = tl.reshape(tl.broadcast_to(s[:, None, :], (BW // 2, 2, n.shape[0])), (BW, n.shape[0]))
     c0, c1, c2, c3, c4, c5, c6, c7 = e2m1_word_cols(w, dtype, USE_PTX)
     # [BW, BN, c >> 2, (c >> 1) & 1, c & 1]: a join's new dimension is its fastest in registers, so the two
     # columns of a byte (one packed multiply) lie next to each other and the registers run in K order
