@@ -16,7 +16,16 @@ try:
 except ImportError:  # pragma: no cover - another Triton layout
     pytest.skip("this Triton has no ASTSource / GPUTarget", allow_module_level=True)
 
-from expertstream.kernels import fp8_gemv, gdn_decode, nvfp4_moe, stage_blocks  # noqa: E402
+from expertstream.kernels import (  # noqa: E402
+    conv_update,
+    fp8_gemv,
+    gdn_decode,
+    hyper,
+    nvfp4_moe,
+    rms_norm,
+    router,
+    stage_blocks,
+)
 
 H, I, K = 2560, 640, 10  # hidden, expert width, experts per token of the real model
 # what Triton's launch-time specialisation tells the compiler: pointers and these integers (sizes and byte
@@ -183,6 +192,64 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
             8,
         )
     )
+    hc, ne = 4, 512  # hyper-connection streams and experts of the real model
+    out += [
+        (
+            "router top-k",
+            router._route_kernel,
+            dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr="*fp32", stride="i32", E="i32"),
+            dict(K=K, KP=16, BLOCK=ne, SOFTMAX=softmax, RENORM=True),
+            4,
+        )
+        for softmax in (True, False)
+    ]
+    out += [
+        (
+            "rms norm",
+            rms_norm._rms_norm_kernel,
+            dict(x_ptr="*bf16", w_ptr="*fp32", out_ptr="*bf16", n_groups="i32", eps="fp32"),
+            dict(G=H, BLOCK=4096),
+            8,
+        ),
+        (
+            "hc mix",
+            hyper._hc_mix_kernel,
+            dict(
+                mix_ptr="*bf16",
+                xn_ptr="*bf16",
+                u_ptr="*bf16",
+                inj_ptr="*bf16",
+                c_ptr="*bf16",
+                inj_stride="i32",
+                H="i32",
+            ),  # fmt: skip
+            dict(N=hc, NP=hc, INJ=True, BLOCK=hyper.BLOCK_H),
+            4,
+        ),
+        (
+            "moe combine",
+            hyper._moe_combine_kernel,
+            dict(
+                x_ptr="*bf16",
+                c_ptr="*bf16",
+                r_ptr="*fp32",
+                g_ptr="*bf16",
+                s_ptr="*bf16",
+                out_ptr="*bf16",
+                H="i32",
+                g_stride="i32",
+            ),  # fmt: skip
+            dict(N=hc, BLOCK=hyper.BLOCK_H),
+            4,
+        ),
+        (
+            "gdn conv",
+            conv_update._conv_update_kernel,
+            dict(hist_ptr="*bf16", new_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", C="i32"),
+            dict(K=4, SILU=True, BLOCK=conv_update.BLOCK_C),
+            4,
+        ),
+    ]
     out.append(
         (
             "stage blocks",

@@ -738,7 +738,8 @@ def test_gdn_step_matches_its_twin(dtype, gate):
         close(bad, want, dtype)
 
 
-def test_the_models_gdn_step_dispatch_uses_the_kernel_and_falls_back_once(monkeypatch, caplog):
+def test_the_models_gdn_step_dispatch_uses_the_kernel(monkeypatch):
+    """`use_triton` turns every fused op of the model to its kernel (the fallback: test_decode_ops.py)."""
     from expertstream.kernels import gdn_decode as kernel
     from expertstream.models import base
 
@@ -751,23 +752,16 @@ def test_the_models_gdn_step_dispatch_uses_the_kernel_and_falls_back_once(monkey
     args += [-torch.rand(hv, generator=g), torch.randn(hv, generator=g), torch.randn(dv, generator=g)]
     kw = dict(num_k_heads=hk, eps=1e-6, gate="silu")
     calls = []
-    monkeypatch.setattr(kernel, "gdn_step", lambda *a, **k: calls.append(1) or kernel.gdn_step_ref(*a, **k))
+    monkeypatch.setattr(base.gdn_step, "_kernel", lambda *a, **k: calls.append(1) or kernel.gdn_step(*a, **k))
     base.use_triton(True)
     try:
-        if DEV == "cpu":  # the interpreter stands in for CUDA
-            base.gdn_step(*[a.clone() for a in args], **kw)
-            assert calls == [1]
-
-        def broken(*a, **k):
-            raise RuntimeError("no such instruction")
-
-        monkeypatch.setattr(base, "_triton_gdn", broken)
+        assert all(op.kernel is not None for op in base.FUSED)
         want = kernel.gdn_step_ref(*[a.clone() for a in args], **kw)
-        x = [a.clone().to(DEV) for a in args]
-        close(base.gdn_step(*x, **kw).cpu(), want, torch.float32)
-        assert base._triton_gdn is None and "torch form" in caplog.text  # logged once, then the twin
+        close(base.gdn_step(*[a.clone().to(DEV) for a in args], **kw).cpu(), want, torch.float32)
+        assert calls == [1]  # CUDA, or the interpreter standing in for it
     finally:
         base.use_triton(False)
+    assert all(op.kernel is None for op in base.FUSED)
 
 
 @pytest.mark.parametrize("first", [0, 3])

@@ -67,6 +67,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (a block that covers n elements)."""
+    return 1 << (n - 1).bit_length()
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 activations must not be rounded to TF32 inside tl.dot; 16-bit inputs ignore the setting
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -10,11 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertstream.formats.fp8 import e4m3_to_float
-from expertstream.kernels.codec import interpreting
-from expertstream.kernels.gdn_decode import gdn_step_ref
-from expertstream.log import get_logger
-
-log = get_logger(__name__)
+from expertstream.kernels import conv_update, gdn_decode, hyper, rms_norm, router
+from expertstream.kernels.dispatch import Fused
 
 # config.json spellings of the one softmax-attention layer kind (QSA: indexed sparse attention)
 INDEXED_ALIASES = ("indexed_attention", "full_attention", "qwen_sparse_attention")
@@ -142,12 +139,7 @@ class RMSNorm(nn.Module):
         self.eps, self.group = eps, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalised and scaled in FP32: F.rms_norm on a bf16 input would round before the scale
-        xf = x.float()
-        if self.group is None:
-            return F.rms_norm(xf, (xf.shape[-1],), self.scale, self.eps).type_as(x)
-        out = F.rms_norm(xf.unflatten(-1, (-1, self.group)), (self.group,), None, self.eps)
-        return (out * self.scale.view(-1, self.group)).flatten(-2).type_as(x)
+        return RMS_NORM(x.contiguous(), self.scale, self.eps, self.group)
 
 
 def upload(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -189,32 +181,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 _triton_fp8 = None  # the Triton FP8 GEMV when the engine runs on CUDA with kernels enabled
-_triton_gdn = None  # the one-launch GatedDeltaNet decode step, likewise
+
+# the decode path's small-op kernels (each its own launch where torch takes several), beside their twins
+gdn_step = Fused(gdn_decode.gdn_step, gdn_decode.gdn_step_ref, "GatedDeltaNet decode")
+RMS_NORM = Fused(rms_norm.rms_norm, rms_norm.rms_norm_ref, "RMSNorm")
+hc_mix = Fused(hyper.hc_mix, hyper.hc_mix_ref, "hyper-connection mix")
+moe_combine = Fused(hyper.moe_combine, hyper.moe_combine_ref, "MoE combine")
+gdn_conv = Fused(conv_update.conv_update, conv_update.conv_update_ref, "GatedDeltaNet conv")
+route_topk = Fused(router.route_topk, router.route_topk_ref, "router top-k")
+top_ids = Fused(router.top_ids, router.top_ids_ref, "top-k ids")
+FUSED = (gdn_step, RMS_NORM, hc_mix, moe_combine, gdn_conv, route_topk, top_ids)
 
 
 def use_triton(enabled: bool) -> None:
-    """Route FP8 row-scaled matmuls and the GatedDeltaNet decode step on CUDA through the Triton kernels (the
-    engine decides once, at load)."""
-    global _triton_fp8, _triton_gdn
-    _triton_fp8 = _triton_gdn = None
+    """Route FP8 row-scaled matmuls and the `FUSED` ops on CUDA through the Triton kernels (the engine
+    decides once, at load)."""
+    global _triton_fp8
+    _triton_fp8 = None
+    for op in FUSED:
+        op.enable(enabled)
     if enabled:
-        from expertstream.kernels import HAVE_TRITON, fp8_gemv, gdn_decode
+        from expertstream.kernels import HAVE_TRITON, fp8_gemv
 
         if HAVE_TRITON:
-            _triton_fp8, _triton_gdn = fp8_gemv.fp8_rows_matmul, gdn_decode.gdn_step
-
-
-def gdn_step(qkv: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """One GatedDeltaNet decode step (kernels/gdn_decode.py): Triton on CUDA, else its torch twin. A Triton
-    failure (a compile error on an untested chip) logs once and leaves the torch twin for the process."""
-    global _triton_gdn
-    if _triton_gdn is not None and (qkv.is_cuda or interpreting()):
-        try:
-            return _triton_gdn(qkv, *args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - any compile or launch failure; the twin is exact
-            log.warning("GatedDeltaNet decode kernel failed (%s); using the torch form", e)
-            _triton_gdn = None
-    return gdn_step_ref(qkv, *args, **kwargs)
+            _triton_fp8 = fp8_gemv.fp8_rows_matmul
 
 
 def fp8_rows_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

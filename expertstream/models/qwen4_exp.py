@@ -19,15 +19,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertstream.kernels.gdn_decode import GATES, gdn_gates, gdn_heads, gdn_out
+from expertstream.kernels.hyper import inject
 from expertstream.models.base import (
     FusedLinear,
     Linear,
     ModelArgs,
     RMSNorm,
     apply_rope,
+    gdn_conv,
     gdn_step,
+    hc_mix,
+    moe_combine,
     rope_cos_sin,
     rope_inv_freq,
+    route_topk,
     upload,
 )
 from expertstream.ple import ngram_row_ids, ngram_rows_one
@@ -128,19 +133,9 @@ class GatedResidual(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         xn = self.norm(x)
         down, *inj = self.proj(xn)
-        mix = torch.sigmoid(self.up(F.silu(down)))
-        u = (mix.unflatten(-1, (self.n, self.h)) * xn.unflatten(-1, (self.n, self.h))).mean(-2)
-        # the injection weight is 2 * sigmoid(.); `inject` applies the exact factor 2
-        return u, torch.sigmoid(inj[0]) if inj else None
-
-
-def inject(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-    # x [T, N*H] + 2 c [T, N] (x) y [T, H], stream by stream, in one kernel (in_place: into x, the same bits)
-    xs = x.unflatten(-1, (c.shape[1], -1))
-    if in_place:
-        xs.addcmul_(c[:, :, None], y[:, None, :], value=2)
-        return x
-    return torch.addcmul(xs, c[:, :, None], y[:, None, :], value=2).flatten(-2)
+        # u = mean over the streams of sigmoid(mix) * xn; the injection weight is 2 * sigmoid(inj), and
+        # `inject` applies the exact factor 2
+        return hc_mix(self.up(F.silu(down)), xn, inj[0] if inj else None, self.n)
 
 
 def conv_step(hist: torch.Tensor, w_t: torch.Tensor, dilation: int = 1) -> torch.Tensor:
@@ -208,18 +203,19 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = w.linear(f"{p}.out_proj.weight", a.hidden_size, val_dim)
         if a.output_gate_type not in GATES:
             raise ValueError(f"output_gate_type {a.output_gate_type!r} is not one of {GATES}")
-        self.act, self.gate, self.eps = ACT[a.hidden_act], a.output_gate_type, a.rms_norm_eps
+        self.act, self.act_name = ACT[a.hidden_act], a.hidden_act
+        self.gate, self.eps = a.output_gate_type, a.rms_norm_eps
 
     def forward(self, x: torch.Tensor, st: State) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = self.in_proj(x)  # [T, conv_dim], [T, Hv*Dv], [T, Hv], [T, Hv]
         # depthwise causal conv over [last K-1 rows | new rows]
         conv = st.conv[self.layer]
-        hist = torch.cat((conv, qkv))
-        conv.copy_(hist[-conv.shape[0] :])
         if t == 1:
-            qkv = self.act(conv_step(hist, self.conv_wt)).float()
+            qkv = gdn_conv(conv, qkv, self.conv_wt, self.act_name)
         else:
+            hist = torch.cat((conv, qkv))
+            conv.copy_(hist[-conv.shape[0] :])
             qkv = self.act(F.conv1d(hist.T[None], self.conv_w, groups=hist.shape[1])[0].T).float()
         s = st.rec[self.layer]
         if t == 1:  # one launch on CUDA (kernels/gdn_decode.py), its torch twin elsewhere
@@ -502,13 +498,7 @@ class SparseMoe(nn.Module):
     def route(self, u: torch.Tensor, shared: bool = True) -> tuple[torch.Tensor, ...]:
         """All but the routed sum: (top_i [T, K], top_w [T, K] FP32, shared gate [T, 1], shared [T, H]);
         without `shared` the first two only (layer-major spans run the shared expert after the routed)."""
-        logits = self.gate(u)  # [T, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top_w, top_i = torch.topk(probs, self.k, dim=-1)
-        if self.norm_topk:
-            top_w = top_w / top_w.sum(-1, keepdim=True)
-        # rounded through the activation dtype as transformers does, passed on as FP32
-        routing = (top_i, top_w.to(logits.dtype).float())
+        routing = route_topk(self.gate(u), self.k, self.norm_topk)  # logits [T, E] -> ids, weights [T, K]
         return routing + self.shared(u) if shared else routing
 
     def shared(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -547,7 +537,7 @@ class DecoderLayer(nn.Module):
     @staticmethod
     def moe_out(x, c, routed, shared_gate, shared, in_place: bool = False) -> torch.Tensor:
         # routed may be the bank's FP32 sums: cast here, piece by piece in layer-major spans
-        return inject(x, torch.addcmul(routed.to(shared.dtype), shared_gate, shared), c, in_place)
+        return moe_combine(x, c, routed, shared_gate, shared, in_place)
 
     def pre_moe(self, x, ids, st: State, rope: Rope, shared: bool = True) -> tuple[torch.Tensor, ...]:
         """PLE, attention and router: (x, u, c, top_i, top_w, shared gate, shared), all per token (without the
