@@ -20,7 +20,6 @@ from expertstream.kernels import (  # noqa: E402
     conv_update,
     fp8_gemv,
     gdn_decode,
-    gemv,
     hyper,
     nvfp4_moe,
     rms_norm,
@@ -241,13 +240,6 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                 g_stride="i32",
             ),  # fmt: skip
             dict(N=hc, BLOCK=hyper.BLOCK_H),
-            4,
-        ),
-        (
-            "gemv",
-            gemv._gemv_kernel,
-            dict(x_ptr="*bf16", m_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32"),
-            dict(ACT=1, MUL=True, BLOCK_N=16, BLOCK_K=256),
             4,
         ),
         (

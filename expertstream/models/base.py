@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertstream.formats.fp8 import e4m3_to_float
-from expertstream.kernels import conv_update, gdn_decode, gemv, hyper, rms_norm, router
+from expertstream.kernels import conv_update, gdn_decode, hyper, rms_norm, router
 from expertstream.kernels.dispatch import Fused
 
 # config.json spellings of the one softmax-attention layer kind (QSA: indexed sparse attention)
@@ -190,8 +190,7 @@ moe_combine = Fused(hyper.moe_combine, hyper.moe_combine_ref, "MoE combine")
 gdn_conv = Fused(conv_update.conv_update, conv_update.conv_update_ref, "GatedDeltaNet conv")
 route_topk = Fused(router.route_topk, router.route_topk_ref, "router top-k")
 top_ids = Fused(router.top_ids, router.top_ids_ref, "top-k ids")
-linear16 = Fused(gemv.linear, gemv.linear_ref, "GEMV")
-FUSED = (gdn_step, RMS_NORM, hc_mix, moe_combine, gdn_conv, route_topk, top_ids, linear16)
+FUSED = (gdn_step, RMS_NORM, hc_mix, moe_combine, gdn_conv, route_topk, top_ids)
 
 
 def use_triton(enabled: bool) -> None:
@@ -228,15 +227,9 @@ class Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(
-        self, x: torch.Tensor, act: str | None = None, mul: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """activate(x, act, mul) @ W.T (kernels/gemv.py): act "silu" or "sigmoid", mul a second factor."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
-            if x.dim() == 2:  # a token's GEMV takes the activation in front (one launch)
-                return linear16(x, self.weight, act, mul)
-            return F.linear(gemv.activate(x, act, mul), self.weight)
-        x = gemv.activate(x, act, mul)
+            return F.linear(x, self.weight)
         return fp8_rows_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scale).unflatten(0, x.shape[:-1])
 
 

@@ -135,7 +135,7 @@ class GatedResidual(nn.Module):
         down, *inj = self.proj(xn)
         # u = mean over the streams of sigmoid(mix) * xn; the injection weight is 2 * sigmoid(inj), and
         # `inject` applies the exact factor 2
-        return hc_mix(self.up(down, act="silu"), xn, inj[0] if inj else None, self.n)
+        return hc_mix(self.up(F.silu(down)), xn, inj[0] if inj else None, self.n)
 
 
 def conv_step(hist: torch.Tensor, w_t: torch.Tensor, dilation: int = 1) -> torch.Tensor:
@@ -493,7 +493,7 @@ class SparseMoe(nn.Module):
             h,
         )
         self.shared_down_proj = w.linear(f"{p}.shared_expert.down_proj.weight", h, si)
-        self.act_name = a.hidden_act
+        self.act = ACT[a.hidden_act]
 
     def route(self, u: torch.Tensor, shared: bool = True) -> tuple[torch.Tensor, ...]:
         """All but the routed sum: (top_i [T, K], top_w [T, K] FP32, shared gate [T, 1], shared [T, H]);
@@ -504,7 +504,7 @@ class SparseMoe(nn.Module):
     def shared(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The shared expert: (its gate [T, 1], its output [T, H])."""
         gate, up, shared_gate = self.shared_in(u)
-        return torch.sigmoid(shared_gate), self.shared_down_proj(gate, act=self.act_name, mul=up)
+        return torch.sigmoid(shared_gate), self.shared_down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

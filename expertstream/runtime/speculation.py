@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from expertstream.models.base import linear16, top_ids
+from expertstream.models.base import top_ids
 
 
 @dataclass(slots=True)
@@ -48,7 +48,7 @@ class Speculator:
             return None
         n = min(w.shape[0], round(self.width * k))
         # top-k of the logits is top-k of the softmax (monotone): no softmax, no renormalisation needed
-        return top_ids(linear16(x, w), n)[0]
+        return top_ids(torch.nn.functional.linear(x, w), n)[0]
 
     def issue(self, layer: int, guessed: list[int], prefetched: int) -> None:
         self.stats.issued += len(guessed)
