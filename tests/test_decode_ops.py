@@ -146,12 +146,14 @@ def test_fused_dispatch_uses_the_kernel_then_falls_back_once(caplog):
 
 def test_the_model_runs_every_fused_kernel_and_matches_the_twins(tiny_workdir, caplog):
     """The tiny model's prompt and decode steps with the kernels (the interpreter on the CPU) against the
-    twins: the same greedy tokens, logits within fp32 noise, and no kernel fell back."""
+    twins, in FP32: the same greedy tokens, logits within FP32 noise, and no kernel fell back. Eager: graphs
+    cannot capture the first launch of a kernel, and this test turns the kernels on after the first run."""
     from expertstream.config import EngineConfig
     from expertstream.engine import Engine
     from expertstream.models import base
 
-    eng = Engine(EngineConfig(model=str(tiny_workdir), device="cpu"))
+    eng = Engine(EngineConfig(model=str(tiny_workdir), device=DEV, dtype="float32", enforce_eager=True))
+    base.use_triton(False)  # the engine turns them on for CUDA
 
     def run():
         st = eng.new_state()
