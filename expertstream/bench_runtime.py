@@ -465,6 +465,31 @@ def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, di
     return regimes, dict(vram_blocks=vram_blocks, share=share, share24=share24, staged=staged)
 
 
+def script_regimes(layers: int, stage_guesses: int = -1) -> dict:
+    """{--regimes slug: (EngineConfig, VRAM cache blocks)} of `bench decode`'s regimes on its default model
+    of `layers` layers (made if missing) and defaults (8 GiB, a 32k context): what the decode scripts run."""
+    from expertstream.bench import regime_slug
+    from expertstream.workdir import Workdir
+
+    work = ensure_model(Path("/tmp/expertstream-bench"), layers)
+    base = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768)
+    return {regime_slug(n): r for n, r in decode_regimes(Workdir(work), base, stage_guesses)[0].items()}
+
+
+def decoding_engine(cfg: EngineConfig, blocks: int):
+    """(engine, state, next token) of a decode regime in its steady state: caches warmed, a 16-token prompt
+    and 6 tokens already decoded (Triton compiles and graph captures done)."""
+    from expertstream.engine import Engine
+
+    eng = Engine(cfg, vram_cache_blocks=blocks)
+    warm_caches(eng, vram=blocks >= eng.workdir.num_layers * eng.workdir.num_experts)
+    state = eng.new_state()
+    tok = int(eng.forward(state, list(range(1, 17))).argmax())
+    for _ in range(6):
+        tok = int(eng.forward(state, [tok]).argmax())
+    return eng, state, tok
+
+
 def run(args) -> int:
     from expertstream.bench import chosen, emit, regime_slug
 

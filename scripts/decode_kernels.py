@@ -7,16 +7,11 @@ python3 scripts/decode_kernels.py [vram|ram|...] [--layers 4] [--tokens 8]
 
 import argparse
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from expertstream.bench import regime_slug
-from expertstream.bench_runtime import decode_regimes, ensure_model, warm_caches
-from expertstream.config import EngineConfig
-from expertstream.engine import Engine
-from expertstream.workdir import Workdir
+from expertstream.bench_runtime import decoding_engine, script_regimes
 
 p = argparse.ArgumentParser()
 p.add_argument("regimes", nargs="*", default=["vram"], help="as `bench decode --regimes` names them")
@@ -25,18 +20,9 @@ p.add_argument("--tokens", type=int, default=8)
 p.add_argument("--top", type=int, default=40)
 args = p.parse_args()
 
-work = ensure_model(Path("/tmp/expertstream-bench"), args.layers)
-base = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768)
-regimes = {regime_slug(n): r for n, r in decode_regimes(Workdir(work), base, -1)[0].items()}
-
+regimes = script_regimes(args.layers)
 for name in args.regimes:
-    cfg, blocks = regimes[name]
-    eng = Engine(cfg, vram_cache_blocks=blocks)
-    warm_caches(eng, vram=blocks >= eng.workdir.num_layers * eng.workdir.num_experts)
-    state = eng.new_state()
-    tok = int(eng.forward(state, list(range(1, 17))).argmax())
-    for _ in range(6):
-        tok = int(eng.forward(state, [tok]).argmax())
+    eng, state, tok = decoding_engine(*regimes[name])
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.tokens):

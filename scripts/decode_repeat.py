@@ -7,15 +7,11 @@ Usage on a lent GPU: python3 scripts/decode_repeat.py [vram ram ...] [--reps 4] 
 """
 
 import argparse
-from pathlib import Path
 
 import torch
 
-from expertstream.bench import regime_slug
-from expertstream.bench_runtime import decode_regimes, ensure_model, warm_caches
-from expertstream.config import EngineConfig
+from expertstream.bench_runtime import script_regimes, warm_caches
 from expertstream.engine import Engine
-from expertstream.workdir import Workdir
 
 p = argparse.ArgumentParser()
 p.add_argument("regimes", nargs="*", default=["vram", "ram", "ram_unstaged"])
@@ -24,9 +20,7 @@ p.add_argument("--reps", type=int, default=4)
 p.add_argument("--tokens", type=int, default=24)
 args = p.parse_args()
 
-work = ensure_model(Path("/tmp/expertstream-bench"), args.layers)
-base = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768)
-regimes = {regime_slug(n): r for n, r in decode_regimes(Workdir(work), base, -1)[0].items()}
+regimes = script_regimes(args.layers)
 
 
 def run(eng: Engine) -> tuple[list[int], torch.Tensor]:

@@ -8,17 +8,12 @@ means the GPU waited for the host. Usage on a lent GPU: python3 scripts/decode_t
 import argparse
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-from expertstream.bench import regime_slug
-from expertstream.bench_runtime import decode_regimes, ensure_model, warm_caches
-from expertstream.config import EngineConfig
-from expertstream.engine import Engine
+from expertstream.bench_runtime import decoding_engine, script_regimes
 from expertstream.runtime import decode_graphs
 from expertstream.runtime.host_mirror import PackedUpload
-from expertstream.workdir import Workdir
 
 p = argparse.ArgumentParser()
 p.add_argument("regimes", nargs="*", default=["vram", "ram"], help="as `bench decode --regimes` names them")
@@ -27,10 +22,7 @@ p.add_argument("--tokens", type=int, default=16)
 p.add_argument("--stage-guesses", type=int, default=-1)
 args = p.parse_args()
 
-# `bench decode`'s model and regimes (its defaults: 8 GiB, a 32k context)
-work = ensure_model(Path("/tmp/expertstream-bench"), args.layers)
-base = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768)
-regimes = {regime_slug(n): r for n, r in decode_regimes(Workdir(work), base, args.stage_guesses)[0].items()}
+regimes = script_regimes(args.layers, args.stage_guesses)  # `bench decode`'s model and regimes
 
 record: list = []  # (segment index, kind, host seconds, event) of the token being run
 
@@ -78,13 +70,7 @@ def host_input_parts(eng, state, tok: int, reps: int = 200) -> None:
 
 
 for name in args.regimes:
-    cfg, blocks = regimes[name]
-    eng = Engine(cfg, vram_cache_blocks=blocks)
-    warm_caches(eng, vram=blocks >= eng.workdir.num_layers * eng.workdir.num_experts)
-    state = eng.new_state()
-    tok = int(eng.forward(state, list(range(1, 17))).argmax())
-    for _ in range(6):
-        tok = int(eng.forward(state, [tok]).argmax())
+    eng, state, tok = decoding_engine(*regimes[name])
     host, gpu, kinds = defaultdict(float), defaultdict(float), {}
     walls, tails = [], []
     torch.cuda.synchronize()

@@ -271,3 +271,19 @@ def test_decode_regimes_stage_in_ram_only_on_top_of_the_cache_share(tiny_workdir
     assert info["staged"] == 2 and regimes["ram"][0].stage_guesses == 2
     assert regimes["ram"][1] == info["vram_blocks"] + 4 and regimes["ram unstaged"][0].stage_guesses == 0
     assert regimes["disk"][0].ram_cache_gb < regimes["ram"][0].ram_cache_gb
+
+
+def test_decoding_engine_starts_past_its_warm_up(tiny_workdir):
+    """The decode scripts' engine: caches warmed, a 16-token prompt and 6 tokens decoded, the next token
+    ready (the scripts then time the steady state)."""
+    from expertstream.bench_runtime import decoding_engine
+    from expertstream.config import EngineConfig
+
+    eng, state, tok = decoding_engine(EngineConfig(model=str(tiny_workdir), device="cpu"), 0)
+    try:
+        assert state.pos == 16 + 6 and 0 <= tok < eng.args.vocab_size
+        assert eng.store.cached_blocks == min(
+            eng.store.capacity, eng.workdir.num_layers * eng.workdir.num_experts
+        )
+    finally:
+        eng.close()
