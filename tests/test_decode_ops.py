@@ -71,7 +71,7 @@ def test_rms_norm_equals_the_torch_form(dtype, shape, group):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t, n, h", [(1, 4, 40), (2, 4, 1100), (1, 2, 8)])
+@pytest.mark.parametrize("t, n, h", [(1, 4, 40), (2, 4, 1100), (1, 2, 8), (2, 3, 20)])
 @pytest.mark.parametrize("with_inj", [True, False])
 def test_hc_mix_equals_the_torch_form(dtype, t, n, h, with_inj):
     mix, xn = rand(t, n * h, dtype=dtype, seed=1, scale=2.0), rand(t, n * h, dtype=dtype, seed=2)
