@@ -55,6 +55,15 @@ def test_route_topk_breaks_ties_towards_the_lower_id_and_renormalises():
     assert (raw.sum(-1) < 0.9).all()
 
 
+def test_route_topk_keeps_the_ids_of_a_nan_row_in_range():
+    """A broken row (NaN logits) must not send the expert kernels an id past the experts."""
+    logits = torch.zeros(2, 12, device=DEV)
+    logits[1, 3] = float("nan")
+    ids, _ = router.route_topk(logits, 4, True)
+    assert ids.min() >= 0 and ids.max() < 12
+    assert ids[0].tolist() == [0, 1, 2, 3]  # the healthy row as before
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "shape, group", [((1, 40), None), ((3, 40), 10), ((2, 4 * 48), 48), ((1, 2560), None)]

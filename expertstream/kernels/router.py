@@ -69,7 +69,8 @@ def _route_kernel(
     vals = tl.zeros([KP], dtype=tl.float32)
     for j in tl.static_range(K):  # K rounds of max: the picks come out best first
         best = tl.max(x, 0)
-        i = tl.min(tl.where(x == best, offs, BLOCK), 0)  # the lowest id of the tie
+        # the lowest id of the tie; a NaN row matches nothing, and gets the last id, not one past the experts
+        i = tl.minimum(tl.min(tl.where(x == best, offs, BLOCK), 0), E - 1)
         ids = tl.where(slot == j, i, ids)
         vals = tl.where(slot == j, best, vals)
         x = tl.where(offs == i, float("-inf"), x)
