@@ -55,6 +55,7 @@ def test_route_topk_breaks_ties_towards_the_lower_id_and_renormalises():
     assert (raw.sum(-1) < 0.9).all()
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the interpreter's numpy max over the NaN row
 def test_route_topk_keeps_the_ids_of_a_nan_row_in_range():
     """A broken row (NaN logits) must not send the expert kernels an id past the experts."""
     logits = torch.zeros(2, 12, device=DEV)
