@@ -13,6 +13,8 @@ import shlex
 import sys
 from pathlib import Path
 
+BENCH_WORKDIR = "/tmp/expertstream-bench"  # the synthetic models of the benches and the device scripts
+
 # mode -> module
 MODES: dict[str, str] = {
     "kernels": "expertstream.bench_kernels",
@@ -36,9 +38,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "the shipped picks (a few minutes)",
     )
     p.add_argument("--out", type=Path, help="append the table, with date, device and command, to this file")
-    p.add_argument(
-        "--workdir", default="/tmp/expertstream-bench", help="decode: where the synthetic model lives"
-    )
+    p.add_argument("--workdir", default=BENCH_WORKDIR, help="decode: where the synthetic model lives")
     p.add_argument(
         "--layers",
         type=int,

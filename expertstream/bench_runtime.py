@@ -468,10 +468,10 @@ def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, di
 def script_regimes(layers: int, stage_guesses: int = -1) -> dict:
     """{--regimes slug: (EngineConfig, VRAM cache blocks)} of `bench decode`'s regimes on its default model
     of `layers` layers (made if missing) and defaults (8 GiB, a 32k context): what the decode scripts run."""
-    from expertstream.bench import regime_slug
+    from expertstream.bench import BENCH_WORKDIR, regime_slug
     from expertstream.workdir import Workdir
 
-    work = ensure_model(Path("/tmp/expertstream-bench"), layers)
+    work = ensure_model(Path(BENCH_WORKDIR), layers)
     base = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768)
     return {regime_slug(n): r for n, r in decode_regimes(Workdir(work), base, stage_guesses)[0].items()}
 

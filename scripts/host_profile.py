@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from expertstream.bench import BENCH_WORKDIR
 from expertstream.bench_runtime import REAL_LAYERS, ensure_model, real_model_plan, warm_caches
 from expertstream.config import EngineConfig
 from expertstream.engine import Engine
@@ -36,7 +37,7 @@ if args.mirror_depth:
 
     HostMirror.__init__.__defaults__ = (args.mirror_depth,)
 
-work = ensure_model(Path("/tmp/expertstream-bench"), 4)
+work = ensure_model(Path(BENCH_WORKDIR), 4)
 wd = Workdir(work)
 expert_gib = wd.num_layers * wd.num_experts * wd.layout.block_bytes / 2**30
 cfg = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768, ram_cache_gb=expert_gib + 0.1)

@@ -139,7 +139,7 @@ class RMSNorm(nn.Module):
         self.eps, self.group = eps, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return RMS_NORM(x.contiguous(), self.scale, self.eps, self.group)
+        return rmsnorm(x.contiguous(), self.scale, self.eps, self.group)
 
 
 def upload(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -184,13 +184,13 @@ _triton_fp8 = None  # the Triton FP8 GEMV when the engine runs on CUDA with kern
 
 # the decode path's small-op kernels (each its own launch where torch takes several), beside their twins
 gdn_step = Fused(gdn_decode.gdn_step, gdn_decode.gdn_step_ref, "GatedDeltaNet decode")
-RMS_NORM = Fused(rms_norm.rms_norm, rms_norm.rms_norm_ref, "RMSNorm")
+rmsnorm = Fused(rms_norm.rms_norm, rms_norm.rms_norm_ref, "RMSNorm")
 hc_mix = Fused(hyper.hc_mix, hyper.hc_mix_ref, "hyper-connection mix")
 moe_combine = Fused(hyper.moe_combine, hyper.moe_combine_ref, "MoE combine")
 gdn_conv = Fused(conv_update.conv_update, conv_update.conv_update_ref, "GatedDeltaNet conv")
 route_topk = Fused(router.route_topk, router.route_topk_ref, "router top-k")
 top_ids = Fused(router.top_ids, router.top_ids_ref, "top-k ids")
-FUSED = (gdn_step, RMS_NORM, hc_mix, moe_combine, gdn_conv, route_topk, top_ids)
+FUSED = (gdn_step, rmsnorm, hc_mix, moe_combine, gdn_conv, route_topk, top_ids)
 
 
 def use_triton(enabled: bool) -> None:
