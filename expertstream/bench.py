@@ -88,7 +88,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--regimes",
         nargs="+",
         help="decode, prefill: run only these regimes (names as in the table, spaces and commas as _: "
-        "decode: vram, vram_eager, ram, ram_read, ram_unstaged, disk, disk_24_GiB_VRAM; prefill: vram, ram, "
+        "decode: vram, vram_eager, ram, ram_unstaged, disk, disk_24_GiB_VRAM; prefill: vram, ram, "
         "disk); default all",
     )
     p.add_argument(
@@ -104,8 +104,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--stage-guesses",
         type=int,
         default=-1,
-        help="decode: next-layer guesses the `ram` and `ram read` regimes copy to VRAM early (the engine's "
-        "flag; -1: the engine's default, as many as its slots leave room for; `ram unstaged` copies none)",
+        help="decode: next-layer guesses the `ram` regime copies to VRAM early (the engine's flag; -1: the "
+        "engine's default, as many as its slots leave room for; `ram unstaged` copies none)",
     )
     p.add_argument(
         "--baseline",

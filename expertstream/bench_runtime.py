@@ -445,9 +445,7 @@ def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, di
     # the staging rows are not per layer: `ram` gets the 48-layer plan's, on top of its cache share, so that
     # the bank resolves --stage-guesses as the real model's engine would
     k = wd.text_config["num_experts_per_tok"]
-    real_slots = real.slots // block + real.vram_cache_blocks
-    staged = stage_guesses_for(stage_guesses, k, real_slots, copies=True)
-    staged_read = stage_guesses_for(stage_guesses, k, real_slots)
+    staged = stage_guesses_for(stage_guesses, k, real.slots // block + real.vram_cache_blocks)
     share24 = real_model_cache_share(wd, BIG_BUDGET_GB, base.max_model_len)
     all_in_ram = dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1)
     quarter_in_ram = dataclasses.replace(base, ram_cache_gb=0.25 * expert_bytes / GiB)
@@ -456,25 +454,15 @@ def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, di
     regimes = {
         "vram": (all_in_vram, wd.num_layers * wd.num_experts),
         "vram eager": (dataclasses.replace(all_in_vram, enforce_eager=True), wd.num_layers * wd.num_experts),
-        # the engine's default: the copy engine moves each layer's routed blocks and staged guesses
-        "ram": (dataclasses.replace(all_in_ram, stage_guesses=staged, decode_from_ram="copy"), vram_blocks),
-        # the expert kernel reads them over the bus, with and without guesses staged by a kernel
-        "ram read": (
-            dataclasses.replace(all_in_ram, stage_guesses=staged_read, decode_from_ram="read"),
-            vram_blocks + 2 * staged_read,
-        ),
-        "ram unstaged": (
-            dataclasses.replace(all_in_ram, stage_guesses=0, decode_from_ram="read"),
-            vram_blocks,
-        ),
+        "ram": (dataclasses.replace(all_in_ram, stage_guesses=staged), vram_blocks + 2 * staged),
+        "ram unstaged": (dataclasses.replace(all_in_ram, stage_guesses=0), vram_blocks),
         "disk": (quarter_in_ram, vram_blocks),
         f"disk, {BIG_BUDGET_GB:g} GiB VRAM": (
             dataclasses.replace(quarter_in_ram, gpu_memory_gb=BIG_BUDGET_GB),
             int(share24 * wd.num_layers),
         ),
     }
-    info = dict(vram_blocks=vram_blocks, share=share, share24=share24, staged=staged, staged_read=staged_read)
-    return regimes, info
+    return regimes, dict(vram_blocks=vram_blocks, share=share, share24=share24, staged=staged)
 
 
 def script_regimes(layers: int, stage_guesses: int = -1) -> dict:
@@ -511,9 +499,7 @@ def run(args) -> int:
     disk = disk_rate(wd.experts_path, block, base.io_threads)
     pcie = pcie_rate()
     regimes, info = decode_regimes(wd, base, args.stage_guesses)
-    vram_blocks, share, share24, staged, staged_read = (
-        info[n] for n in ("vram_blocks", "share", "share24", "staged", "staged_read")
-    )
+    vram_blocks, share, share24, staged = (info[n] for n in ("vram_blocks", "share", "share24", "staged"))
     results = {}
     for name, (cfg, blocks) in chosen(args, regimes).items():
         where = Path(args.profile) / regime_slug(name) if args.profile else None
@@ -529,10 +515,8 @@ def run(args) -> int:
         f"VRAM cache {vram_blocks} blocks "
         f"({share:.1f} per layer, the 48-layer plan's share; {share24:.1f} per layer at "
         f"{BIG_BUDGET_GB} GiB); "
-        f"CUDA graphs on except in `vram eager`; `ram` copies each layer's routed blocks and {staged} of "
-        "the next layer's guesses to VRAM by the copy engine (--decode-from-ram copy), `ram read` has the "
-        f"expert kernel read them over the bus and a kernel stage {staged_read} guesses (--decode-from-ram "
-        "read), `ram unstaged` reads them without staging; speculation "
+        f"CUDA graphs on except in `vram eager`; `ram` copies {staged} guesses per layer to VRAM early "
+        "(--stage-guesses), `ram unstaged` none; speculation "
         f"{'off' if args.no_speculation else f'on, {args.speculation_width:g} x K guesses'}.\n\n"
     )
     table = head + table

@@ -53,16 +53,8 @@ class EngineConfig:
         default=-1,
         metadata={
             "help": "decode with every expert in the RAM cache: copy this many of the next layer's guessed "
-            "experts to VRAM early, while the bus would idle (attention); 0: off; -1 (default): as many as "
-            "the expert slots leave room for, at most half the experts per token"
-        },
-    )
-    decode_from_ram: str = field(
-        default="copy",
-        metadata={
-            "help": "decode with every expert in the RAM cache: copy (each layer's routed experts go to VRAM "
-            "by the copy engine, the bus's full rate; one routing read-back per layer) or read (the expert "
-            "kernel reads them over the bus in place, ~0.9 of that rate; no read-back)"
+            "experts to VRAM while the bus is idle (attention), on a side stream; 0: off; -1 (default): as "
+            "many as the expert slots leave room for, at most half the experts per token"
         },
     )
     enforce_eager: bool = field(
@@ -122,8 +114,6 @@ class EngineConfig:
             raise ValueError(
                 f"speculation_width must be >= 1 (K guesses or more), got {self.speculation_width}"
             )
-        if self.decode_from_ram not in ("copy", "read"):
-            raise ValueError(f"decode_from_ram must be copy or read, got {self.decode_from_ram!r}")
         if self.stage_guesses < -1:
             raise ValueError(f"stage_guesses must be >= 0, or -1 (auto), got {self.stage_guesses}")
         if self.cpu_affinity is not None:

@@ -127,7 +127,6 @@ class Engine:
                 speculate,
                 config.speculation_width,
                 config.stage_guesses,
-                config.decode_from_ram == "copy",
             )
             t1 = time.perf_counter()
             self.bank.warm_up(self.dtype)  # a first prompt must not wait for Triton compiles

@@ -257,7 +257,7 @@ def test_regimes_flag_picks_regimes_by_slug_and_names_unknown_ones():
         chosen(argparse.Namespace(regimes=["ram"]), regimes)
 
 
-def test_decode_regimes_stage_in_ram_and_read_mode_stages_on_top_of_the_cache_share(tiny_workdir):
+def test_decode_regimes_stage_in_ram_only_on_top_of_the_cache_share(tiny_workdir):
     wd = Workdir(tiny_workdir)
     base = EngineConfig(model=str(tiny_workdir), gpu_memory_gb=8.0, max_model_len=4096)
     regimes, info = decode_regimes(wd, base, stage_guesses=2)
@@ -267,15 +267,9 @@ def test_decode_regimes_stage_in_ram_and_read_mode_stages_on_top_of_the_cache_sh
     expert_gib = every * wd.layout.block_bytes / 2**30
     for name in ("vram", "vram eager"):
         assert regimes[name][0].gpu_memory_gb == pytest.approx(8.0 + expert_gib)
-    assert all(regimes[n][0].gpu_memory_gb == 8.0 for n in ("ram", "ram read", "ram unstaged", "disk"))
-    # `ram` (the engine's default) copies with the copy engine into ordinary slots: nothing on top
+    assert all(regimes[n][0].gpu_memory_gb == 8.0 for n in ("ram", "ram unstaged", "disk"))
     assert info["staged"] == 2 and regimes["ram"][0].stage_guesses == 2
-    assert regimes["ram"][0].decode_from_ram == "copy" and regimes["ram"][1] == info["vram_blocks"]
-    # `ram read`'s staging kernel takes rows of its own, on top of the 48-layer plan's cache share
-    assert info["staged_read"] == 2 and regimes["ram read"][0].decode_from_ram == "read"
-    assert regimes["ram read"][1] == info["vram_blocks"] + 4
-    unstaged = regimes["ram unstaged"][0]
-    assert unstaged.stage_guesses == 0 and unstaged.decode_from_ram == "read"
+    assert regimes["ram"][1] == info["vram_blocks"] + 4 and regimes["ram unstaged"][0].stage_guesses == 0
     assert regimes["disk"][0].ram_cache_gb < regimes["ram"][0].ram_cache_gb
 
 

@@ -159,16 +159,13 @@ def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("from_ram", ["copy", "read"])
-def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir, from_ram):
-    """Every block in RAM and guesses staged (read: by a kernel on a side stream, which joins inside each
-    graph; copy: by the copy engine from the eager point between graphs): graphs give the eager tokens bit
-    for bit."""
+def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir):
+    """Every block in RAM and guesses staged on a side stream: the captured side stream joins inside each
+    graph, and graphs give the eager tokens bit for bit."""
     outs = []
     for eager in (True, False):
         cfg = EngineConfig(model=str(tiny_workdir), device="cuda", max_model_len=512, gpu_memory_gb=4,
-                           ram_cache_gb=1, stage_guesses=2, enforce_eager=eager,
-                           decode_from_ram=from_ram)  # fmt: skip
+                           ram_cache_gb=1, stage_guesses=2, enforce_eager=eager)  # fmt: skip
         eng = Engine(cfg, vram_cache_blocks=0)
         wd = eng.workdir
         for h in eng.store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
@@ -181,11 +178,9 @@ def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir, from_ram):
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("copies", [False, True])
-def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device, copies):
-    """Every block in RAM and 2 guesses staged per layer (the Triton interpreter on a CPU), by a kernel or
-    (copies) by the copy engine with every routed block: the program's stage and join steps change no
-    logit, and the staged blocks were found by the kernel."""
+def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device):
+    """Every block in RAM and 2 guesses staged per layer (the Triton interpreter on a CPU): the program's
+    stage and join steps change no logit, and the staged blocks were found by the kernel."""
     pytest.importorskip("triton")
     from expertstream.runtime.gpu_experts import GpuExperts, pinned_alloc
 
@@ -199,7 +194,7 @@ def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device, 
     for h in store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
         h.wait()
         h.release()
-    bank = GpuExperts(wd, store, 40, eng.device, stage_guesses=2, copy_from_ram=copies)
+    bank = GpuExperts(wd, store, 40, eng.device, stage_guesses=2)
     bank.set_router_weights({i: layer.mlp.gate.weight for i, layer in enumerate(eng.model.layers)})
     for layer in eng.model.layers:
         layer.mlp.bank = bank
@@ -212,12 +207,10 @@ def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device, 
         eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
     )
     assert torch.equal(got, want)
-    # the program stages what the model's forward does, and (kernel staging) layer 0's 2 guesses at each
-    # token's start
-    first = 0 if copies else 4 * 2
+    # the program stages what the model's forward does, and layer 0's 2 guesses at each token's start
     assert (
         bank.resident == "ram"
-        and bank.stage_counts()[0] - staged == staged + first
+        and bank.stage_counts()[0] - staged == staged + 4 * 2
         and staged > 0
         and bank.stage_counts()[1] > 0
     )

@@ -291,68 +291,6 @@ def test_stage_guesses_auto_takes_half_of_k_from_slots_beyond_three_banks():
     assert [stage_guesses_for(g, 10, 30) for g in (0, 5, 6)] == [0, 5, 0]
 
 
-def test_copy_mode_takes_half_of_k_beyond_two_banks():
-    # --decode-from-ram copy stages into ordinary slots: two banks of K for the routed blocks, then 2 G
-    assert [stage_guesses_for(-1, 10, n, copies=True) for n in (20, 24, 30, 36)] == [0, 2, 5, 5]
-    assert [stage_guesses_for(g, 10, 30, copies=True) for g in (0, 5, 6)] == [0, 5, 0]
-
-
-def test_copied_blocks_change_no_result_and_are_counted(tiny_workdir, kernel_device, host_alloc):
-    """Every block in RAM, --decode-from-ram copy with 2 guesses: decode equals the bank that reads RAM in
-    place bit for bit; each layer reads its ids back once; the copy engine moved every routed block not
-    staged plus every staged guess, and nothing crossed the bus in place; a prompt between two layers of a
-    token drops the guesses it may have overwritten."""
-    wd = Workdir(tiny_workdir)
-    n_layers, n_experts, k = wd.num_layers, wd.num_experts, wd.text_config["num_experts_per_tok"]
-    g = torch.Generator().manual_seed(12)
-    routers = {layer: torch.randn(n_experts, wd.layout.hidden_size, generator=g) for layer in range(n_layers)}
-    block = wd.layout.block_bytes
-    with ExpertStore(wd, n_layers * n_experts * block, io_threads=2, **host_alloc) as store:
-        for h in store.request([(layer, e) for layer in range(n_layers) for e in range(n_experts)]):
-            h.wait()
-            h.release()
-        plain = GpuExperts(wd, store, 3 * k, kernel_device)
-        copied = GpuExperts(wd, store, 3 * k, kernel_device, stage_guesses=2, copy_from_ram=True)
-        # the guesses take ordinary slots (no staging rows) and no kernel stages anything
-        assert (copied.copy_guesses, copied.stage_guesses, copied.cache.n_slots) == (2, 0, 3 * k)
-        for bank in (plain, copied):
-            bank.set_router_weights({i: w.to(kernel_device) for i, w in routers.items()})
-        hits, staged, guess, calls, moved0 = 0, 0, [], 0, 0
-        for token in range(3):
-            for layer in range(n_layers):
-                x, ids, w = routing(wd, 1, seed=100 * token + layer)
-                if guess and guess[0] not in ids[0].tolist():  # route to the best guess: a hit to count
-                    ids[0, 0] = guess[0]
-                args = [v.to(kernel_device) for v in (x, ids, w)]
-                copies = copied.resident == "ram"  # the bank adopts its RAM rows in its first call
-                if copies and not moved0:
-                    moved0 = copied.cache.stats.bytes_copied
-                a, b = plain(layer, *args).cpu(), copied(layer, *args).cpu()
-                calls += 1
-                assert torch.equal(a, b)
-                hits += len(set(ids[0].tolist()) & set(guess))  # guesses the previous call copied
-                guess = []
-                if copies and layer + 1 < n_layers:  # the last layer guesses nothing
-                    guess = torch.topk(routers[layer + 1] @ x[0], 2).indices.tolist()
-                    staged += 2
-                if token == 2 and layer == 1:  # a prompt between two layers: the copied guesses are gone
-                    xs, pids, ws = routing(wd, 12, seed=5)
-                    pargs = [v.to(kernel_device) for v in (xs, pids, ws)]
-                    assert torch.equal(plain(2, *pargs).cpu(), copied(2, *pargs).cpu())
-                    guess = []
-        # the copy mode keeps an eager point per layer and reads every layer's ids back
-        assert copied.resident == "ram" and plain.decode_fixed and not copied.decode_fixed
-        assert copied.stage_counts() == (staged, hits) and hits >= n_layers and staged >= 4 * (n_layers - 1)
-        assert copied.host_syncs == calls + 1  # one per layer, and the prompt's
-        assert copied.bytes_in_place == 0
-        # every copy-mode layer's misses, every guess, and the prompt's pass (its distinct experts)
-        copy_layers = copied.copied_reads // k
-        moved = copied.cache.stats.bytes_copied - moved0
-        assert moved == (copy_layers * k - hits + staged + torch.unique(pids).numel()) * block
-        plain.close()
-        copied.close()
-
-
 def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_device, host_alloc):
     """Every block in RAM, 2 guesses staged per layer: decode equals the unstaged bank bit for bit, the
     routed experts found staged are counted, the bus bytes are the in-place reads left plus the staged

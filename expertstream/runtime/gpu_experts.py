@@ -8,8 +8,6 @@ their disk reads early). Once every block has a fixed place (all in RAM, or all 
 and decode runs without reading anything back (docs/runtime.md). With every block in RAM, `stage_guesses`
 G copies layer L+1's G best guesses into VRAM rows on a side stream while the rest of layer L and L+1's
 attention run (the bus idles then); L+1's kernel reads those from VRAM through a working location row.
-`copy_from_ram` instead reads each layer's ids back and moves its routed blocks (and L+1's G guesses) to
-VRAM with the copy engine, which crosses the bus faster than a kernel's reads (docs/runtime.md).
 Prefill: the call's (token, k) pairs are sorted by expert into tiles once; its distinct experts run in passes
 of consecutive experts that fit the slots, each launched over its own tiles, and every pass's rows are added
 per token into the FP32 sum [T, H].
@@ -77,16 +75,12 @@ class _SwappedNibbles:
         self.handle.release()
 
 
-def stage_guesses_for(requested: int, k: int, n_slots: int, copies: bool = False) -> int:
+def stage_guesses_for(requested: int, k: int, n_slots: int) -> int:
     """Guesses staged per layer for --stage-guesses `requested` with n_slots expert slots (staging rows for
     two layers come out of them). Auto (-1): at most K / 2 (4 and 5 of K = 10 paid on the H200,
     docs/runtime.md), from slots beyond the memory plan's three banks of K only, so that prompt passes keep
-    their 1.5 K experts; an explicit count needs two layers' K slots left beside its rows, else 0. With
-    `copies` (--decode-from-ram copy) the rows are ordinary slots that prompts use too (decode and prompts
-    never overlap there: each layer's read-back waits for every earlier kernel), so auto is K / 2 as long
-    as two layers' K slots are left."""
-    banks = 2 if copies else 3
-    g = min(k // 2, (n_slots - banks * k) // 2) if requested < 0 else requested
+    their 1.5 K experts; an explicit count needs two layers' K slots left beside its rows, else 0."""
+    g = min(k // 2, (n_slots - 3 * k) // 2) if requested < 0 else requested
     g = max(0, g)
     return g if n_slots - 2 * g >= 2 * k else 0
 
@@ -104,9 +98,6 @@ class GpuExperts:
         speculation_width: guesses per layer as a multiple of K.
         stage_guesses: with every block in RAM, copy this many of the next layer's guesses to VRAM early
             (2 x this many of the slots become staging rows); 0: off.
-        copy_from_ram: with every block in RAM, read each layer's ids back and copy its routed blocks to
-            VRAM slots with the copy engine (the guesses too: `stage_guesses` of them, in ordinary slots)
-            instead of the kernel reading them over the bus.
     """
 
     def __init__(
@@ -119,7 +110,6 @@ class GpuExperts:
         speculate: bool = True,
         speculation_width: float = 1.0,
         stage_guesses: int = 0,
-        copy_from_ram: bool = False,
     ):
         self.layout = workdir.layout
         self.store, self.control = store, control
@@ -133,14 +123,11 @@ class GpuExperts:
         self._cache_reads = True
         scales = workdir.expert_scales()[0]  # [L, E, 3] weight_scale_2 (gate, up, down), read once
         self.k = k = workdir.text_config["num_experts_per_tok"]
-        g = stage_guesses_for(stage_guesses, k, n_slots, copy_from_ram)
-        g = min(g, round(speculation_width * k)) if speculate else 0  # no more than guessed
-        if stage_guesses > 0 and not g:
+        g = stage_guesses_for(stage_guesses, k, n_slots)
+        self.stage_guesses = min(g, round(speculation_width * k)) if speculate else 0  # no more than guessed
+        if stage_guesses > 0 and not self.stage_guesses:
             log.warning("stage_guesses %d needs speculation and %d slots; staging off", stage_guesses,
                         2 * (k + stage_guesses))  # fmt: skip
-        # staged by a kernel into rows of their own (side stream), or by the copy engine into slots
-        self.copy_from_ram = copy_from_ram
-        self.stage_guesses, self.copy_guesses = (0, g) if copy_from_ram else (g, 0)
         dev = torch.device(device)
         rows = store.slots
         pinned = rows is not None and (dev.type != "cuda" or rows.is_pinned())
@@ -189,15 +176,6 @@ class GpuExperts:
         self._stage_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and self.stage_guesses else None
         self._staged: int | None = None  # the layer whose working row holds staged guesses
         self._forked = False  # staging queued on the side stream and not yet joined
-        # copy_from_ram: the working rows come from the host; (layer, {expert: slot}) of the guesses copied
-        # for the next layer, and the (RAM row, slot) copies of them still to queue once the layer's kernel is
-        self._work = HostMirror(self.loc_work)
-        self._work_np = self._work.host.numpy()
-        self._copied: tuple[int, dict[int, int]] | None = None
-        self._guess_copies: list[tuple[int, int]] = []
-        self.copy_staged = self.copy_hits = 0  # guesses the copy engine moved, routed blocks found among them
-        self.copied_reads = 0  # routed blocks decode read from the copies (counted in resident_ram_reads)
-        self._copy_layer: int | None = None  # the layer whose routed blocks _copy_routed put in slots
 
     def warm_up(self, dtype: torch.dtype) -> None:
         """Compile the kernels before the first request: one decode, and one prefill in each tile-size bucket
@@ -237,7 +215,6 @@ class GpuExperts:
             return self._decode(layer, x, expert_ids, weights)
         self._mark_launched()
         self._guess = None
-        self._copied, self._guess_copies = None, []  # prompt passes overwrite the slots of copied guesses
         # pairs per expert: the call's one host sync
         counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).tolist()
         self.host_syncs += 1
@@ -278,7 +255,7 @@ class GpuExperts:
         """Every block has a fixed place that `loc` holds and no guess is staged (none is once every block
         sits in VRAM): a layer's decode is device work alone (decode_compute), so a graphed token needs no
         eager point per layer."""
-        staging = (self.stage_guesses or self.copy_from_ram) and self.resident == "ram"
+        staging = self.stage_guesses and self.resident == "ram"
         return self.resident is not None and self.control == "none" and not staging
 
     def decode_fixed_reads(self, n: int) -> None:
@@ -295,10 +272,6 @@ class GpuExperts:
         t0 = time.perf_counter()
         self._mark_launched()  # the previous layer's kernel is queued by now: copies into its slots wait
         self._guess = None  # a guess never issued (no decode_launched call) is too late now
-        if self.resident == "ram" and self.copy_from_ram:
-            self._copy_routed(layer, want, k)
-            self.decode_seconds += time.perf_counter() - t0
-            return
         if self.resident:
             self.decode_fixed_reads(k)
             self.decode_seconds += time.perf_counter() - t0
@@ -317,43 +290,6 @@ class GpuExperts:
         self._launch_pending = True
         self._adopt_resident()
         self.decode_seconds += time.perf_counter() - t0
-
-    def _copy_routed(self, layer: int, want: torch.Tensor, k: int) -> None:
-        """copy_from_ram, every block in RAM: read `want` back, queue the copies of the routed blocks not
-        staged by the previous layer into this layer's bank of K slots (parity layer % 2), make the compute
-        stream wait for them, upload the working location row, and keep the next layer's guesses' copies
-        for decode_launched. The read-back waits for every kernel queued before it, so no slot of this
-        parity (last read two layers ago) or of the next one's guesses (one layer ago) is still being read."""
-        t0 = time.perf_counter()
-        ids = want.tolist()
-        self.sync_seconds += time.perf_counter() - t0
-        self.host_syncs += 1
-        self._queue_guess_copies()  # normally queued by decode_launched already; the copies below rely on it
-        p, (staged_layer, staged) = layer % 2, self._copied or (None, {})
-        self._copied = None
-        staged = staged if staged_layer == layer else {}
-        row, ram = self._work_np[p], self._loc_np[layer]  # ram: -1 - RAM row of every expert of the layer
-        copies = []
-        for j, e in enumerate(ids[:k]):
-            slot = staged.get(e)
-            if slot is None:
-                slot = p * k + j
-                copies.append((-1 - int(ram[e]), slot))
-            row[e] = slot
-        self.copy_hits += k - len(copies)
-        self.copied_reads += k
-        self.resident_reads += k
-        self.resident_ram_reads += k
-        self.cache.join(self.cache.copy_host_rows(copies))
-        self._work.push(p)
-        self._copy_layer = layer
-        nxt, guesses = layer + 1, ids[k : k + self.copy_guesses]
-        if guesses and nxt < self.loc.shape[0]:
-            first = 2 * k + (nxt % 2) * self.copy_guesses  # two banks of K, then two parities of G
-            slots = {e: first + j for j, e in enumerate(guesses)}
-            self._copied = (nxt, slots)
-            self._guess_copies = [(-1 - int(self._loc_np[nxt, e]), s) for e, s in slots.items()]
-        self._launch_pending = True
 
     @property
     def _ram_holds_all(self) -> bool:
@@ -388,13 +324,6 @@ class GpuExperts:
         else:
             return
         self._loc.push()
-        if self.resident == "ram" and self.copy_from_ram:
-            # decode copies into slots for itself from now on (prompts already forget the cache, pass_tables)
-            self.cache.forget()
-            log.info("every expert block is in RAM: decode copies each layer's routed blocks and the next "
-                     "layer's %d best guesses to VRAM by the copy engine (--decode-from-ram copy)",
-                     self.copy_guesses)  # fmt: skip
-            return
         log.info("every expert block has a fixed place in %s: decode reads no routing back", self.resident)
         if self.resident == "ram" and self.stage_guesses:
             log.info("decode copies each next layer's %d best guesses to VRAM while the bus is idle "
@@ -406,7 +335,6 @@ class GpuExperts:
         of delaying its launch."""
         t0 = time.perf_counter()
         self._mark_launched()
-        self._queue_guess_copies()  # behind this layer's routed copies: the bus never idles
         if self._guess is not None:
             layer, guessed = self._guess
             self._guess = None
@@ -421,10 +349,6 @@ class GpuExperts:
             return torch.zeros_like(x)
         self.decode_join()
         loc = self.loc[layer]
-        if self._copy_layer == layer:  # every routed block copied to a slot by _copy_routed
-            self._copy_layer = None
-            return nvfp4_moe.nvfp4_moe_decode(x, expert_ids[0], self.loc_work[layer % 2], self.scales[layer],
-                                              weights[0].float(), self.layout, self.cache.slots)  # fmt: skip
         if self._staged == layer:  # the guesses staged for this layer: read them from VRAM
             self._staged = None
             loc = self.loc_work[layer % 2]
@@ -480,12 +404,6 @@ class GpuExperts:
         if self._forked:
             self._forked = False
             torch.cuda.current_stream(self.loc.device).wait_stream(self._stage_stream)
-
-    def _queue_guess_copies(self) -> None:
-        if self._guess_copies:
-            self.cache.copy_host_rows(self._guess_copies)
-            self.copy_staged += len(self._guess_copies)
-            self._guess_copies = []
 
     def _mark_launched(self) -> None:
         # the kernel reading the last fetch's slots has been queued since its prepare: record that point
@@ -595,17 +513,13 @@ class GpuExperts:
         """Block bytes decode moved from the RAM cache over the bus without the copy engine: kernels reading
         blocks in place (less the routed blocks found staged) and the staged guesses' copies. Reads the
         device's staging hit count when staging ran (stats only, never on the decode path)."""
-        staged, hits = self._kernel_stage_counts()
-        blocks = self.cache.stats.in_place + self.resident_ram_reads - self.copied_reads - hits + staged
+        staged, hits = self.stage_counts()
+        blocks = self.cache.stats.in_place + self.resident_ram_reads - hits + staged
         return blocks * self.layout.block_bytes
 
     def stage_counts(self) -> tuple[int, int]:
-        """(guessed blocks staged to VRAM, routed blocks decode found staged) so far, by a kernel or by the
-        copy engine: a device read when kernel staging is on (stats only, never on the decode path)."""
-        staged, hits = self._kernel_stage_counts()
-        return staged + self.copy_staged, hits + self.copy_hits
-
-    def _kernel_stage_counts(self) -> tuple[int, int]:
+        """(guessed blocks staged to VRAM, routed blocks decode found staged) so far: a device read when
+        staging is on (stats only, never on the decode path)."""
         if not self.stage_guesses:
             return 0, 0
         self.decode_join()  # the last layer's staging (and its count) may still be queued on the side stream

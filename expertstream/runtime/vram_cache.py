@@ -184,7 +184,7 @@ class VramExpertCache:
         for i, key in missing:
             self.lru[key] = out[i]
             self.policy.access(key)
-        self.join(done)
+        self._join(done)
 
     def _copy_blocks(self, blocks: list[tuple[int, tuple[int, int], object]]) -> torch.cuda.Event | None:
         """Queue the copies of host blocks [(slot, key, handle)] on the copy stream and set their slots'
@@ -226,7 +226,7 @@ class VramExpertCache:
         done.record(self.copy_stream)
         return done
 
-    def join(self, done: torch.cuda.Event | None) -> None:
+    def _join(self, done: torch.cuda.Event | None) -> None:
         # the compute stream waits for the copies' own event (wait_stream would record another: ~10 us)
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
@@ -305,26 +305,6 @@ class VramExpertCache:
         src = block if n == 1 else block.as_strided((n * self.block_bytes,), (1,))
         dst.copy_(src, non_blocking=self.copy_stream is not None)
 
-    def copy_host_rows(self, pairs: Sequence[tuple[int, int]]) -> torch.cuda.Event | None:
-        """Queue copy-engine copies of RAM-cache rows into slots, [(RAM row, slot)] (one call per run of
-        consecutive rows into consecutive slots), on the copy stream and outside the cache's bookkeeping:
-        the caller knows no kernel still reads those slots. Returns the event after them (None off CUDA or
-        when there is nothing to copy); `join` makes the current stream wait for it."""
-        if not pairs:
-            return None
-        assert self.host_rows is not None, "copy_host_rows needs the RAM cache's rows (host_rows)"
-        with self.on_copy_stream():
-            row0, slot0, n = pairs[0][0], pairs[0][1], 1
-            for row, slot in pairs[1:]:
-                if row == row0 + n and slot == slot0 + n:
-                    n += 1
-                    continue
-                self._copy_run(slot0, self.host_rows[row0], n)
-                row0, slot0, n = row, slot, 1
-            self._copy_run(slot0, self.host_rows[row0], n)
-        self._count(len(pairs))
-        return self._copies_done()
-
     def load_pairs(
         self, pairs: torch.Tensor, slots: Sequence[int], layer: int, run: tuple[int, int] | None = None
     ) -> None:
@@ -338,14 +318,14 @@ class VramExpertCache:
         is not set)."""
         assert self.host_rows is not None, "load_pairs needs the RAM cache's rows (host_rows)"
         if self.lru:
-            self.forget()
+            self._forget()
         with self.on_copy_stream():
             self._rows_to_slots(pairs, slots, run)
         self._count(len(slots))
-        self.join(self._copies_done())
+        self._join(self._copies_done())
         self.protected, self.last_layer = set(slots), layer
 
-    def forget(self) -> None:
+    def _forget(self) -> None:
         # every cached block dropped (its slot free again; a kernel still reading it is waited for through
         # slot_events before a copy overwrites it)
         self.lru.clear()
