@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ppl": ("expertstream.ppl", "perplexity of the engine on a text, with must-break controls"),
     "serve": ("expertstream.server", "OpenAI-compatible streaming HTTP server"),
     "bench": ("expertstream.bench", "measure speed against the machine's physical limits"),
+    "plan": ("expertstream.plan_cli", "a configuration's VRAM plan and bytes per token, before loading"),
 }
 
 

@@ -1,0 +1,135 @@
+"""`expertstream plan [WORKDIR] [engine flags]`: what a configuration gets, before anything loads.
+
+Prints the VRAM plan the engine would make (the same `plan_memory` call and text as at start), where a
+token's routed experts come from with the given caches, and the decode time those bytes alone take at the
+drive's and the bus's rates: a lower bound, the answer to "which flags for this box". Reads the manifest and
+the resident file's header only; needs no GPU when `--gpu-memory-gb` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from expertstream.config import EngineConfig
+from expertstream.memory_plan import GiB, MemoryPlan, MemoryPlanError, gpu_budget, plan_memory
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    EngineConfig.add_cli_args(p)  # WORKDIR (default: the bundled model) and every engine flag, as `serve`
+    p.add_argument(
+        "--disk-gbps",
+        type=float,
+        help="the drive's O_DIRECT rate for expert blocks (default: measured now, ~1 s of random block reads "
+        "of the working directory's experts.bin at --io-threads)",
+    )
+    p.add_argument(
+        "--pcie-gbps",
+        type=float,
+        help="pinned host->device rate (default: measured now when a GPU is visible, else not used)",
+    )
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Where one decode token's routed expert blocks come from, under uniform routing (every block equally
+    likely: the worst case for the caches; real routing is skewed, and LFU hits more, `bench routing`). A
+    block in the VRAM cache needs no read; the RAM cache is taken to hold other blocks (its LFU counts only
+    the requests that reach it, so blocks the VRAM cache serves age out of it)."""
+
+    routed: int  # bytes of the L x K routed blocks
+    vram_share: float  # of the model's blocks, held in the VRAM expert cache
+    ram_share: float  # ... held in the pinned RAM cache and not in VRAM
+    from_disk: int  # expected bytes read from the drive (not in the RAM cache)
+    over_bus: int  # expected bytes crossing PCIe (not in the VRAM cache)
+    ram_holds_all: bool  # the RAM cache has a row for every block of the model
+
+
+def token_bytes(layers: int, experts: int, k: int, block: int, vram_blocks: int, ram_gb: float) -> TokenBytes:
+    total = layers * experts
+    vram = min(1.0, vram_blocks / total)
+    rows = int(ram_gb * GiB) // block
+    ram = min(1.0 - vram, rows / total)  # the blocks the VRAM cache does not hold
+    routed = layers * k * block
+    far, bus = round(routed * (1 - vram - ram)), round(routed * (1 - vram))
+    return TokenBytes(routed, vram, ram, far, bus, rows >= total)
+
+
+def _budget(cfg: EngineConfig) -> int:
+    if cfg.gpu_memory_gb is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("no GPU is visible: give --gpu-memory-gb to plan for a card (e.g. 8)")
+        free, total = torch.cuda.mem_get_info()
+        return gpu_budget(None, cfg.gpu_memory_utilization, free, total)
+    return int(cfg.gpu_memory_gb * GiB * cfg.gpu_memory_utilization)
+
+
+def _rates(args, wd, cfg: EngineConfig) -> tuple[float, float | None]:
+    """(disk GB/s, PCIe GB/s or None): as given, else measured here."""
+    from expertstream.bench_runtime import disk_rate, pcie_rate
+
+    disk = args.disk_gbps or disk_rate(wd.experts_path, wd.layout.block_bytes, cfg.io_threads, n=256)
+    if args.pcie_gbps:
+        return disk, args.pcie_gbps
+    import torch
+
+    return disk, pcie_rate(256 << 20) if torch.cuda.is_available() else None
+
+
+def report(plan: MemoryPlan, tb: TokenBytes, disk: float, pcie: float | None, ram_gb: float) -> str:
+    """The plan's text, then where a token's experts come from and the decode time they alone take."""
+    mb = 1e6
+
+    def row(what: str, nbytes: float, rate: float | None = None) -> str:
+        time = f" = {nbytes / rate / mb:.1f} ms" if rate else ""
+        return f"  {what:<44} {nbytes / mb:9.1f} MB{time}"
+
+    lines = [plan.describe(), "", "Decode, one token (uniform routing: the caches' worst case):"]
+    lines.append(row("routed experts", tb.routed))
+    lines.append(row(f"in the VRAM cache ({tb.vram_share:.1%} of the blocks)", tb.routed * tb.vram_share))
+    lines.append(row(f"in the RAM cache ({tb.ram_share:.1%} of the blocks)", tb.routed * tb.ram_share))
+    lines.append(row(f"from the drive, at {disk:.2f} GB/s", tb.from_disk, disk))
+    bound = tb.from_disk / disk / 1e9
+    if pcie:
+        lines.append(row(f"over PCIe, at {pcie:.1f} GB/s", tb.over_bus, pcie))
+        bound = max(bound, tb.over_bus / pcie / 1e9)
+    lines.append(
+        f"  at most {1 / bound:.1f} tok/s from these bytes alone" if bound else "  no expert bytes move"
+    )
+    lines.append(
+        "  (a bound: compute and the dense part add to it; skewed real routing hits the caches more)"
+    )
+    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    if phys and ram_gb * GiB > 0.75 * phys:
+        share = f"{ram_gb * GiB / phys:.0%} of this machine's {phys / GiB:.0f} GiB"
+        lines.append(f"  note: --ram-cache-gb {ram_gb:g} pins {share}; leave room for the OS, PLE reads")
+    if tb.ram_holds_all:
+        lines.append("  note: the RAM cache holds every expert: --preload-experts fills it at start,")
+        lines.append("  and decode then reads no routing back")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from expertstream.default_model import resolve_model
+    from expertstream.formats.snapshot import read_header
+    from expertstream.workdir import Workdir
+
+    args.model = resolve_model(args.model)
+    cfg = EngineConfig.from_args(args)
+    wd = Workdir(cfg.model)
+    max_len = min(cfg.max_model_len, wd.text_config.get("max_position_embeddings", cfg.max_model_len))
+    inventory = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
+    try:
+        plan = plan_memory(wd.text_config, inventory, wd.layout.block_bytes, _budget(cfg), max_len)
+    except MemoryPlanError as e:
+        print(e)
+        return 1
+    k = wd.text_config["num_experts_per_tok"]
+    tb = token_bytes(wd.num_layers, wd.num_experts, k, wd.layout.block_bytes, plan.vram_cache_blocks,
+                     cfg.ram_cache_gb)  # fmt: skip
+    disk, pcie = _rates(args, wd, cfg)
+    print(report(plan, tb, disk, pcie, cfg.ram_cache_gb))
+    return 0

@@ -1,0 +1,64 @@
+"""`expertstream plan`: the VRAM plan and a token's expert bytes, before anything loads (CPU only)."""
+
+import pytest
+import torch
+
+from expertstream.cli import main as cli_main
+from expertstream.memory_plan import GiB, plan_memory
+from expertstream.plan_cli import token_bytes
+
+
+def test_token_bytes_splits_the_routed_blocks_over_the_tiers():
+    # 4 layers x 8 experts of 100 B, top-2: 800 B routed; VRAM holds a quarter of the blocks, RAM half
+    tb = token_bytes(4, 8, 2, 100, vram_blocks=8, ram_gb=16 * 100 / GiB)
+    assert (tb.routed, tb.vram_share, tb.ram_share) == (800, 0.25, 0.5)
+    assert (tb.from_disk, tb.over_bus, tb.ram_holds_all) == (200, 600, False)
+    # a RAM cache with a row for every block: nothing from the drive, everything over the bus
+    tb = token_bytes(4, 8, 2, 100, vram_blocks=0, ram_gb=40 * 100 / GiB)
+    assert (tb.ram_share, tb.from_disk, tb.over_bus, tb.ram_holds_all) == (1.0, 0, 800, True)
+    # every block in VRAM: no expert byte moves; the RAM share counts only blocks VRAM does not hold
+    tb = token_bytes(4, 8, 2, 100, vram_blocks=32, ram_gb=16 * 100 / GiB)
+    assert (tb.ram_share, tb.from_disk, tb.over_bus) == (0.0, 0, 0)
+
+
+def test_plan_prints_the_vram_plan_and_the_bound(tiny_workdir, capsys):
+    argv = ["plan", str(tiny_workdir), "--gpu-memory-gb", "4", "--ram-cache-gb", "0", "--pcie-gbps", "25"]
+    assert cli_main(argv + ["--disk-gbps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "VRAM plan for a 3.60 GiB budget:" in out and "VRAM expert cache" in out
+    # the tiny model's experts all fit in 3.6 GiB: nothing moves per token
+    assert "in the VRAM cache (100.0% of the blocks)" in out and "no expert bytes move" in out
+    # the drive's rate measured when not given (O_DIRECT reads of the working directory's blocks)
+    assert cli_main(argv[:2] + ["--gpu-memory-gb", "4"]) == 0
+    rate = capsys.readouterr().out.split("from the drive, at ")[1].split(" GB/s")[0]
+    assert float(rate) > 0
+
+
+def test_the_bound_is_the_slower_of_drive_and_bus(tiny_workdir):
+    from expertstream.formats.snapshot import read_header
+    from expertstream.plan_cli import TokenBytes, report
+    from expertstream.workdir import Workdir
+
+    wd = Workdir(tiny_workdir)
+    inventory = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
+    plan = plan_memory(wd.text_config, inventory, wd.layout.block_bytes, 4 * GiB, 512)
+    tb = TokenBytes(routed=int(2e9), vram_share=0.25, ram_share=0.25, from_disk=int(1e9), over_bus=int(1.5e9),
+                    ram_holds_all=False)  # fmt: skip
+    # 1 GB at 2 GB/s = 500 ms from the drive; 1.5 GB at 10 GB/s = 150 ms over the bus: 2 tok/s
+    out = report(plan, tb, disk=2.0, pcie=10.0, ram_gb=0)
+    assert "= 500.0 ms" in out and "= 150.0 ms" in out and "at most 2.0 tok/s" in out
+    # a slow bus bounds it instead: 1.5 GB at 1 GB/s
+    assert "at most 0.7 tok/s" in report(plan, tb, disk=2.0, pcie=1.0, ram_gb=0)
+    # without a GPU the bus is not counted
+    assert "over PCIe" not in report(plan, tb, disk=2.0, pcie=None, ram_gb=0)
+
+
+def test_plan_refuses_a_budget_below_the_minimum(tiny_workdir, capsys):
+    assert cli_main(["plan", str(tiny_workdir), "--gpu-memory-gb", "0.001", "--disk-gbps", "1"]) == 1
+    assert "cannot hold this model" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plans for the visible GPU when there is one")
+def test_plan_without_a_gpu_asks_for_a_budget(tiny_workdir):
+    with pytest.raises(SystemExit, match="--gpu-memory-gb"):
+        cli_main(["plan", str(tiny_workdir), "--disk-gbps", "1"])
