@@ -123,7 +123,8 @@ def main(args: argparse.Namespace) -> int:
     max_len = min(cfg.max_model_len, wd.text_config.get("max_position_embeddings", cfg.max_model_len))
     inventory = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
     try:
-        plan = plan_memory(wd.text_config, inventory, wd.layout.block_bytes, _budget(cfg), max_len)
+        act = 4 if cfg.dtype == "float32" else 2  # the engine's activations: bf16 on a GPU unless asked
+        plan = plan_memory(wd.text_config, inventory, wd.layout.block_bytes, _budget(cfg), max_len, act)
     except MemoryPlanError as e:
         print(e)
         return 1
