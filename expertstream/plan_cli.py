@@ -2,8 +2,9 @@
 
 Prints the VRAM plan the engine would make (the same `plan_memory` call and text as at start), where a
 token's routed experts come from with the given caches, and the decode time those bytes alone take at the
-drive's and the bus's rates: a lower bound, the answer to "which flags for this box". Reads the manifest and
-the resident file's header only; needs no GPU when `--gpu-memory-gb` is given.
+drive's and the bus's rates, and the same for a 2,048-token and a full-context prompt run in the plan's
+spans: lower bounds, the answer to "which flags for this box". Reads the manifest and the resident file's
+header only; needs no GPU when `--gpu-memory-gb` is given.
 """
 
 from __future__ import annotations
@@ -56,6 +57,19 @@ def token_bytes(layers: int, experts: int, k: int, block: int, vram_blocks: int,
     return TokenBytes(routed, vram, ram, far, bus, rows >= total)
 
 
+def prompt_bytes(tokens: int, span: int, layers: int, experts: int, k: int, block: int, tb: TokenBytes):
+    """(spans, bytes from the drive, bytes over PCIe) of a `tokens`-token prompt run in `span`-token spans:
+    each span fetches every expert its tokens route to once per layer, E (1 - (1 - K/E)^n) of them for n
+    tokens under uniform routing; from the drive unless cached (prompt misses bypass the RAM cache)."""
+    spans, far, bus = -(-tokens // span), 0.0, 0.0
+    for s in range(spans):
+        n = min(span, tokens - s * span)
+        fetched = layers * experts * (1 - (1 - k / experts) ** n) * block
+        far += fetched * (1 - tb.vram_share - tb.ram_share)
+        bus += fetched * (1 - tb.vram_share)
+    return spans, round(far), round(bus)
+
+
 def _budget(cfg: EngineConfig) -> int:
     if cfg.gpu_memory_gb is None:
         import torch
@@ -79,8 +93,16 @@ def _rates(args, wd, cfg: EngineConfig) -> tuple[float, float | None]:
     return disk, pcie_rate(256 << 20) if torch.cuda.is_available() else None
 
 
-def report(plan: MemoryPlan, tb: TokenBytes, disk: float, pcie: float | None, ram_gb: float) -> str:
-    """The plan's text, then where a token's experts come from and the decode time they alone take."""
+def report(
+    plan: MemoryPlan,
+    tb: TokenBytes,
+    disk: float,
+    pcie: float | None,
+    ram_gb: float,
+    prompts: dict | None = None,
+) -> str:
+    """The plan's text, then where a token's experts come from and the decode time they alone take, and
+    the same for prompts {tokens: prompt_bytes(...)}."""
     mb = 1e6
 
     def row(what: str, nbytes: float, rate: float | None = None) -> str:
@@ -109,6 +131,13 @@ def report(plan: MemoryPlan, tb: TokenBytes, disk: float, pcie: float | None, ra
     if tb.ram_holds_all:
         lines.append("  note: the RAM cache holds every expert: --preload-experts fills it at start,")
         lines.append("  and decode then reads no routing back")
+    if prompts:
+        lines += ["", "Prompts (each span fetches the experts its tokens route to once per layer; uniform):"]
+    for tokens, (spans, far, bus) in (prompts or {}).items():
+        t = max(far / disk, bus / pcie if pcie else 0.0) / 1e9
+        what = f"{tokens:,} tokens, {spans} span{'s' * (spans > 1)} of {plan.prefill_span:,}"
+        moved = f"{far / 1e9:6.1f} GB from the drive, {bus / 1e9:6.1f} GB over PCIe"
+        lines.append(f"  {what:<40} {moved}: at least {t:.1f} s")
     return "\n".join(lines)
 
 
@@ -132,5 +161,7 @@ def main(args: argparse.Namespace) -> int:
     tb = token_bytes(wd.num_layers, wd.num_experts, k, wd.layout.block_bytes, plan.vram_cache_blocks,
                      cfg.ram_cache_gb)  # fmt: skip
     disk, pcie = _rates(args, wd, cfg)
-    print(report(plan, tb, disk, pcie, cfg.ram_cache_gb))
+    shape = (plan.prefill_span, wd.num_layers, wd.num_experts, k, wd.layout.block_bytes, tb)
+    prompts = {n: prompt_bytes(n, *shape) for n in sorted({min(2048, max_len), max_len})}
+    print(report(plan, tb, disk, pcie, cfg.ram_cache_gb, prompts))
     return 0

@@ -5,7 +5,7 @@ import torch
 
 from expertstream.cli import main as cli_main
 from expertstream.memory_plan import GiB, plan_memory
-from expertstream.plan_cli import token_bytes
+from expertstream.plan_cli import prompt_bytes, token_bytes
 
 
 def test_token_bytes_splits_the_routed_blocks_over_the_tiers():
@@ -19,6 +19,15 @@ def test_token_bytes_splits_the_routed_blocks_over_the_tiers():
     # every block in VRAM: no expert byte moves; the RAM share counts only blocks VRAM does not hold
     tb = token_bytes(4, 8, 2, 100, vram_blocks=32, ram_gb=16 * 100 / GiB)
     assert (tb.ram_share, tb.from_disk, tb.over_bus) == (0.0, 0, 0)
+
+
+def test_prompt_bytes_fetch_each_routed_expert_once_per_span():
+    tb = token_bytes(4, 8, 2, 100, vram_blocks=8, ram_gb=16 * 100 / GiB)  # VRAM 1/4, RAM 1/2 of 32 blocks
+    # one token routes to a quarter of a layer's experts in expectation: a decode token's bytes
+    assert prompt_bytes(1, 400, 4, 8, 2, 100, tb) == (1, tb.from_disk, tb.over_bus)
+    # 1,000 tokens in 400-token spans: 3 spans, each fetching (nearly) every block once
+    spans, far, bus = prompt_bytes(1000, 400, 4, 8, 2, 100, tb)
+    assert spans == 3 and far == round(3 * 3200 * 0.25) and bus == round(3 * 3200 * 0.75)
 
 
 def test_plan_prints_the_vram_plan_and_the_bound(tiny_workdir, capsys):
@@ -44,9 +53,11 @@ def test_the_bound_is_the_slower_of_drive_and_bus(tiny_workdir):
     plan = plan_memory(wd.text_config, inventory, wd.layout.block_bytes, 4 * GiB, 512)
     tb = TokenBytes(routed=int(2e9), vram_share=0.25, ram_share=0.25, from_disk=int(1e9), over_bus=int(1.5e9),
                     ram_holds_all=False)  # fmt: skip
-    # 1 GB at 2 GB/s = 500 ms from the drive; 1.5 GB at 10 GB/s = 150 ms over the bus: 2 tok/s
-    out = report(plan, tb, disk=2.0, pcie=10.0, ram_gb=0)
+    # 1 GB at 2 GB/s = 500 ms from the drive; 1.5 GB at 10 GB/s = 150 ms over the bus: 2 tok/s; a prompt
+    # of 3 spans moving 6 GB from the drive and 9 GB over the bus takes at least 3 s
+    out = report(plan, tb, disk=2.0, pcie=10.0, ram_gb=0, prompts={4096: (3, int(6e9), int(9e9))})
     assert "= 500.0 ms" in out and "= 150.0 ms" in out and "at most 2.0 tok/s" in out
+    assert "4,096 tokens, 3 spans" in out and "at least 3.0 s" in out
     # a slow bus bounds it instead: 1.5 GB at 1 GB/s
     assert "at most 0.7 tok/s" in report(plan, tb, disk=2.0, pcie=1.0, ram_gb=0)
     # without a GPU the bus is not counted
