@@ -57,6 +57,19 @@ def token_bytes(layers: int, experts: int, k: int, block: int, vram_blocks: int,
     return TokenBytes(routed, vram, ram, far, bus, rows >= total)
 
 
+RAM_SHARE = (
+    0.75  # of the machine's RAM, the most the pinned RAM cache should take (the OS, PLE reads, Python)
+)
+
+
+def physical_ram() -> int:
+    """Bytes of RAM in this machine (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
 def prompt_bytes(tokens: int, span: int, layers: int, experts: int, k: int, block: int, tb: TokenBytes):
     """(spans, bytes from the drive, bytes over PCIe) of a `tokens`-token prompt run in `span`-token spans:
     each span fetches every expert its tokens route to once per layer, E (1 - (1 - K/E)^n) of them for n
@@ -124,10 +137,13 @@ def report(
     lines.append(
         "  (a bound: compute and the dense part add to it; skewed real routing hits the caches more)"
     )
-    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    if phys and ram_gb * GiB > 0.75 * phys:
+    phys = physical_ram()
+    if phys and ram_gb * GiB > RAM_SHARE * phys:
         share = f"{ram_gb * GiB / phys:.0%} of this machine's {phys / GiB:.0f} GiB"
         lines.append(f"  note: --ram-cache-gb {ram_gb:g} pins {share}; leave room for the OS, PLE reads")
+    elif phys and tb.from_disk and ram_gb * GiB < RAM_SHARE * phys / 2:
+        lines.append(f"  note: this machine has {phys / GiB:.0f} GiB of RAM: a --ram-cache-gb up to about "
+                     f"{RAM_SHARE * phys / GiB:.0f} keeps more experts off the drive")  # fmt: skip
     if tb.ram_holds_all:
         lines.append("  note: the RAM cache holds every expert: --preload-experts fills it at start,")
         lines.append("  and decode then reads no routing back")

@@ -64,6 +64,25 @@ def test_the_bound_is_the_slower_of_drive_and_bus(tiny_workdir):
     assert "over PCIe" not in report(plan, tb, disk=2.0, pcie=None, ram_gb=0)
 
 
+def test_the_ram_cache_size_is_weighed_against_the_machines_ram(tiny_workdir, monkeypatch):
+    from expertstream import plan_cli
+    from expertstream.formats.snapshot import read_header
+    from expertstream.workdir import Workdir
+
+    wd = Workdir(tiny_workdir)
+    inventory = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
+    plan = plan_memory(wd.text_config, inventory, wd.layout.block_bytes, 4 * GiB, 512)
+    tb = plan_cli.TokenBytes(int(2e9), 0.0, 0.25, int(1.5e9), int(2e9), False)
+    monkeypatch.setattr(plan_cli, "physical_ram", lambda: 64 * GiB)
+    # 60 of 64 GiB pinned: a warning; 4 of 64 with experts still read from the drive: a hint up to 48
+    assert "pins 94% of this machine's 64 GiB" in plan_cli.report(plan, tb, 2.0, None, ram_gb=60)
+    assert "up to about 48 keeps more experts off the drive" in plan_cli.report(plan, tb, 2.0, None, ram_gb=4)
+    # nothing to say about 30 GiB, nor when nothing comes from the drive
+    assert "note: this machine" not in plan_cli.report(plan, tb, 2.0, None, ram_gb=30)
+    resident = plan_cli.TokenBytes(int(2e9), 0.0, 1.0, 0, int(2e9), True)
+    assert "off the drive" not in plan_cli.report(plan, resident, 2.0, None, ram_gb=4)
+
+
 def test_plan_refuses_a_budget_below_the_minimum(tiny_workdir, capsys):
     assert cli_main(["plan", str(tiny_workdir), "--gpu-memory-gb", "0.001", "--disk-gbps", "1"]) == 1
     assert "cannot hold this model" in capsys.readouterr().out
