@@ -51,15 +51,18 @@ def token_bytes(layers: int, experts: int, k: int, block: int, vram_blocks: int,
     total = layers * experts
     vram = min(1.0, vram_blocks / total)
     rows = int(ram_gb * GiB) // block
+    if rows >= total and vram < 1:
+        # every block gets a fixed RAM row and decode reads it there, not from a partial VRAM cache
+        # (docs/runtime.md, "Not built or not measured yet")
+        vram = 0.0
     ram = min(1.0 - vram, rows / total)  # the blocks the VRAM cache does not hold
     routed = layers * k * block
     far, bus = round(routed * (1 - vram - ram)), round(routed * (1 - vram))
     return TokenBytes(routed, vram, ram, far, bus, rows >= total)
 
 
-RAM_SHARE = (
-    0.75  # of the machine's RAM, the most the pinned RAM cache should take (the OS, PLE reads, Python)
-)
+# of the machine's RAM, the most the pinned RAM cache should take (the OS, PLE reads, Python need the rest)
+RAM_SHARE = 0.75
 
 
 def physical_ram() -> int:
@@ -146,7 +149,7 @@ def report(
                      f"{RAM_SHARE * phys / GiB:.0f} keeps more experts off the drive")  # fmt: skip
     if tb.ram_holds_all:
         lines.append("  note: the RAM cache holds every expert: --preload-experts fills it at start,")
-        lines.append("  and decode then reads no routing back")
+        lines.append("  and decode then reads no routing back (nor uses the VRAM expert cache)")
     if prompts:
         lines += ["", "Prompts (each span fetches the experts its tokens route to once per layer; uniform):"]
     for tokens, (spans, far, bus) in (prompts or {}).items():

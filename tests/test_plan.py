@@ -19,6 +19,9 @@ def test_token_bytes_splits_the_routed_blocks_over_the_tiers():
     # every block in VRAM: no expert byte moves; the RAM share counts only blocks VRAM does not hold
     tb = token_bytes(4, 8, 2, 100, vram_blocks=32, ram_gb=16 * 100 / GiB)
     assert (tb.ram_share, tb.from_disk, tb.over_bus) == (0.0, 0, 0)
+    # every block in RAM and a partial VRAM cache: the engine reads them all from RAM (the cache sits idle)
+    tb = token_bytes(4, 8, 2, 100, vram_blocks=8, ram_gb=40 * 100 / GiB)
+    assert (tb.vram_share, tb.ram_share, tb.from_disk, tb.over_bus) == (0.0, 1.0, 0, 800)
 
 
 def test_prompt_bytes_fetch_each_routed_expert_once_per_span():
