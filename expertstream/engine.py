@@ -11,10 +11,9 @@ import torch
 
 from expertstream.config import EngineConfig, parse_cpu_list
 from expertstream.formats.fp8 import quantize_fp8_rows
-from expertstream.formats.snapshot import read_header
 from expertstream.layers.experts import StreamedExperts
 from expertstream.log import get_logger
-from expertstream.memory_plan import MemoryPlan, gpu_budget, plan_memory
+from expertstream.memory_plan import MemoryPlan, gpu_budget
 from expertstream.models import base
 from expertstream.models.base import ModelArgs
 from expertstream.models.qwen4_exp import Qwen4ExpModel
@@ -189,15 +188,7 @@ class Engine:
         # live tensors of this process (another engine, a test) are not free but not the budget's either
         held = torch.cuda.memory_reserved(self.device)
         budget = gpu_budget(c.gpu_memory_gb, c.gpu_memory_utilization, free, total)
-        inventory = {n: (i.shape, i.dtype) for n, i in read_header(self.workdir.resident_path).items()}
-        plan = plan_memory(
-            self.workdir.text_config,
-            inventory,
-            self.workdir.layout.block_bytes,
-            budget,
-            c.max_model_len,
-            act_bytes=torch.finfo(self.dtype).bits // 8,
-        )
+        plan = self.workdir.memory_plan(budget, c.max_model_len, act_bytes=torch.finfo(self.dtype).bits // 8)
         # the allocator's limit is per process, so it covers what this process already holds plus the budget
         torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + held) / total), self.device.index or 0)
         log.info("%s", plan.describe())

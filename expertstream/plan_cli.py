@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from expertstream.config import EngineConfig
-from expertstream.memory_plan import GiB, MemoryPlan, MemoryPlanError, gpu_budget, plan_memory
+from expertstream.memory_plan import GiB, MemoryPlan, MemoryPlanError, gpu_budget
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -162,17 +162,15 @@ def report(
 
 def main(args: argparse.Namespace) -> int:
     from expertstream.default_model import resolve_model
-    from expertstream.formats.snapshot import read_header
     from expertstream.workdir import Workdir
 
     args.model = resolve_model(args.model)
     cfg = EngineConfig.from_args(args)
     wd = Workdir(cfg.model)
     max_len = min(cfg.max_model_len, wd.text_config.get("max_position_embeddings", cfg.max_model_len))
-    inventory = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
     try:
         act = 4 if cfg.dtype == "float32" else 2  # the engine's activations: bf16 on a GPU unless asked
-        plan = plan_memory(wd.text_config, inventory, wd.layout.block_bytes, _budget(cfg), max_len, act)
+        plan = wd.memory_plan(_budget(cfg), max_len, act)
     except MemoryPlanError as e:
         print(e)
         return 1

@@ -11,6 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from expertstream.formats.expert_block import ExpertLayout
+from expertstream.formats.snapshot import read_header
+from expertstream.memory_plan import MemoryPlan, plan_memory
 
 FORMAT = "expertstream-workdir"
 VERSION = 1
@@ -127,6 +129,13 @@ class Workdir:
         """(weight_scale_2 [L, E, 3] f32, input_scale [L, E, 3] f32); last axis gate, up, down."""
         t = load_file(self.path / EXPERT_SCALES)
         return t["weight_scale_2"], t["input_scale"]
+
+    def memory_plan(self, budget_bytes: int, max_model_len: int, act_bytes: int = 2) -> MemoryPlan:
+        """The VRAM plan for this model under a budget (`plan_memory` on the resident file's header: nothing
+        is loaded). Raises MemoryPlanError when the budget cannot hold the minimum."""
+        inventory = {n: (i.shape, i.dtype) for n, i in read_header(self.resident_path).items()}
+        return plan_memory(self.text_config, inventory, self.layout.block_bytes, budget_bytes, max_model_len,
+                           act_bytes)  # fmt: skip
 
     def load_resident(self, names: list[str] | None = None, device: str | torch.device = "cpu") -> dict:
         """Resident tensors by HF text name (prefix removed); an FP8 row-scaled name brings `<name>_scale`."""

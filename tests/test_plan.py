@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from expertstream.cli import main as cli_main
-from expertstream.memory_plan import GiB, plan_memory
+from expertstream.memory_plan import GiB
 from expertstream.plan_cli import prompt_bytes, token_bytes
 
 
@@ -47,13 +47,10 @@ def test_plan_prints_the_vram_plan_and_the_bound(tiny_workdir, capsys):
 
 
 def test_the_bound_is_the_slower_of_drive_and_bus(tiny_workdir):
-    from expertstream.formats.snapshot import read_header
     from expertstream.plan_cli import TokenBytes, report
     from expertstream.workdir import Workdir
 
-    wd = Workdir(tiny_workdir)
-    inventory = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
-    plan = plan_memory(wd.text_config, inventory, wd.layout.block_bytes, 4 * GiB, 512)
+    plan = Workdir(tiny_workdir).memory_plan(4 * GiB, 512)
     tb = TokenBytes(routed=int(2e9), vram_share=0.25, ram_share=0.25, from_disk=int(1e9), over_bus=int(1.5e9),
                     ram_holds_all=False)  # fmt: skip
     # 1 GB at 2 GB/s = 500 ms from the drive; 1.5 GB at 10 GB/s = 150 ms over the bus: 2 tok/s; a prompt
@@ -69,12 +66,9 @@ def test_the_bound_is_the_slower_of_drive_and_bus(tiny_workdir):
 
 def test_the_ram_cache_size_is_weighed_against_the_machines_ram(tiny_workdir, monkeypatch):
     from expertstream import plan_cli
-    from expertstream.formats.snapshot import read_header
     from expertstream.workdir import Workdir
 
-    wd = Workdir(tiny_workdir)
-    inventory = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
-    plan = plan_memory(wd.text_config, inventory, wd.layout.block_bytes, 4 * GiB, 512)
+    plan = Workdir(tiny_workdir).memory_plan(4 * GiB, 512)
     tb = plan_cli.TokenBytes(int(2e9), 0.0, 0.25, int(1.5e9), int(2e9), False)
     monkeypatch.setattr(plan_cli, "physical_ram", lambda: 64 * GiB)
     # 60 of 64 GiB pinned: a warning; 4 of 64 with experts still read from the drive: a hint up to 48
