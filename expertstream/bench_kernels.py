@@ -97,24 +97,27 @@ def random_bank(num: int, seed: int = 0):
 ROTATE = 16  # calls per timed graph, each on other blocks or weights: 16 x 27.6 MB is well past L2
 
 
-def decode_calls(layout, slots, ws2, place: str, config: dict | None = None) -> list:
+def decode_calls(layout, slots, ws2, place: str, config: dict | None = None, decode=None) -> list:
     """ROTATE decode calls (k = TOPK), each on another random route, with the routed blocks in VRAM slots
-    (place "vram") or in pinned host RAM read over the bus ("host")."""
+    (place "vram") or in pinned host RAM read over the bus ("host"); `decode`: the launcher (default
+    nvfp4_moe_decode)."""
     import torch
 
     from expertstream.kernels import nvfp4_moe_decode
+
+    decode = decode or nvfp4_moe_decode
 
     ids, w = route(ROTATE)
     x = torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
     if place == "vram":
         loc = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")  # expert i in slot i
-        return [lambda r=r: nvfp4_moe_decode(x, ids[r], loc, ws2, w[r], layout, slots, config=config)
+        return [lambda r=r: decode(x, ids[r], loc, ws2, w[r], layout, slots, config=config)
                 for r in range(ROTATE)]  # fmt: skip
     host = slots[ids.reshape(-1)].cpu().pin_memory()  # route r's blocks in rows r K .. r K + K - 1
     locs = torch.zeros(ROTATE, EXPERTS, dtype=torch.int32, device="cuda")
     rows = torch.arange(ROTATE * TOPK, dtype=torch.int32, device="cuda").view(ROTATE, TOPK)
     locs.scatter_(1, ids, -1 - rows)
-    return [lambda r=r: nvfp4_moe_decode(x, ids[r], locs[r], ws2, w[r], layout, slots, host, config=config)
+    return [lambda r=r: decode(x, ids[r], locs[r], ws2, w[r], layout, slots, host, config=config)
             for r in range(ROTATE)]  # fmt: skip
 
 
