@@ -223,6 +223,7 @@ def _perm(j):
 def _mma_gate_up_kernel(
     x_ptr, ids_ptr, loc_ptr, scales_ptr, slots_ptr, host_ptr, hh_ptr, lo_off, block_bytes, gw_off, uw_off,
     gs_off, us_off, H: tl.constexpr, I: tl.constexpr, ROWG: tl.constexpr, KSPLIT: tl.constexpr,
+    GSPLIT: tl.constexpr,
     PDL: tl.constexpr, READ_ONLY: tl.constexpr, HINT: tl.constexpr,
 ):  # fmt: skip
     # program (k, row block): h[k, rows] = silu(gate . x) * (up . x) for ROWG groups of 16 rows of expert k,
@@ -237,8 +238,9 @@ def _mma_gate_up_kernel(
     g, t = lane // 4, lane % 4
     hf = g // 4  # quads 0-3 read the first 64 bytes of a row's 128-byte chunk, quads 4-7 the rest
     row = (rb * ROWG + warp // KSPLIT) * 8 + g % 4  # A row g; A row g + 8 is row + 4
-    CPS: tl.constexpr = H // 256 // KSPLIT
-    c0 = (warp % KSPLIT) * CPS
+    # GSPLIT (READ_ONLY only): K also split over programs (grid axis 2), so each program reads a short span
+    CPS: tl.constexpr = H // 256 // KSPLIT // GSPLIT
+    c0 = (tl.program_id(2) * KSPLIT + warp % KSPLIT) * CPS
     z = tl.zeros([NT], tl.float32)
     ag = (z, z, z, z)
     au = (z, z, z, z)
@@ -351,7 +353,13 @@ def nvfp4_moe_decode_mma(
     cfg = config or MMA_DEFAULT
     k, h_size, i_size = expert_ids.numel(), layout.hidden_size, layout.intermediate_size
     rg, ks, rd = cfg["rowg_gu"], cfg["ksplit_gu"], cfg["rowg_down"]
-    assert h_size % (256 * ks) == 0 and i_size % (8 * rg) == 0 and i_size % 128 == 0, (h_size, i_size, cfg)
+    gsplit = cfg.get("gsplit", 1)
+    assert gsplit == 1 or cfg.get("read_only"), "a K split over programs has no sum: reads only"
+    assert h_size % (256 * ks * gsplit) == 0 and i_size % (8 * rg) == 0 and i_size % 128 == 0, (
+        h_size,
+        i_size,
+        cfg,
+    )
     assert h_size % (16 * rd) == 0 and x.data_ptr() % 16 == 0 and layout.block_bytes % 16 == 0
     hh = torch.empty(2, k, i_size, dtype=torch.bfloat16, device=x.device)  # h's hi and lo halves, B order
     per = cdiv(k, cfg["split_down"])
@@ -361,10 +369,10 @@ def nvfp4_moe_decode_mma(
     out = torch.empty_like(x)
     pdl = dependent_launch(device_capability(x.device))
     off = {p.name: p.offset for p in layout.parts}
-    _mma_gate_up_kernel[(k, i_size // (8 * rg))](
+    _mma_gate_up_kernel[(k, i_size // (8 * rg), gsplit)](
         x, expert_ids, loc, scales, slots, host, hh, k * i_size, layout.block_bytes,
         off["gate_proj.weight"], off["up_proj.weight"], off["gate_proj.weight_scale"],
-        off["up_proj.weight_scale"], H=h_size, I=i_size, ROWG=rg, KSPLIT=ks, PDL=pdl,
+        off["up_proj.weight_scale"], H=h_size, I=i_size, ROWG=rg, KSPLIT=ks, GSPLIT=gsplit, PDL=pdl,
         READ_ONLY=cfg.get("read_only", False), HINT=cfg.get("hint", 0),
         num_warps=rg * ks,
     )  # fmt: skip
@@ -424,6 +432,9 @@ for r in range(4):
 D = MMA_DEFAULT
 SHAPES = [D, {**D, "rowg_gu": 2}, {**D, "ksplit_gu": 1}, {**D, "read_only": True}]
 SHAPES += [{**D, "hint": h} for h in (1, 2, 3)]
+SHAPES += [
+    {**D, "read_only": True, "ksplit_gu": ks, "gsplit": gs} for ks, gs in ((1, 10), (2, 5), (1, 5), (1, 2))
+]
 for place in ("vram", "host"):
     print(f"{place}: fma kernels {1e3 * graph_ms(decode_calls(layout, slots, ws2, place)):.1f} us per call")
     for cfg in SHAPES if place == "vram" else SHAPES[:1]:
@@ -437,6 +448,8 @@ for name, fn, cfg in (
     ("fma", None, None),
     ("mma", nvfp4_moe_decode_mma, D),
     ("read", nvfp4_moe_decode_mma, SHAPES[3]),
+    ("read, K over 10 programs", nvfp4_moe_decode_mma, SHAPES[-4]),
+    ("read, K over 2 programs", nvfp4_moe_decode_mma, SHAPES[-1]),
 ):
     calls = decode_calls(layout, slots, ws2, "vram", cfg, fn)
     graph = torch.cuda.CUDAGraph()
