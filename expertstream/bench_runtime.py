@@ -449,7 +449,7 @@ def bench_model(args, what: str, max_model_len: int):
 def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, dict]:
     """The decode regimes {name: (EngineConfig, VRAM cache blocks)} of the bench model `wd` under base's
     budget, and what the table's header says of them (cache share, staged guesses)."""
-    from expertstream.runtime.gpu_experts import stage_guesses_for
+    from expertstream.memory_plan import stage_guesses_for
 
     block = wd.layout.block_bytes
     expert_bytes = wd.num_layers * wd.num_experts * block
@@ -470,6 +470,11 @@ def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, di
         "vram eager": (dataclasses.replace(all_in_vram, enforce_eager=True), wd.num_layers * wd.num_experts),
         "ram": (dataclasses.replace(all_in_ram, stage_guesses=staged), vram_blocks + 2 * staged),
         "ram unstaged": (dataclasses.replace(all_in_ram, stage_guesses=0), vram_blocks),
+        # every expert in RAM beside a large VRAM cache: decode reads the hot set there (not an issue regime)
+        f"ram, {BIG_BUDGET_GB:g} GiB VRAM": (
+            dataclasses.replace(all_in_ram, gpu_memory_gb=BIG_BUDGET_GB, stage_guesses=staged),
+            int(share24 * wd.num_layers) + 2 * staged,
+        ),
         "disk": (quarter_in_ram, vram_blocks),
         f"disk, {BIG_BUDGET_GB:g} GiB VRAM": (
             dataclasses.replace(quarter_in_ram, gpu_memory_gb=BIG_BUDGET_GB),
@@ -531,7 +536,8 @@ def run(args) -> int:
         f"({share:.1f} per layer, the 48-layer plan's share; {share24:.1f} per layer at "
         f"{BIG_BUDGET_GB} GiB); "
         f"CUDA graphs on except in `vram eager`; `ram` copies {staged} guesses per layer to VRAM early "
-        "(--stage-guesses), `ram unstaged` none; speculation "
+        f"(--stage-guesses), `ram unstaged` none; `ram, {BIG_BUDGET_GB:g} GiB VRAM` also reads a hot set "
+        "from VRAM (half its cache share); speculation "
         f"{'off' if args.no_speculation else f'on, {args.speculation_width:g} x K guesses'}.\n\n"
     )
     table = head + table

@@ -51,9 +51,10 @@ class EngineStats:
     bus_read_bytes: int  # expert bytes decode moved over the bus without the copy engine: kernels reading
     # the pinned RAM cache in place, and guesses staged to VRAM
     resident_reads: int  # decode blocks found through the full location table, without a lookup
-    resident_ram_reads: int  # ... of which read from RAM (the rest from VRAM, staged guesses included)
+    resident_ram_reads: int  # ... of which read from RAM (the rest from VRAM: staged guesses, the hot set)
     staged_blocks: int  # next-layer guesses copied to VRAM staging rows (decode, every block in RAM)
     stage_hits: int  # routed blocks decode read from staging rows
+    hot_hits: int  # routed blocks decode read from the hot set (every block in RAM, a large VRAM cache)
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -260,6 +261,7 @@ class Engine:
         s, spec = self.store.stats, self.bank.spec.stats if self.bank.spec is not None else SpecStats()
         unused_reads = s.prefetches - s.prefetch_hits
         staged, hits = self.bank.stage_counts() if hasattr(self.bank, "stage_counts") else (0, 0)
+        hot = self.bank.hot_hits() if hasattr(self.bank, "hot_hits") else 0
         return EngineStats(
             requests=s.requests,
             hits=s.hits,
@@ -278,9 +280,10 @@ class Engine:
             bank_spec_seconds=getattr(self.bank, "spec_seconds", 0.0),
             bus_read_bytes=getattr(self.bank, "bytes_in_place", 0),
             resident_reads=getattr(self.bank, "resident_reads", 0),
-            resident_ram_reads=getattr(self.bank, "resident_ram_reads", 0) - hits,
+            resident_ram_reads=getattr(self.bank, "resident_ram_reads", 0) - hits - hot,
             staged_blocks=staged,
             stage_hits=hits,
+            hot_hits=hot,
         )
 
     def close(self) -> None:

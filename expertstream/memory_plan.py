@@ -276,3 +276,23 @@ def plan_memory(
         block_bytes=block_bytes,
         notes=notes,
     )
+
+
+def stage_guesses_for(requested: int, k: int, n_slots: int) -> int:
+    """Guesses staged per layer for --stage-guesses `requested` with n_slots expert slots (staging rows for
+    two layers come out of them). Auto (-1): at most K / 2 (4 and 5 of K = 10 paid on the H200,
+    docs/runtime.md), from slots beyond the memory plan's three banks of K only, so that prompt passes keep
+    their 1.5 K experts; an explicit count needs two layers' K slots left beside its rows, else 0."""
+    g = min(k // 2, (n_slots - 3 * k) // 2) if requested < 0 else requested
+    g = max(0, g)
+    return g if n_slots - 2 * g >= 2 * k else 0
+
+
+def hot_split(n_slots: int, num_experts: int, k: int, num_layers: int) -> tuple[int, int]:
+    """(experts per prompt pass, hot blocks per layer) of a bank whose every block sits in the RAM cache, with
+    n_slots VRAM cache slots. Its prompt passes take half the slots, at most two layers' experts and at
+    least 1.5 K a pass (what the memory plan's three banks give); the rest is split evenly over the layers
+    as a hot set. None left for a layer: no hot set, and passes of half the slots as before."""
+    p = min(num_experts, max(-(-3 * k // 2), n_slots // 4))
+    q = (n_slots - 2 * p) // num_layers
+    return (p, q) if q > 0 else (max(1, n_slots // 2), 0)

@@ -14,7 +14,14 @@ import os
 from dataclasses import dataclass
 
 from expertstream.config import EngineConfig
-from expertstream.memory_plan import GiB, MemoryPlan, MemoryPlanError, gpu_budget
+from expertstream.memory_plan import (
+    GiB,
+    MemoryPlan,
+    MemoryPlanError,
+    gpu_budget,
+    hot_split,
+    stage_guesses_for,
+)
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -47,14 +54,17 @@ class TokenBytes:
     ram_holds_all: bool  # the RAM cache has a row for every block of the model
 
 
-def token_bytes(layers: int, experts: int, k: int, block: int, vram_blocks: int, ram_gb: float) -> TokenBytes:
+def token_bytes(
+    layers: int, experts: int, k: int, block: int, vram_blocks: int, ram_gb: float, hot_blocks: int = 0
+) -> TokenBytes:
+    """hot_blocks: what decode reads from VRAM once the RAM cache holds every block (the hot set)."""
     total = layers * experts
     vram = min(1.0, vram_blocks / total)
     rows = int(ram_gb * GiB) // block
     if rows >= total and vram < 1:
-        # every block gets a fixed RAM row and decode reads it there, not from a partial VRAM cache
-        # (docs/runtime.md, "Not built or not measured yet")
-        vram = 0.0
+        # every block gets a fixed RAM row and decode reads it there, except the hot set's blocks: the
+        # rest of a partial VRAM cache serves prompt passes (docs/runtime.md)
+        vram = hot_blocks / total
     ram = min(1.0 - vram, rows / total)  # the blocks the VRAM cache does not hold
     routed = layers * k * block
     far, bus = round(routed * (1 - vram - ram)), round(routed * (1 - vram))
@@ -149,7 +159,12 @@ def report(
                      f"{RAM_SHARE * phys / GiB:.0f} keeps more experts off the drive")  # fmt: skip
     if tb.ram_holds_all:
         lines.append("  note: the RAM cache holds every expert: --preload-experts fills it at start,")
-        lines.append("  and decode then reads no routing back (nor uses the VRAM expert cache)")
+        where = (
+            f"reads its hot set ({tb.vram_share:.1%} of the blocks) from VRAM, the rest from RAM"
+            if tb.vram_share
+            else "reads every block from RAM (too few VRAM cache slots for a hot set)"
+        )
+        lines.append(f"  and decode then reads no routing back and {where}")
     if prompts:
         lines += ["", "Prompts (each span fetches the experts its tokens route to once per layer; uniform):"]
     for tokens, (spans, far, bus) in (prompts or {}).items():
@@ -175,8 +190,12 @@ def main(args: argparse.Namespace) -> int:
         print(e)
         return 1
     k = wd.text_config["num_experts_per_tok"]
+    # the bank's cache slots as the engine sizes them: the plan's three banks and its cache, less staging
+    n_slots = plan.slots // wd.layout.block_bytes + plan.vram_cache_blocks
+    staged = 0 if cfg.no_speculation else stage_guesses_for(cfg.stage_guesses, k, n_slots)
+    hot = hot_split(n_slots - 2 * staged, wd.num_experts, k, wd.num_layers)[1] * wd.num_layers
     tb = token_bytes(wd.num_layers, wd.num_experts, k, wd.layout.block_bytes, plan.vram_cache_blocks,
-                     cfg.ram_cache_gb)  # fmt: skip
+                     cfg.ram_cache_gb, hot)  # fmt: skip
     disk, pcie = _rates(args, wd, cfg)
     shape = (plan.prefill_span, wd.num_layers, wd.num_experts, k, wd.layout.block_bytes, tb)
     prompts = {n: prompt_bytes(n, *shape) for n in sorted({min(2048, max_len), max_len})}

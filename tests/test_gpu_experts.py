@@ -5,7 +5,8 @@ import torch
 
 from expertstream.kernels import nvfp4_moe
 from expertstream.layers.experts import StreamedExperts
-from expertstream.runtime.gpu_experts import GpuExperts, stage_guesses_for
+from expertstream.memory_plan import hot_split, stage_guesses_for
+from expertstream.runtime.gpu_experts import GpuExperts
 from expertstream.store import ExpertStore
 from expertstream.workdir import Workdir
 
@@ -369,3 +370,124 @@ def test_prompts_fill_a_vram_cache_that_can_hold_every_block(tiny_workdir, kerne
         bank(1, *(v.to(kernel_device) for v in (xs, ids, ws)))
         assert bank.resident is None and len(bank.cache.lru) == torch.unique(ids).numel()
         bank.close()
+
+
+def test_hot_split_leaves_a_hot_set_only_where_the_passes_leave_a_slot_a_layer():
+    # the real model: 24 GiB (~4,100 cache slots) keeps passes of a whole layer and 64 hot blocks a layer;
+    # 8 GiB (~6 cache blocks beside the 30 slots) has none and keeps its passes of half the slots
+    assert hot_split(4139, 512, 10, 48) == (512, 64)
+    assert hot_split(36, 512, 10, 48) == (18, 0)
+    assert hot_split(40, 16, 4, 4) == (10, 5)  # the tiny model below: passes of 10, 5 hot blocks a layer
+    assert hot_split(8, 16, 4, 4) == (4, 0)
+
+
+def _ram_store(wd, host_alloc):
+    store = ExpertStore(
+        wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2, **host_alloc
+    )
+    for h in store.request([(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]):
+        h.wait()
+        h.release()
+    return store
+
+
+def _hot_rows_hold_their_blocks(bank, store) -> bool:
+    slots, rows = bank.cache.slots.cpu(), store.slots
+    return all(
+        torch.equal(slots[bank._hot[layer, e]], rows[bank._ram_rows[layer, e]])
+        for layer, e in zip(*(bank._hot >= 0).nonzero())
+    )
+
+
+def test_a_ram_resident_bank_reads_its_hot_set_from_vram(tiny_workdir, kernel_device, host_alloc):
+    """Every block in RAM and 40 cache slots: prompt passes take 20, and each layer's 5 most-routed blocks
+    are copied into the other 20 and read from there. Decode equals a bank without a hot set bit for bit,
+    a prompt moves its layer's hot set to what it routed most, and the blocks read from VRAM are counted
+    out of the bus bytes."""
+    wd = Workdir(tiny_workdir)
+    n_layers, k, block = wd.num_layers, wd.text_config["num_experts_per_tok"], wd.layout.block_bytes
+    with _ram_store(wd, host_alloc) as store:
+        ref = StreamedExperts(wd, store, torch.float32)
+        plain, hot = GpuExperts(wd, store, 8, kernel_device), GpuExperts(wd, store, 40, kernel_device)
+        assert (plain._hot_quota, hot._hot_quota, hot._hot_pass) == (0, 5, 10)
+        # a prompt on layer 2: experts 11-15 routed most, so they become its hot set when the bank adopts
+        # the RAM rows (the other layers, with nothing routed yet, hold experts 0-4)
+        ids = torch.tensor([[11, 12, 13, 14]] * 20 + [[15, 0, 1, 2]] * 12 + [[15, 3, 4, 5]] * 8)
+        xs, _, ws = routing(wd, ids.shape[0], seed=3)
+        for bank in (plain, hot):
+            got = bank(2, *(v.to(kernel_device) for v in (xs, ids, ws))).cpu()
+            want = ref(2, xs, ids, ws)
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+        assert plain.resident == hot.resident == "ram"
+        assert sorted((hot._hot[2] >= 0).nonzero()[0].tolist()) == [11, 12, 13, 14, 15]
+        assert sorted((hot._hot[0] >= 0).nonzero()[0].tolist()) == [0, 1, 2, 3, 4]
+        assert _hot_rows_hold_their_blocks(hot, store)
+        loc = hot.loc.cpu().numpy()
+        assert ((loc >= 0) == (hot._hot >= 0)).all() and (loc[hot._hot >= 0] >= 20).all()  # past the passes
+        copies = hot.cache.stats.copies
+        reads = hits = 0
+        for token in range(3):
+            for layer in range(n_layers):
+                x, ids, w = routing(wd, 1, seed=50 + 10 * token + layer)
+                args = [v.to(kernel_device) for v in (x, ids, w)]
+                assert torch.equal(plain(layer, *args).cpu(), hot(layer, *args).cpu())
+                hits += int((hot._hot[layer, ids[0].numpy()] >= 0).sum())
+                reads += k
+        assert hot.cache.stats.copies == copies  # decode copies nothing: the hot set is read in place
+        assert hot.hot_hits() == hits and 0 < hits < reads and hot.resident_ram_reads == reads
+        assert hot.bytes_in_place == (reads - hits) * block and plain.bytes_in_place == reads * block
+        # a prompt on layer 0 routing experts 6-9 most: they enter its hot set (4 copies), 1-4 leave (decode's
+        # routing is not counted once nothing is read back; 0 stays, first of the rest by id)
+        ids = torch.tensor([[6, 7, 8, 9]] * 40)
+        xs, _, ws = routing(wd, ids.shape[0], seed=4)
+        got = hot(0, *(v.to(kernel_device) for v in (xs, ids, ws))).cpu()
+        want = ref(0, xs, ids, ws)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+        assert sorted((hot._hot[0] >= 0).nonzero()[0].tolist()) == [0, 6, 7, 8, 9]
+        assert hot.cache.stats.copies - copies == 4 + len(torch.unique(ids))  # the 4 entering, the pass
+        assert _hot_rows_hold_their_blocks(hot, store)
+        x, ids, w = routing(wd, 1, seed=9)
+        ids[0, :2] = torch.tensor([6, 1])  # one hot, one that left
+        args = [v.to(kernel_device) for v in (x, ids, w)]
+        assert torch.equal(plain(0, *args).cpu(), hot(0, *args).cpu())
+        plain.close()
+        hot.close()
+
+
+def test_staged_guesses_skip_the_hot_set_and_both_are_counted(tiny_workdir, kernel_device, host_alloc):
+    # staging beside a hot set: a hot guess is not copied, a routed hot block counts as a hot hit and not a
+    # stage hit, and the bus bytes are the RAM reads left plus the staged copies
+    wd = Workdir(tiny_workdir)
+    n_layers, n_experts, k = wd.num_layers, wd.num_experts, wd.text_config["num_experts_per_tok"]
+    g = torch.Generator().manual_seed(12)
+    routers = {layer: torch.randn(n_experts, wd.layout.hidden_size, generator=g) for layer in range(n_layers)}
+    with _ram_store(wd, host_alloc) as store:
+        plain = GpuExperts(wd, store, 4 * k, kernel_device)
+        both = GpuExperts(wd, store, 44, kernel_device, stage_guesses=2)  # 40 cache slots, 4 staging rows
+        assert both.stage_guesses == 2 and both._hot_quota == 5
+        for bank in (plain, both):
+            bank.set_router_weights({i: w.to(kernel_device) for i, w in routers.items()})
+        staged = hits = hot_hits = 0
+        guess = None
+        for token in range(3):
+            for layer in range(n_layers):
+                x, ids, w = routing(wd, 1, seed=200 + 10 * token + layer)
+                args = [v.to(kernel_device) for v in (x, ids, w)]
+                assert torch.equal(plain(layer, *args).cpu(), both(layer, *args).cpu())
+                hot = both._hot[layer] >= 0  # the bank adopted the RAM rows on its first call
+                routed = ids[0].tolist()
+                if token or layer:  # the first call's reads were fetched (no guesses staged for it either)
+                    hot_hits += sum(bool(hot[e]) for e in routed)
+                if guess is not None:
+                    staged += sum(not hot[e] for e in guess)
+                    hits += sum(e in guess and not hot[e] for e in routed)
+                nxt = routers.get(layer + 1)
+                guess = torch.topk(nxt @ x[0], 2).indices.tolist() if nxt is not None else None
+            guess = None  # a token's last layer stages nothing; the next token starts unstaged here
+        assert both.resident == "ram" and both.stage_counts() == (staged, hits)
+        assert both.hot_hits() == hot_hits > 0
+        reads = 3 * n_layers * k - k
+        assert both.resident_ram_reads == reads
+        assert both.bytes_in_place == (reads - hits - hot_hits + staged) * wd.layout.block_bytes
+        plain.close()
+        both.close()

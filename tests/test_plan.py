@@ -19,7 +19,10 @@ def test_token_bytes_splits_the_routed_blocks_over_the_tiers():
     # every block in VRAM: no expert byte moves; the RAM share counts only blocks VRAM does not hold
     tb = token_bytes(4, 8, 2, 100, vram_blocks=32, ram_gb=16 * 100 / GiB)
     assert (tb.ram_share, tb.from_disk, tb.over_bus) == (0.0, 0, 0)
-    # every block in RAM and a partial VRAM cache: the engine reads them all from RAM (the cache sits idle)
+    # every block in RAM and a partial VRAM cache: the engine reads them from RAM but for its hot set, here
+    # 4 of the 8 cache blocks (the prompt passes keep the rest), and none without one
+    tb = token_bytes(4, 8, 2, 100, vram_blocks=8, ram_gb=40 * 100 / GiB, hot_blocks=4)
+    assert (tb.vram_share, tb.ram_share, tb.from_disk, tb.over_bus) == (0.125, 0.875, 0, 700)
     tb = token_bytes(4, 8, 2, 100, vram_blocks=8, ram_gb=40 * 100 / GiB)
     assert (tb.vram_share, tb.ram_share, tb.from_disk, tb.over_bus) == (0.0, 1.0, 0, 800)
 
@@ -78,6 +81,14 @@ def test_the_ram_cache_size_is_weighed_against_the_machines_ram(tiny_workdir, mo
     assert "note: this machine" not in plan_cli.report(plan, tb, 2.0, None, ram_gb=30)
     resident = plan_cli.TokenBytes(int(2e9), 0.0, 1.0, 0, int(2e9), True)
     assert "off the drive" not in plan_cli.report(plan, resident, 2.0, None, ram_gb=4)
+    # every expert in RAM: whether decode reads a hot set from VRAM
+    assert "reads every block from RAM (too few VRAM cache slots" in plan_cli.report(
+        plan, resident, 2.0, None, ram_gb=30
+    )
+    hot = plan_cli.TokenBytes(int(2e9), 0.125, 0.875, 0, int(1.75e9), True)
+    assert "reads its hot set (12.5% of the blocks) from VRAM" in plan_cli.report(
+        plan, hot, 2.0, None, ram_gb=30
+    )
 
 
 def test_plan_refuses_a_budget_below_the_minimum(tiny_workdir, capsys):

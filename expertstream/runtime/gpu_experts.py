@@ -7,7 +7,9 @@ reads its ids back once: misses are read into RAM (the guess for layer L+1, made
 their disk reads early). Once every block has a fixed place (all in RAM, or all in VRAM) the table is complete
 and decode runs without reading anything back (docs/runtime.md). With every block in RAM, `stage_guesses`
 G copies layer L+1's G best guesses into VRAM rows on a side stream while the rest of layer L and L+1's
-attention run (the bus idles then); L+1's kernel reads those from VRAM through a working location row.
+attention run (the bus idles then); L+1's kernel reads those from VRAM through a working location row. Where
+the VRAM cache is larger than the prompt passes need (`hot_split`), half of it holds a hot set instead: each
+layer's most-routed blocks, read from VRAM by decode, refreshed after each prompt's layer.
 Prefill: the call's (token, k) pairs are sorted by expert into tiles once; its distinct experts run in passes
 of consecutive experts that fit the slots, each launched over its own tiles, and every pass's rows are added
 per token into the FP32 sum [T, H].
@@ -19,6 +21,7 @@ import mmap
 import time
 import weakref
 
+import numpy as np
 import torch
 
 from expertstream.formats.expert_block import PROJ
@@ -26,6 +29,7 @@ from expertstream.kernels import nvfp4_moe
 from expertstream.kernels.codec import tuned_config
 from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
+from expertstream.memory_plan import hot_split, stage_guesses_for
 from expertstream.runtime.host_mirror import HostMirror
 from expertstream.runtime.pass_tables import PassTables
 from expertstream.runtime.speculation import Speculator
@@ -73,16 +77,6 @@ class _SwappedNibbles:
 
     def release(self) -> None:
         self.handle.release()
-
-
-def stage_guesses_for(requested: int, k: int, n_slots: int) -> int:
-    """Guesses staged per layer for --stage-guesses `requested` with n_slots expert slots (staging rows for
-    two layers come out of them). Auto (-1): at most K / 2 (4 and 5 of K = 10 paid on the H200,
-    docs/runtime.md), from slots beyond the memory plan's three banks of K only, so that prompt passes keep
-    their 1.5 K experts; an explicit count needs two layers' K slots left beside its rows, else 0."""
-    g = min(k // 2, (n_slots - 3 * k) // 2) if requested < 0 else requested
-    g = max(0, g)
-    return g if n_slots - 2 * g >= 2 * k else 0
 
 
 class GpuExperts:
@@ -152,7 +146,7 @@ class GpuExperts:
         self.resident: str | None = None
         self._resident_handles: list = []  # the RAM blocks held for that
         self.resident_reads = 0  # blocks decode found through the full table (no lookup, no request)
-        self.resident_ram_reads = 0  # ... of which read from RAM
+        self.resident_ram_reads = 0  # ... of which through RAM rows (less stage_counts' and hot_hits' hits)
         self.spec = Speculator(self.layout.block_bytes, speculation_width) if speculate else None
         self.host_syncs = 0  # device -> host reads the bank waits on (decode: one per layer)
         # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
@@ -176,6 +170,16 @@ class GpuExperts:
         self._stage_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and self.stage_guesses else None
         self._staged: int | None = None  # the layer whose working row holds staged guesses
         self._forked = False  # staging queued on the side stream and not yet joined
+        # the hot set of a RAM-resident bank: experts per prompt pass and hot blocks per layer (hot_split);
+        # routed (token, expert) pairs seen per layer (prompts, and decode while it reads ids back) choose
+        # them. `_hot` [L, E]: an expert's hot slot or -1; `_ram_rows` [L, E]: every block's RAM row
+        n_layers = workdir.num_layers
+        self._hot_pass, self._hot_quota = hot_split(self.cache.n_slots, self.num_experts, k, n_layers)
+        self._route_counts = np.zeros((n_layers, self.num_experts), dtype=np.int64)
+        self._hot = np.full((n_layers, self.num_experts), -1, dtype=np.int32)
+        self._ram_rows: np.ndarray | None = None
+        self._hot_hits = torch.zeros((), dtype=torch.int64, device=dev)  # routed blocks read from the hot set
+        self._uncounted = False  # the decode call that adopted the RAM rows (its reads were fetches)
 
     def warm_up(self, dtype: torch.dtype) -> None:
         """Compile the kernels before the first request: one decode, and one prefill in each tile-size bucket
@@ -281,6 +285,7 @@ class GpuExperts:
         self.sync_seconds += t1 - t0
         self.host_syncs += 1
         experts = sorted(set(ids[:k]))  # top-k ids are distinct; a set keeps the fetch contract anyway
+        self._route_counts[layer, experts] += 1
         if self.spec is not None:
             self.spec.score(layer, experts)
         self._loc_np[layer, experts] = self.cache.fetch(layer, experts, in_place=self.host_blocks is not None)
@@ -289,6 +294,8 @@ class GpuExperts:
             self._guess = (layer + 1, ids[k:])
         self._launch_pending = True
         self._adopt_resident()
+        # adopted just now: this layer's reads were fetched, not counted as resident reads, nor as hot hits
+        self._uncounted = self.resident is not None
         self.decode_seconds += time.perf_counter() - t0
 
     @property
@@ -320,7 +327,12 @@ class GpuExperts:
             self._resident_handles = handles
             for (layer, e), h in zip(keys, handles):
                 self._loc_np[layer, e] = -1 - h.row
+            self._ram_rows = -1 - self._loc_np.copy()
             self.resident = "ram"
+            if self._hot_quota:  # slots the prompt passes leave: each layer's most-routed blocks
+                self._refresh_hot(range(n_layers))
+                log.info("decode reads %d blocks a layer from a hot set in VRAM (%d slots)", self._hot_quota,
+                         self._hot_quota * n_layers)  # fmt: skip
         else:
             return
         self._loc.push()
@@ -328,6 +340,28 @@ class GpuExperts:
         if self.resident == "ram" and self.stage_guesses:
             log.info("decode copies each next layer's %d best guesses to VRAM while the bus is idle "
                      "(--stage-guesses)", self.stage_guesses)  # fmt: skip
+
+    def _refresh_hot(self, layers) -> None:
+        """Make each of `layers`' hot set its `_hot_quota` most-routed experts so far (lower ids first on
+        ties): the blocks that enter are copied from their RAM rows into the slots of those that leave, and
+        `loc` points at the new places (uploaded by the caller). Only changed blocks cross the bus."""
+        q, pairs = self._hot_quota, []
+        first = 2 * self._hot_pass  # the prompt passes take the slots below
+        for layer in layers:
+            hot = self._hot[layer]
+            counts = self._route_counts[layer]
+            want = np.lexsort((np.arange(counts.size), -counts))[:q]
+            enter = [int(e) for e in want if hot[e] < 0]
+            leave = np.setdiff1d(np.nonzero(hot >= 0)[0], want)
+            base = first + layer * q
+            free = sorted(set(range(base, base + q)) - set(hot[hot >= 0].tolist())) + hot[leave].tolist()
+            hot[leave] = -1
+            for e, slot in zip(enter, free):
+                hot[e] = slot
+                pairs.append((int(self._ram_rows[layer, e]), slot))
+            self._loc_np[layer] = np.where(hot >= 0, hot, -1 - self._ram_rows[layer])
+        if pairs:
+            self.cache.fill(pairs)
 
     def decode_launched(self) -> None:
         """Call once the last prepare's compute is queued (its graph replayed, or launched eagerly): marks its
@@ -349,11 +383,16 @@ class GpuExperts:
             return torch.zeros_like(x)
         self.decode_join()
         loc = self.loc[layer]
+        uncounted, self._uncounted = self._uncounted, False
+        hot = None
+        if self._hot_quota and self.resident == "ram" and not uncounted:  # hot reads: counted, no sync
+            hot = loc.index_select(0, expert_ids[0]) >= 0  # [K]
+            self._hot_hits += hot.sum()
         if self._staged == layer:  # the guesses staged for this layer: read them from VRAM
             self._staged = None
             loc = self.loc_work[layer % 2]
-            found = expert_ids[0][:, None] == self._stage_ids[layer % 2][None, :]  # [K, G], no sync
-            self._stage_counts[1] += found.any(1).sum()
+            found = (expert_ids[0][:, None] == self._stage_ids[layer % 2][None, :]).any(1)  # [K], no sync
+            self._stage_counts[1] += (found if hot is None else found & ~hot).sum()  # hot ones stay put
         # with every block in VRAM for good the kernel takes the launch shape tuned for HBM reads, not the
         # one for reads over the bus (as adopted: a VRAM cache that fills up later does not move the table)
         host = None if self.resident == "vram" else self.host_blocks
@@ -379,14 +418,16 @@ class GpuExperts:
             first,
             self.loc_work[p],
         )
+        # guesses in the hot set are not copied (stage_blocks leaves a block in a slot where it is)
+        copied = (self.loc[nxt].index_select(0, self._stage_ids[p]) < 0).sum() if self._hot_quota else g
         if self._stage_stream is None:  # CPU (interpreter tests): in order on the one stream
             stage_blocks(*args)
-            self._stage_counts[0] += g
+            self._stage_counts[0] += copied
         else:
             self._stage_stream.wait_stream(torch.cuda.current_stream(self.loc.device))
             with torch.cuda.stream(self._stage_stream):
                 stage_blocks(*args)
-                self._stage_counts[0] += g
+                self._stage_counts[0] += copied
             self._forked = True
         self._staged = nxt
 
@@ -429,6 +470,12 @@ class GpuExperts:
         return self.store.request(keys, cache=self._cache_reads)
 
     def _prefill(self, layer, x, expert_ids, weights, counts, experts) -> torch.Tensor:
+        self._route_counts[layer] += counts
+        # every block's RAM row fixed: the passes copy rows, no request or policy step (a VRAM cache that
+        # can hold every block is filled by the passes instead, so that decode reads it from VRAM); adopted
+        # before the passes are formed, whose size then depends on the hot set
+        if not self.resident and self._ram_holds_all and self.cache.n_slots < self.loc.numel():
+            self._adopt_resident()
         # the call's (token, k) pairs sorted by expert once; tiles run in expert order, so a group of
         # consecutive experts is one range of tiles, and a pass launches over that range only
         order = nvfp4_moe.order_pairs(expert_ids, self.num_experts, self.layout, distinct=len(experts))
@@ -441,10 +488,6 @@ class GpuExperts:
         y, work = nvfp4_moe.prefill_buffers(x, self.layout, rows)  # a pass's weighted rows, and h
         total = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # [T, H] routed sum
         weights = weights.float().contiguous()
-        # every block's RAM row fixed: the passes copy rows, no request or policy step (a VRAM cache that
-        # can hold every block is filled by the passes instead, so that decode reads it from VRAM)
-        if not self.resident and self._ram_holds_all and self.cache.n_slots < self.loc.numel():
-            self._adopt_resident()
         # passes of a few experts each may launch in a shape of their own (tuned_configs.json `HxIxpass`)
         key = f"{self.layout.hidden_size}x{self.layout.intermediate_size}xpass"
         launch = tuned_config("nvfp4_prefill", x.device, key) if len(groups) > 1 else None
@@ -473,6 +516,9 @@ class GpuExperts:
         finally:
             for h in (h for hs in pending for h in hs):
                 h.release()
+        if slots is not None and self._hot_quota:  # the layer's hot set follows the routing seen so far
+            self._refresh_hot([layer])
+            self._loc.push(layer)
         return total  # FP32, cast by the caller (layers/experts.py)
 
     def _plan_ram_passes(self, layer: int, groups: list[list[int]]) -> list[list[int]]:
@@ -484,14 +530,16 @@ class GpuExperts:
         slots = [list(range(f, f + len(m))) for f, m in zip(firsts, groups)]
         if self._pass_tables is None:
             self._pass_tables = PassTables(self.num_experts, cache.slots.shape[0], half, cache.device)
-        rows = -1 - self._loc_np[layer]
-        self._pass_tables.plan(groups, slots, rows, self._scales_np[layer], cache.on_copy_stream())
+        self._pass_tables.plan(
+            groups, slots, self._ram_rows[layer], self._scales_np[layer], cache.on_copy_stream()
+        )
         return slots
 
     @property
     def _pass_size(self) -> int:
-        # experts per prompt pass: half the slots (the previous pass's stay protected while its kernels run)
-        return max(1, self.cache.n_slots // 2)
+        # experts per prompt pass: half the slots (the previous pass's stay protected while its kernels run),
+        # or, beside a hot set, half of the slots it leaves (`hot_split`)
+        return self._hot_pass if self.resident == "ram" else max(1, self.cache.n_slots // 2)
 
     def _groups(self, experts: list[int], starts: list[int], bm: int, k: int) -> list[list[int]]:
         """Consecutive experts in passes of at most half the slots (the previous pass's slots stay protected
@@ -514,7 +562,7 @@ class GpuExperts:
         blocks in place (less the routed blocks found staged) and the staged guesses' copies. Reads the
         device's staging hit count when staging ran (stats only, never on the decode path)."""
         staged, hits = self.stage_counts()
-        blocks = self.cache.stats.in_place + self.resident_ram_reads - hits + staged
+        blocks = self.cache.stats.in_place + self.resident_ram_reads - hits - self.hot_hits() + staged
         return blocks * self.layout.block_bytes
 
     def stage_counts(self) -> tuple[int, int]:
@@ -525,6 +573,10 @@ class GpuExperts:
         self.decode_join()  # the last layer's staging (and its count) may still be queued on the side stream
         staged, hits = self._stage_counts.tolist()
         return staged, hits
+
+    def hot_hits(self) -> int:
+        """Routed blocks decode read from the hot set so far (a device read when there is one; stats only)."""
+        return int(self._hot_hits) if self._hot_quota else 0
 
     def close(self) -> None:
         self._mark_launched()

@@ -325,6 +325,18 @@ class VramExpertCache:
         self._join(self._copies_done())
         self.protected, self.last_layer = set(slots), layer
 
+    def fill(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy RAM-cache rows into slots the cache does not manage, [(RAM row, slot)] (a RAM-resident bank's
+        hot set), after everything queued on the current stream so far: kernels that read those slots through
+        an older location table. The current stream waits for the copies."""
+        assert self.host_rows is not None, "fill needs the RAM cache's rows (host_rows)"
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self.on_copy_stream():
+            self._copy_pairs(pairs)
+        self._count(len(pairs))
+        self._join(self._copies_done())
+
     def _forget(self) -> None:
         # every cached block dropped (its slot free again; a kernel still reading it is waited for through
         # slot_events before a copy overwrites it)
