@@ -159,20 +159,27 @@ def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir):
+@pytest.mark.parametrize("cache_blocks", [0, 40])  # 40: a hot set in VRAM beside the staging rows
+def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir, cache_blocks):
     """Every block in RAM and guesses staged on a side stream: the captured side stream joins inside each
-    graph, and graphs give the eager tokens bit for bit."""
+    graph, graphs give the eager tokens bit for bit, and the device counts add up to the bus bytes (a count
+    made on one stream and added on the other had turned them into garbage in graphs)."""
     outs = []
     for eager in (True, False):
         cfg = EngineConfig(model=str(tiny_workdir), device="cuda", max_model_len=512, gpu_memory_gb=4,
                            ram_cache_gb=1, stage_guesses=2, enforce_eager=eager)  # fmt: skip
-        eng = Engine(cfg, vram_cache_blocks=0)
+        eng = Engine(cfg, vram_cache_blocks=cache_blocks)
         wd = eng.workdir
         for h in eng.store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
             h.wait()
             h.release()
         rows, _ = continue_greedy(eng, [3 + i % 50 for i in range(40)], 12)
-        assert eng.bank.resident == "ram" and eng.stats().staged_blocks > 0 and eng.stats().stage_hits > 0
+        s = eng.stats()
+        assert eng.bank.resident == "ram" and s.staged_blocks > 0 and s.stage_hits > 0
+        assert (s.hot_hits > 0) == (cache_blocks > 0) and (eng.bank._hot_quota > 0) == (cache_blocks > 0)
+        assert s.staged_blocks <= 13 * wd.num_layers * 2 and s.stage_hits <= s.staged_blocks
+        in_place = eng.bank.cache.stats.in_place
+        assert s.bus_read_bytes == (in_place + s.resident_ram_reads + s.staged_blocks) * wd.layout.block_bytes
         outs.append(rows)
         eng.close()
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

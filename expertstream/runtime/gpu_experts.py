@@ -418,18 +418,24 @@ class GpuExperts:
             first,
             self.loc_work[p],
         )
-        # guesses in the hot set are not copied (stage_blocks leaves a block in a slot where it is)
-        copied = (self.loc[nxt].index_select(0, self._stage_ids[p]) < 0).sum() if self._hot_quota else g
         if self._stage_stream is None:  # CPU (interpreter tests): in order on the one stream
-            stage_blocks(*args)
-            self._stage_counts[0] += copied
+            self._stage(args, nxt, p)
         else:
             self._stage_stream.wait_stream(torch.cuda.current_stream(self.loc.device))
             with torch.cuda.stream(self._stage_stream):
-                stage_blocks(*args)
-                self._stage_counts[0] += copied
+                self._stage(args, nxt, p)
             self._forked = True
         self._staged = nxt
+
+    def _stage(self, args, nxt: int, p: int) -> None:
+        # the copy and its count on one stream (a count made on the main stream and added here would be
+        # memory the allocator may hand out again while this stream still reads it); guesses in the hot set
+        # are not copied: stage_blocks leaves a block that is in a slot where it is
+        stage_blocks(*args)
+        if self._hot_quota:
+            self._stage_counts[0] += (self.loc[nxt].index_select(0, self._stage_ids[p]) < 0).sum()
+        else:
+            self._stage_counts[0] += self.stage_guesses
 
     def decode_stage_first(self, x: torch.Tensor) -> None:
         """At a token's start (graphable): stage layer 0's guesses, its router on the token's embedding row
