@@ -76,6 +76,29 @@ def graph_ms(calls: list, reps: int = 20) -> float:
     return statistics.median(times) / len(calls)
 
 
+def launch_us(calls: list) -> dict[str, float]:
+    """Each kernel's us per call (by name, largest first) in one replay of `calls` captured as one CUDA
+    graph, from a torch.profiler trace: which launch of a call takes the time."""
+    import torch
+
+    for c in calls:  # compiled and warm outside the capture
+        c()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name] = per.get(ev.name, 0.0) + ev.device_time / len(calls)
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
 def random_bank(num: int, seed: int = 0):
     """num random blocks (every code, positive scales around 2^-2, subnormals included) and their ws2."""
     import torch

@@ -3,28 +3,11 @@ RAM, graph-timed as `bench kernels` does) and each launch's share from a torch.p
 Run with this tree's expertstream/bench_kernels.py (scripts/device_kernels.sh copies it into an older tree).
 """
 
-from collections import defaultdict
-
-import torch
-
-from expertstream.bench_kernels import EXPERTS, decode_calls, graph_ms, random_bank
+from expertstream.bench_kernels import EXPERTS, decode_calls, graph_ms, launch_us, random_bank
 
 layout, slots, ws2 = random_bank(EXPERTS)
 for place in ("vram", "host"):
     calls = decode_calls(layout, slots, ws2, place)
     print(f"decode {place} {1e3 * graph_ms(calls):.1f} us per call")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    per = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name] += ev.device_time / len(calls)
-    for name, us in sorted(per.items(), key=lambda kv: -kv[1]):
+    for name, us in launch_us(calls).items():
         print(f"  {place} {name[:60]:60s} {us:8.1f} us per call")

@@ -27,7 +27,7 @@ no interpreter twin. Usage: python3 scripts/mma_decode_probe.py"""
 
 import torch
 
-from expertstream.bench_kernels import EXPERTS, decode_calls, graph_ms, random_bank, route
+from expertstream.bench_kernels import EXPERTS, decode_calls, graph_ms, launch_us, random_bank, route
 from expertstream.formats.expert_block import ExpertLayout
 from expertstream.kernels import nvfp4_moe
 from expertstream.kernels.codec import (
@@ -451,20 +451,5 @@ for name, fn, cfg in (
     ("read, K over 10 programs", nvfp4_moe_decode_mma, SHAPES[-4]),
     ("read, K over 2 programs", nvfp4_moe_decode_mma, SHAPES[-1]),
 ):
-    calls = decode_calls(layout, slots, ws2, "vram", cfg, fn)
-    graph = torch.cuda.CUDAGraph()
-    for c in calls:
-        c()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    per = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name[:50]] = per.get(ev.name[:50], 0.0) + ev.device_time / len(calls)
-    print(name, {k: round(v, 1) for k, v in sorted(per.items(), key=lambda kv: -kv[1])})
+    shares = launch_us(decode_calls(layout, slots, ws2, "vram", cfg, fn))
+    print(name, {k[:50]: round(v, 1) for k, v in shares.items()})
