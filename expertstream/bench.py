@@ -88,7 +88,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--regimes",
         nargs="+",
         help="decode, prefill: run only these regimes (names as in the table, spaces and commas as _: "
-        "decode: vram, vram_eager, ram, ram_unstaged, disk, disk_24_GiB_VRAM; prefill: vram, ram, "
+        "decode: vram, vram_eager, ram, ram_unstaged, ram_24_GiB_VRAM, disk, disk_24_GiB_VRAM; prefill: "
+        "vram, ram, "
         "disk); default all",
     )
     p.add_argument(
