@@ -15,16 +15,17 @@ column of B is x over one K half, so D[g, 2t] is A row g's product where t // 2 
 bytes, not whole lines) keeps rows g and g + 8 and 64-byte chunks, and takes h as bf16 hi and lo halves
 (h = hi + lo to 16 bits, two mmas a word), which gate+up writes in the B order. Needs sm_89+ and bf16 x.
 
-Measured 2026-12-02 (docs/benchmarks.md, twenty-first session), graph-timed as `bench kernels` times decode,
-k = 10, blocks in HBM: 21.2-22.5 us a call against 22.9-23.5 for the FMA kernels in the same runs (8 runs);
+Measured 2026-12-02 (docs/benchmarks.md, twenty-first session), graph-timed as `bench kernels` times decode, k
+= 10, blocks in HBM: 21.2-22.5 us a call against 22.9-23.5 for the FMA kernels in the same runs (8 runs);
 error against the fp32 twin like the FMA kernels' (bf16 output rounding). The time is not in the maths: with
 gate+up's maths removed (its reads kept, READ_ONLY) a call still took 18.2-20.4 us and gate+up 10.1-10.7 us
 for its 18.4 MB, whether each warp load read half lines or whole lines, with any cache hint (HINT: .nc,
 L1::no_allocate, L2::256B) and in either grid order (a form since removed); with K also split over 2-10
 programs (GSPLIT) gate+up took 8.5-10.3 us. The same gate and up codes read as contiguous 4 KiB pieces
-(`stream_codes`) took 6.2 us. L2 prefetches of a warp's slice (an earlier mapping) made it slower (28.6 us). From pinned host RAM it was
-slower than the FMA kernels (633-737 against 564-569 us). Not built into the engine: ~8 % of a kernel that is
-~1.5 ms of a 48-layer `vram` token, for a second decode kernel family with no interpreter twin.
+(`stream_codes`) took 6.2 us. L2 prefetches of a warp's slice (an earlier mapping) made it slower (28.6 us).
+From pinned host RAM it was slower than the FMA kernels (633-737 against 564-569 us). Not built into the
+engine: ~8 % of a kernel that is ~1.5 ms of a 48-layer `vram` token, for a second decode kernel family with no
+interpreter twin.
 Usage: python3 scripts/mma_decode_probe.py"""
 
 import torch
