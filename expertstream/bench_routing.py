@@ -6,7 +6,9 @@ uniformly and show no locality). A short prompt of the text is fed at once, then
 time (teacher forcing: the decode path on realistic text). A wrapper around the engine's bank records each
 decode call's routed ids and the next-layer guess (`Speculator.guess`, the engine's own). The trace is then
 replayed through `LruPolicy` and `LfuPolicy` (expertstream/store/policy.py, the code the caches run) at
-several cache sizes, with the VRAM cache's constraint: the current and the previous layer's blocks stay.
+several cache sizes, with the VRAM cache's constraint: the current and the previous layer's blocks stay; and
+through a RAM-resident bank's hot set (`most_routed`, the bank's own choice): each layer's most-routed
+experts over the trace's first half, read from VRAM in its second half.
 """
 
 from __future__ import annotations
@@ -17,10 +19,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from expertstream.store.policy import Key, LfuPolicy, LruPolicy
+import numpy as np
+
+from expertstream.store.policy import Key, LfuPolicy, LruPolicy, most_routed
 
 POLICIES: dict[str, Callable[[], LruPolicy | LfuPolicy]] = {"LRU": LruPolicy, "LFU": LfuPolicy}
 SHARES = (0.02, 0.05, 0.10, 0.25, 0.50)  # cache sizes as a share of all L x E blocks
+HOT_SHARES = (
+    0.05,
+    0.10,
+    0.125,
+    0.25,
+)  # hot sets as a share of a layer's experts (12.5 %: 24 GiB, real model)
 PROMPT = 16  # tokens fed as one prompt before tracing starts
 # the full model, for the labelled extrapolation only: 48 MoE layers, top-10, 2,764,800-byte blocks
 REAL_LAYERS, REAL_K, REAL_BLOCK_BYTES = 48, 10, 2_764_800
@@ -118,6 +128,28 @@ def replay(trace: Trace, policy: Callable[[], LruPolicy | LfuPolicy], capacity: 
     return {"hit_rate": hits / requests, "misses_per_token": (requests - hits) / tokens}
 
 
+def hot_set_rates(trace: Trace) -> list[dict]:
+    """A fixed hot set per layer, as a RAM-resident bank keeps one: the `most_routed` q of the layer's E
+    experts by the routing of the trace's first half (the bank counts what it has seen), and the share of
+    the second half's routed blocks found in it, against q / E for routing with no preference."""
+    half = len(trace.routed) // 2
+    counts = np.zeros((trace.num_layers, trace.num_experts), dtype=np.int64)
+    for token in trace.routed[:half]:
+        for layer, experts in enumerate(token):
+            counts[layer, experts] += 1
+    rows = []
+    for share in HOT_SHARES:
+        q = max(1, round(share * trace.num_experts))
+        hot = [set(most_routed(counts[layer], q).tolist()) for layer in range(trace.num_layers)]
+        found = sum(len(hot[layer] & set(experts)) for token in trace.routed[half:] for layer, experts in
+                    enumerate(token))  # fmt: skip
+        routed = (len(trace.routed) - half) * trace.num_layers * trace.k
+        rows.append(
+            {"share": share, "per_layer": q, "hit_rate": found / routed, "uniform": q / trace.num_experts}
+        )
+    return rows
+
+
 GUESS_WIDTHS = (1.0, 1.5, 2.0)  # guess sizes as multiples of K: the engine guesses K
 
 
@@ -163,7 +195,14 @@ def measure(trace: Trace, block_bytes: int) -> list[dict]:
     return rows
 
 
-def tables(trace: Trace, caches: list[dict], guesses: list[dict], counters: dict, block_bytes: int) -> str:
+def tables(
+    trace: Trace,
+    caches: list[dict],
+    hot_sets: list[dict],
+    guesses: list[dict],
+    counters: dict,
+    block_bytes: int,
+) -> str:
     L, E, K = trace.num_layers, trace.num_experts, trace.k
     lines = [
         f"Routing of {len(trace.routed)} teacher-forced decode tokens, {L} layers x {E} experts, top-{K} "
@@ -184,6 +223,17 @@ def tables(trace: Trace, caches: list[dict], guesses: list[dict], counters: dict
         "",
         "Extrapolated column: this model's miss rate x 48 layers x 10 experts x 2,764,800 B, assuming the "
         "full model misses as often at the same cache share (not measured).",
+        "",
+        "| hot set (share of a layer's experts) | experts a layer | routed blocks found in it | with no "
+        "preference |",
+        "|---:|---:|---:|---:|",
+        *(
+            f"| {h['share']:.1%} | {h['per_layer']} | {h['hit_rate']:.1%} | {h['uniform']:.1%} |"
+            for h in hot_sets
+        ),
+        "",
+        "Hot set: each layer's most-routed experts over the first half of the trace, and the second half's "
+        "routed blocks found there (what a RAM-resident bank reads from VRAM instead of over the bus).",
         "",
         "| guessed layer | overlap with the real top-k (used / issued) | all K right "
         + "".join(f"| routed found in top {w:g}K " for w in GUESS_WIDTHS[1:])
@@ -225,8 +275,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     trace, counters = record(workdir, text_path.read_text(encoding="utf-8"), args.tokens)
     block_bytes = Workdir(workdir).layout.block_bytes
-    caches, guesses = measure(trace, block_bytes), guess_accuracy(trace)
-    table = tables(trace, caches, guesses, counters, block_bytes)
+    caches, hot_sets, guesses = measure(trace, block_bytes), hot_set_rates(trace), guess_accuracy(trace)
+    table = tables(trace, caches, hot_sets, guesses, counters, block_bytes)
     payload = {
         "workdir": workdir,
         "text": str(text_path),
@@ -236,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
         "k": trace.k,
         "block_bytes": block_bytes,
         "caches": caches,
+        "hot_sets": hot_sets,
         "guesses": guesses,
         **counters,
         "seconds": time.perf_counter() - t0,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from expertstream import bench
-from expertstream.bench_routing import Trace, guess_accuracy, replay
+from expertstream.bench_routing import Trace, guess_accuracy, hot_set_rates, replay
 from expertstream.runtime.vram_cache import VramExpertCache
 from expertstream.store.cache import BlockCache
 from expertstream.store.policy import LfuPolicy, LruPolicy
@@ -78,6 +78,20 @@ def test_both_caches_keep_the_hot_expert():
     assert ram.get(HOT) is not None and ram.evictions == misses - 4
 
 
+def test_a_hot_set_is_the_first_halfs_most_routed_experts():
+    # 1 layer of 20 experts, top-2, 8 tokens: the first half routes 3 and 7 (3 once more), the second half
+    # 3 with a fresh expert each time. A 1-expert hot set (5 %) holds 3: half the second half's blocks; 2
+    # experts (10 %) hold 3 and 7, which the second half no longer routes: still half
+    routed = [[[3, 7]], [[3, 7]], [[3, 7]], [[3, 1]]] + [[[3, e]] for e in (10, 11, 12, 13)]
+    rows = hot_set_rates(Trace(1, 20, 2, routed, [[[]] for _ in routed]))
+    assert [(r["per_layer"], r["hit_rate"], r["uniform"]) for r in rows[:2]] == [
+        (1, 0.5, 0.05),
+        (2, 0.5, 0.1),
+    ]
+    # 12.5 %: 2 experts (rounded); 25 %: 5, taking 3, 7, 1 and the lowest unrouted ids 0 and 2
+    assert [r["per_layer"] for r in rows[2:]] == [2, 5] and rows[3]["hit_rate"] == 0.5
+
+
 def test_guess_accuracy_per_layer():
     # layer 1's top-4 by its router, seen at layer 0, best first: the top 2 are the engine's guess.
     # token 0: both right in the top 2; token 1: one right in the top 2 (4), the other (5) fourth
@@ -102,8 +116,11 @@ def test_bench_routing_on_the_tiny_model(tiny_workdir, tmp_path, capsys):
     L, K = a["num_layers"], a["k"]
     assert [c["share"] for c in a["caches"]][::2] == [0.02, 0.05, 0.10, 0.25, 0.50]
     assert {c["policy"] for c in a["caches"]} == {"LRU", "LFU"}
+    assert a["hot_sets"] == b["hot_sets"] and [h["share"] for h in a["hot_sets"]] == [0.05, 0.10, 0.125, 0.25]
+    assert all(0 <= h["hit_rate"] <= 1 for h in a["hot_sets"])
     # the trace's guesses are the engine's: its own counters agree with the per-layer overlaps
     assert a["spec_issued"] == 12 * (L - 1) * K
     assert a["spec_used"] == round(sum(g["overlap"] for g in a["guesses"]) * 12 * K)
     md = (tmp_path / "bench.md").read_text()
     assert "### Routing and cache policy" in md and "this CPU box" in md and "| 25% |" in md
+    assert "| hot set (share of a layer's experts) |" in md

@@ -34,6 +34,7 @@ from expertstream.runtime.host_mirror import HostMirror
 from expertstream.runtime.pass_tables import PassTables
 from expertstream.runtime.speculation import Speculator
 from expertstream.runtime.vram_cache import VramExpertCache
+from expertstream.store.policy import most_routed
 
 log = get_logger(__name__)
 
@@ -349,8 +350,7 @@ class GpuExperts:
         first = 2 * self._hot_pass  # the prompt passes take the slots below
         for layer in layers:
             hot = self._hot[layer]
-            counts = self._route_counts[layer]
-            want = np.lexsort((np.arange(counts.size), -counts))[:q]
+            want = most_routed(self._route_counts[layer], q)
             enter = [int(e) for e in want if hot[e] < 0]
             leave = np.setdiff1d(np.nonzero(hot >= 0)[0], want)
             base = first + layer * q

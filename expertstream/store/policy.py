@@ -10,7 +10,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
+import numpy as np
+
 Key = tuple[int, int]  # (layer, expert)
+
+
+def most_routed(counts: np.ndarray, q: int) -> np.ndarray:
+    """The q experts of a layer routed most by `counts` [E] (lower ids first on ties): a RAM-resident bank's
+    hot set (runtime/gpu_experts.py), and `bench routing`'s replay of it."""
+    return np.lexsort((np.arange(counts.size), -counts))[:q]
 
 
 class LruPolicy:
