@@ -180,6 +180,10 @@ class GpuExperts:
         self._hot = np.full((n_layers, self.num_experts), -1, dtype=np.int32)
         self._ram_rows: np.ndarray | None = None
         self._hot_hits = torch.zeros((), dtype=torch.int64, device=dev)  # routed blocks read from the hot set
+        # decode's routing once nothing is read back, counted on the device: [L, E], added to the host's
+        # counts when a prompt refreshes a layer's hot set
+        self._decode_counts = torch.zeros(n_layers, self.num_experts, dtype=torch.int64, device=dev)
+        self._ones = torch.ones(k, dtype=torch.int64, device=dev)
         self._uncounted = False  # the decode call that adopted the RAM rows (its reads were fetches)
 
     def warm_up(self, dtype: torch.dtype) -> None:
@@ -348,6 +352,9 @@ class GpuExperts:
         `loc` points at the new places (uploaded by the caller). Only changed blocks cross the bus."""
         q, pairs = self._hot_quota, []
         first = 2 * self._hot_pass  # the prompt passes take the slots below
+        layers = list(layers)
+        self._route_counts[layers] += self._decode_counts[layers].cpu().numpy()  # a read at a prompt only
+        self._decode_counts[layers] = 0
         for layer in layers:
             hot = self._hot[layer]
             want = most_routed(self._route_counts[layer], q)
@@ -388,6 +395,7 @@ class GpuExperts:
         if self._hot_quota and self.resident == "ram" and not uncounted:  # hot reads: counted, no sync
             hot = loc.index_select(0, expert_ids[0]) >= 0  # [K]
             self._hot_hits += hot.sum()
+            self._decode_counts[layer].index_add_(0, expert_ids[0], self._ones)
         if self._staged == layer:  # the guesses staged for this layer: read them from VRAM
             self._staged = None
             loc = self.loc_work[layer % 2]
