@@ -25,12 +25,8 @@ from expertstream.store.policy import Key, LfuPolicy, LruPolicy, most_routed
 
 POLICIES: dict[str, Callable[[], LruPolicy | LfuPolicy]] = {"LRU": LruPolicy, "LFU": LfuPolicy}
 SHARES = (0.02, 0.05, 0.10, 0.25, 0.50)  # cache sizes as a share of all L x E blocks
-HOT_SHARES = (
-    0.05,
-    0.10,
-    0.125,
-    0.25,
-)  # hot sets as a share of a layer's experts (12.5 %: 24 GiB, real model)
+# hot sets as a share of a layer's experts (12.5 %: the real model's at 24 GiB)
+HOT_SHARES = (0.05, 0.10, 0.125, 0.25)
 PROMPT = 16  # tokens fed as one prompt before tracing starts
 # the full model, for the labelled extrapolation only: 48 MoE layers, top-10, 2,764,800-byte blocks
 REAL_LAYERS, REAL_K, REAL_BLOCK_BYTES = 48, 10, 2_764_800

@@ -288,6 +288,12 @@ def stage_guesses_for(requested: int, k: int, n_slots: int) -> int:
     return g if n_slots - 2 * g >= 2 * k else 0
 
 
+def bank_staging(requested: int, k: int, n_slots: int, speculation_width: float) -> int:
+    """Guesses a bank of n_slots slots stages per layer: `stage_guesses_for`, and no more than it guesses
+    (speculation_width x K; 0 without speculation)."""
+    return min(stage_guesses_for(requested, k, n_slots), round(speculation_width * k))
+
+
 def hot_split(n_slots: int, num_experts: int, k: int, num_layers: int) -> tuple[int, int]:
     """(experts per prompt pass, hot blocks per layer) of a bank whose every block sits in the RAM cache, with
     n_slots VRAM cache slots. Its prompt passes take half the slots, at most two layers' experts and at

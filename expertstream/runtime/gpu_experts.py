@@ -29,7 +29,7 @@ from expertstream.kernels import nvfp4_moe
 from expertstream.kernels.codec import tuned_config
 from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
-from expertstream.memory_plan import hot_split, stage_guesses_for
+from expertstream.memory_plan import bank_staging, hot_split
 from expertstream.runtime.host_mirror import HostMirror
 from expertstream.runtime.pass_tables import PassTables
 from expertstream.runtime.speculation import Speculator
@@ -118,8 +118,7 @@ class GpuExperts:
         self._cache_reads = True
         scales = workdir.expert_scales()[0]  # [L, E, 3] weight_scale_2 (gate, up, down), read once
         self.k = k = workdir.text_config["num_experts_per_tok"]
-        g = stage_guesses_for(stage_guesses, k, n_slots)
-        self.stage_guesses = min(g, round(speculation_width * k)) if speculate else 0  # no more than guessed
+        self.stage_guesses = bank_staging(stage_guesses, k, n_slots, speculation_width if speculate else 0)
         if stage_guesses > 0 and not self.stage_guesses:
             log.warning("stage_guesses %d needs speculation and %d slots; staging off", stage_guesses,
                         2 * (k + stage_guesses))  # fmt: skip
@@ -352,9 +351,6 @@ class GpuExperts:
         `loc` points at the new places (uploaded by the caller). Only changed blocks cross the bus."""
         q, pairs = self._hot_quota, []
         first = 2 * self._hot_pass  # the prompt passes take the slots below
-        layers = list(layers)
-        self._route_counts[layers] += self._decode_counts[layers].cpu().numpy()  # a read at a prompt only
-        self._decode_counts[layers] = 0
         for layer in layers:
             hot = self._hot[layer]
             want = most_routed(self._route_counts[layer], q)
@@ -485,6 +481,10 @@ class GpuExperts:
 
     def _prefill(self, layer, x, expert_ids, weights, counts, experts) -> torch.Tensor:
         self._route_counts[layer] += counts
+        if self._hot_quota and self.resident == "ram":  # decode's routing since the last prompt joins it
+            # (read after the call's own sync on its ids, so the read waits for nothing more)
+            self._route_counts[layer] += self._decode_counts[layer].cpu().numpy()
+            self._decode_counts[layer] = 0
         # every block's RAM row fixed: the passes copy rows, no request or policy step (a VRAM cache that
         # can hold every block is filled by the passes instead, so that decode reads it from VRAM); adopted
         # before the passes are formed, whose size then depends on the hot set
