@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - another Triton layout
 
 from expertstream.kernels import (  # noqa: E402
     conv_update,
+    decode_counts,
     fp8_gemv,
     gdn_decode,
     hyper,
@@ -260,12 +261,31 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                 host_ptr="*u8",
                 slots_ptr="*u8",
                 out_loc_ptr="*i32",
+                count_ptr="*i64",
                 first="i32",
                 block_bytes="i32",
                 steps="i32",
             ),
-            dict(CHUNK=stage_blocks.CHUNK),
+            dict(CHUNK=stage_blocks.CHUNK, COUNT=True),
             4,
+        )
+    )
+    out.append(
+        (
+            "decode counts",
+            decode_counts._counts_kernel,
+            dict(
+                ids_ptr="*i64",
+                loc_ptr="*i32",
+                counts_ptr="*i64",
+                hot_ptr="*i64",
+                staged_ptr="*i64",
+                hits_ptr="*i64",
+                K="i32",
+                G="i32",
+            ),
+            dict(BK=16, BG=4, HOT=True, STAGED=True),
+            1,
         )
     )
     out.append(

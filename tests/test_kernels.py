@@ -781,10 +781,12 @@ def test_stage_blocks_copies_ram_guesses_and_points_the_working_row_at_them(firs
     ids = torch.tensor([4, 2, 0], device=DEV)  # guesses, best first; expert 2 is already in a slot
     slots = torch.zeros(first + 3, b, dtype=torch.uint8, device=DEV)
     want_slots, want_loc = slots.clone(), torch.empty_like(loc)
-    stage_blocks_ref(ids, loc, host, want_slots, first, want_loc)
     out_loc = torch.full_like(loc, 99)
-    stage_blocks(ids, loc, host, slots, first, out_loc)
+    copied, want_copied = torch.full((1,), 5, device=DEV), torch.full((1,), 5, device=DEV)
+    stage_blocks_ref(ids, loc, host, want_slots, first, want_loc, want_copied)
+    stage_blocks(ids, loc, host, slots, first, out_loc, copied=copied)
     assert torch.equal(out_loc, want_loc) and torch.equal(slots, want_slots)
+    assert copied.item() == want_copied.item() == 5 + 2  # counted once a block, whatever the programs
     assert out_loc.tolist() == [first + 2, -5, 1, -3, first, -1]
     assert torch.equal(slots[first].cpu(), host[1]) and torch.equal(slots[first + 2].cpu(), host[5])
     assert not slots[first + 1].any()  # the guess already in VRAM was not copied
@@ -803,6 +805,29 @@ def test_stage_blocks_copies_ram_guesses_and_points_the_working_row_at_them(firs
     direct = nvfp4_moe_decode(x, routed, base, scales, w, layout, vram, ram, config=cfg(8, 2, 4, 2))
     through = nvfp4_moe_decode(x, routed, staged, scales, w, layout, vram, ram, config=cfg(8, 2, 4, 2))
     assert staged.tolist() == [-6, 3, -4, 2, -2, -1] and torch.equal(direct, through)
+
+
+@pytest.mark.parametrize("hot", [False, True])
+@pytest.mark.parametrize("staged", [False, True])
+def test_decode_counts_match_ref(hot, staged):
+    from expertstream.kernels.decode_counts import decode_counts, decode_counts_ref
+
+    # experts 0-9; 2, 5 and 7 in VRAM (the hot set); routed 7, 1, 5, 9, 3; staged 3, 7, 8 (7 is hot)
+    loc = torch.tensor([-1, -2, 4, -3, -4, 0, -5, 9, -6, -7], dtype=torch.int32, device=DEV)
+    ids = torch.tensor([7, 1, 5, 9, 3], device=DEV)
+    guesses = torch.tensor([3, 7, 8], device=DEV)
+    out = []
+    for fn in (decode_counts, decode_counts_ref):
+        counts = torch.arange(10, device=DEV) if hot else None
+        hits, stage_hits = torch.full((), 2, device=DEV), torch.full((1,), 3, device=DEV)
+        g = (guesses, stage_hits) if staged else (None, None)
+        fn(ids, loc, counts, hits if hot else None, *g)
+        out.append((None if counts is None else counts.tolist(), hits.item(), stage_hits.item()))
+    assert out[0] == out[1]
+    counts, hits, stage_hits = out[0]
+    if hot:
+        assert counts == [0, 2, 2, 4, 4, 6, 6, 8, 8, 10] and hits == 2 + 2  # 7 and 5
+    assert stage_hits == 3 + (0 if not staged else 1 if hot else 2)  # 3, and 7 when it is not hot
 
 
 @pytest.mark.parametrize("programs", [2, 32])  # 2: each program loops over several (pair, chunk) steps

@@ -30,7 +30,7 @@ CHUNK = 16384  # bytes per step of a program (128 B per thread at 4 warps)
 PROGRAMS = 32
 
 
-def stage_blocks_ref(ids, loc, host, slots, first: int, out_loc) -> None:
+def stage_blocks_ref(ids, loc, host, slots, first: int, out_loc, copied=None) -> None:
     """Plain-torch twin of `stage_blocks` (same arguments)."""
     out_loc.copy_(loc)
     for g, e in enumerate(ids.tolist()):
@@ -38,6 +38,8 @@ def stage_blocks_ref(ids, loc, host, slots, first: int, out_loc) -> None:
         if c < 0:  # in RAM: copy; an expert already in a slot stays where it is
             slots[first + g].copy_(host[-1 - c])
             out_loc[e] = first + g
+            if copied is not None:
+                copied += 1
 
 
 def _check_rows(host: torch.Tensor, slots: torch.Tensor) -> None:
@@ -53,6 +55,7 @@ def stage_blocks(
     slots: torch.Tensor,
     first: int,
     out_loc: torch.Tensor,
+    copied: torch.Tensor | None = None,
 ) -> None:
     """out_loc = loc, then each guessed expert ids[g] that sits in RAM is copied to slots[first + g] and
     out_loc points there.
@@ -64,8 +67,11 @@ def stage_blocks(
         slots: [S, B] uint8 VRAM rows; rows first .. first + G - 1 are overwritten.
         first: the first staging row.
         out_loc: [E] int32, the working row the next kernel reads (written in place).
+        copied: a [1] int64 count on the device that the blocks copied are added to, or None. Counted in
+            the copy itself, on whatever stream runs it (no launch of its own).
     """
     require_triton(ids, loc, slots, out_loc)
+    assert copied is None or (copied.dtype == torch.int64 and copied.numel() == 1), "copied: one int64"
     g, b = ids.numel(), slots.shape[1]
     assert ids.dim() == 1 and ids.dtype in (torch.int32, torch.int64), f"ids {ids.dtype} {tuple(ids.shape)}"
     assert (
@@ -79,9 +85,11 @@ def stage_blocks(
     out_loc.copy_(loc)
     if g:
         steps = g * cdiv(b, CHUNK)
+        count = out_loc if copied is None else copied  # never written when COUNT is off
         _stage_kernel[(min(PROGRAMS, steps),)](
-            ids, loc, host, slots, out_loc, first, b, steps, CHUNK=CHUNK, num_warps=4
-        )
+            ids, loc, host, slots, out_loc, count, first, b, steps, CHUNK=CHUNK, COUNT=copied is not None,
+            num_warps=4,
+        )  # fmt: skip
 
 
 @jit
@@ -94,8 +102,9 @@ def _copy_chunk(src, dst, part, block_bytes, CHUNK: tl.constexpr):
 
 @jit
 def _stage_kernel(
-    ids_ptr, loc_ptr, host_ptr, slots_ptr, out_loc_ptr, first, block_bytes, steps, CHUNK: tl.constexpr
-):
+    ids_ptr, loc_ptr, host_ptr, slots_ptr, out_loc_ptr, count_ptr, first, block_bytes, steps,
+    CHUNK: tl.constexpr, COUNT: tl.constexpr,
+):  # fmt: skip
     # program p: steps p, p + P, ... of the (guess g, chunk) steps, each one CHUNK of guess g's block,
     # host row -> slot row first + g
     chunks = tl.cdiv(block_bytes, CHUNK)
@@ -109,6 +118,8 @@ def _stage_kernel(
             _copy_chunk(host_ptr + (-1 - c) * block_bytes, dst, part, block_bytes, CHUNK)
             if part == 0:  # read only once the whole kernel is done (the consumer waits for this stream)
                 tl.store(out_loc_ptr + e, (first + g).to(tl.int32))
+                if COUNT:
+                    tl.atomic_add(count_ptr, 1)
 
 
 def copy_rows_ref(pairs, n: int, host, slots) -> None:

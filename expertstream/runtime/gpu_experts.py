@@ -27,6 +27,7 @@ import torch
 from expertstream.formats.expert_block import PROJ
 from expertstream.kernels import nvfp4_moe
 from expertstream.kernels.codec import tuned_config
+from expertstream.kernels.decode_counts import decode_counts
 from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
 from expertstream.memory_plan import bank_staging, hot_split
@@ -182,7 +183,6 @@ class GpuExperts:
         # decode's routing once nothing is read back, counted on the device: [L, E], added to the host's
         # counts when a prompt refreshes a layer's hot set
         self._decode_counts = torch.zeros(n_layers, self.num_experts, dtype=torch.int64, device=dev)
-        self._ones = torch.ones(k, dtype=torch.int64, device=dev)
         self._uncounted = False  # the decode call that adopted the RAM rows (its reads were fetches)
 
     def warm_up(self, dtype: torch.dtype) -> None:
@@ -387,16 +387,17 @@ class GpuExperts:
         self.decode_join()
         loc = self.loc[layer]
         uncounted, self._uncounted = self._uncounted, False
-        hot = None
-        if self._hot_quota and self.resident == "ram" and not uncounted:  # hot reads: counted, no sync
-            hot = loc.index_select(0, expert_ids[0]) >= 0  # [K]
-            self._hot_hits += hot.sum()
-            self._decode_counts[layer].index_add_(0, expert_ids[0], self._ones)
-        if self._staged == layer:  # the guesses staged for this layer: read them from VRAM
+        hot = self._hot_quota and self.resident == "ram" and not uncounted  # routing and hot reads counted
+        staged = self._staged == layer  # the guesses staged for this layer: read them from VRAM
+        if hot or staged:  # one launch, no sync; routed blocks in the hot set are not stage hits
+            decode_counts(
+                expert_ids[0], loc,
+                *((self._decode_counts[layer], self._hot_hits) if hot else (None, None)),
+                *((self._stage_ids[layer % 2], self._stage_counts[1:]) if staged else (None, None)),
+            )  # fmt: skip
+        if staged:
             self._staged = None
             loc = self.loc_work[layer % 2]
-            found = (expert_ids[0][:, None] == self._stage_ids[layer % 2][None, :]).any(1)  # [K], no sync
-            self._stage_counts[1] += (found if hot is None else found & ~hot).sum()  # hot ones stay put
         # with every block in VRAM for good the kernel takes the launch shape tuned for HBM reads, not the
         # one for reads over the bus (as adopted: a VRAM cache that fills up later does not move the table)
         host = None if self.resident == "vram" else self.host_blocks
@@ -414,32 +415,14 @@ class GpuExperts:
         p = nxt % 2
         self._stage_ids[p].copy_(want[k : k + g])
         first = self.cache.n_slots + p * g
-        args = (
-            self._stage_ids[p],
-            self.loc[nxt],
-            self.host_blocks,
-            self.cache.slots,
-            first,
-            self.loc_work[p],
-        )
-        if self._stage_stream is None:  # CPU (interpreter tests): in order on the one stream
-            self._stage(args, nxt, p)
-        else:
-            self._stage_stream.wait_stream(torch.cuda.current_stream(self.loc.device))
-            with torch.cuda.stream(self._stage_stream):
-                self._stage(args, nxt, p)
+        side = self._stage_stream  # None on the CPU (interpreter tests): in order on the one stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.loc.device))
             self._forked = True
+        with torch.cuda.stream(side):  # the copy counts what it copies; hot guesses stay where they are
+            rows = (self.host_blocks, self.cache.slots, first, self.loc_work[p])
+            stage_blocks(self._stage_ids[p], self.loc[nxt], *rows, copied=self._stage_counts[:1])
         self._staged = nxt
-
-    def _stage(self, args, nxt: int, p: int) -> None:
-        # the copy and its count on one stream (a count made on the main stream and added here would be
-        # memory the allocator may hand out again while this stream still reads it); guesses in the hot set
-        # are not copied: stage_blocks leaves a block that is in a slot where it is
-        stage_blocks(*args)
-        if self._hot_quota:
-            self._stage_counts[0] += (self.loc[nxt].index_select(0, self._stage_ids[p]) < 0).sum()
-        else:
-            self._stage_counts[0] += self.stage_guesses
 
     def decode_stage_first(self, x: torch.Tensor) -> None:
         """At a token's start (graphable): stage layer 0's guesses, its router on the token's embedding row
