@@ -25,7 +25,9 @@ programs (GSPLIT) gate+up took 8.5-10.3 us. The same gate and up codes read as c
 (`stream_codes`) took 6.2 us. L2 prefetches of a warp's slice (an earlier mapping) made it slower (28.6 us).
 From pinned host RAM it was slower than the FMA kernels (633-737 against 564-569 us). Not built into the
 engine: ~8 % of a kernel that is ~1.5 ms of a 48-layer `vram` token, for a second decode kernel family with no
-interpreter twin.
+interpreter twin. The twenty-second session found the access pattern not to be the limit either: read-only
+kernels in the FMA kernels' own pattern read gate+up's codes in 6.5 us (`scripts/read_probe.py`); this
+probe's READ_ONLY form still loads x, the scales and h.
 Usage: python3 scripts/mma_decode_probe.py"""
 
 import torch

@@ -1,0 +1,124 @@
+"""Probe (device): how fast the decode kernels' bytes can be read, by access pattern alone (no maths).
+
+The twenty-first session found the decode kernels bound by how they read HBM: gate+up's reads alone took
+10.1-10.7 us a call where the same codes read as contiguous 4 KiB pieces took 6.2 us. This times read-only
+kernels over the same blocks as `bench kernels` (k = 10 routed experts a call, 16 calls a graph, each on
+another route), each program reading R rows of a region:
+- rows: a step loads [R, W] words, W words of each of the R rows (the decode kernels' pattern: block_g
+  groups of 16 codes are W = 2 block_g words);
+- flat: a step loads W contiguous words of the program's R rows, whatever rows they belong to.
+It xors what it reads into one word a program, so no load is dropped. Gate+up reads both regions (rows of
+H/8 words), down one (rows of I/8 words). It also times the shipped kernels with one route for every call,
+so that a call's blocks stay in L2.
+
+Measured 2026-12-02 03:56-04:00 (docs/benchmarks.md, twenty-second session): gate+up's codes in the shipped
+pattern 6.50 us, in flat pieces 6.34 us; down's 4.5-5.7 us; the shipped kernels 24.7 us from HBM and 21.9 us
+with the blocks in L2. The access pattern is not what holds the decode kernels back.
+Usage: python3 scripts/read_probe.py"""
+
+import torch
+
+from expertstream.bench_kernels import (
+    DECODE_SWEEP,
+    EXPERTS,
+    ROTATE,
+    decode_calls,
+    graph_ms,
+    launch_us,
+    random_bank,
+    route,
+)
+from expertstream.kernels import nvfp4_moe_decode
+from expertstream.kernels.codec import cdiv, jit, tl
+from expertstream.kernels.nvfp4_moe import _expert_block
+
+
+@jit
+def _xor(a, b):
+    return a ^ b
+
+
+@jit
+def _read_kernel(
+    ids_ptr, loc_ptr, slots_ptr, out_ptr, block_bytes, off0, off1, ROWS: tl.constexpr, ROW: tl.constexpr,
+    R: tl.constexpr, W: tl.constexpr, NREG: tl.constexpr, FLAT: tl.constexpr,
+):  # fmt: skip
+    # program (k, row block): xor of rows rb R .. rb R + R - 1 (ROW int32 words each) of NREG regions
+    k, rb = tl.program_id(0), tl.program_id(1)
+    blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, slots_ptr, k, block_bytes)
+    if FLAT:
+        acc = tl.zeros([W], tl.int32)
+    else:
+        acc = tl.zeros([R, W], tl.int32)
+    n = rb * R + tl.arange(0, R)
+    for reg in tl.static_range(NREG):
+        base = (blk + (off0 if reg == 0 else off1)).to(tl.pointer_type(tl.int32))
+        if FLAT:
+            span = tl.minimum(R, ROWS - rb * R) * ROW
+            for s in tl.static_range(0, R * ROW, W):
+                i = s + tl.arange(0, W)
+                acc ^= tl.load(base + rb * R * ROW + i, mask=i < span, other=0)
+        else:
+            for s in tl.static_range(0, ROW, W):
+                c = s + tl.arange(0, W)
+                m = (n < ROWS)[:, None] & (c < ROW)[None, :]
+                acc ^= tl.load(base + n[:, None] * ROW + c[None, :], mask=m, other=0)
+    tl.store(out_ptr + k * tl.num_programs(1) + rb, tl.reduce(tl.reshape(acc, [acc.numel]), 0, _xor))
+
+
+def read_calls(layout, slots, region: str, r: int, w: int, flat: bool, warps: int) -> list:
+    ids, _ = route(ROTATE)
+    loc = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
+    if region == "gate+up":
+        rows, row = layout.intermediate_size, layout.hidden_size // 8
+        offs, nreg = (layout.part("gate_proj.weight").offset, layout.part("up_proj.weight").offset), 2
+    else:
+        rows, row = layout.hidden_size, layout.intermediate_size // 8
+        offs, nreg = (layout.part("down_proj.weight").offset,) * 2, 1
+    out = torch.empty(ids.shape[1], cdiv(rows, r), dtype=torch.int32, device="cuda")
+
+    def call(i):
+        _read_kernel[(ids.shape[1], cdiv(rows, r))](
+            ids[i], loc, slots, out, layout.block_bytes, *offs, ROWS=rows, ROW=row, R=r, W=w, NREG=nreg,
+            FLAT=flat, num_warps=warps,
+        )  # fmt: skip
+
+    return [lambda i=i: call(i) for i in range(ROTATE)]
+
+
+def main() -> None:
+    layout, slots, ws2 = random_bank(EXPERTS)
+    codes = {"gate+up": 2 * layout.part("gate_proj.weight").nbytes}
+    codes["down"] = layout.part("down_proj.weight").nbytes
+    shipped = decode_calls(layout, slots, ws2, "vram")
+    per = {k.split("(")[0][-24:]: round(1e3 * v, 1) for k, v in launch_us(shipped).items()}
+    print(f"decode kernels as shipped: graph {1e3 * graph_ms(shipped):.1f} us a call", per)
+    # the same kernels with one route for every call: its 27.6 MB stay in L2, so what is left is the maths
+    ids, w = route(1)
+    x = torch.randn(layout.hidden_size, dtype=torch.bfloat16, device="cuda")
+    loc = torch.arange(EXPERTS, dtype=torch.int32, device="cuda")
+    for cfg in [None, *DECODE_SWEEP[:4]]:
+        calls = [lambda c=cfg: nvfp4_moe_decode(x, ids[0], loc, ws2, w[0], layout, slots, config=c)] * ROTATE
+        per = {k.split("(")[0][-24:]: round(1e3 * v, 1) for k, v in launch_us(calls).items()}
+        print(f"L2-resident {cfg or 'tuned'}: graph {1e3 * graph_ms(calls):.1f} us", per)
+    shapes = {
+        "gate+up": [(4, 32, False, 2), (4, 64, False, 2), (4, 128, False, 2), (4, 512, False, 2),
+                    (4, 256, True, 2), (4, 256, True, 4), (4, 1024, True, 4), (8, 64, False, 4),
+                    (8, 256, True, 4), (2, 64, False, 1), (2, 128, False, 2), (1, 128, False, 1),
+                    (16, 256, True, 4), (16, 512, True, 8), (32, 1024, True, 8)],
+        "down": [(16, 8, False, 2), (16, 16, False, 2), (16, 32, False, 2), (16, 128, False, 2),
+                 (16, 256, True, 2), (16, 256, True, 4), (32, 256, True, 4), (32, 512, True, 4),
+                 (64, 1024, True, 8), (8, 128, False, 2), (16, 128, False, 4)],
+    }  # fmt: skip
+    for region, cases in shapes.items():
+        for r, w, flat, warps in cases:
+            us = 1e3 * graph_ms(read_calls(layout, slots, region, r, w, flat, warps))
+            mb = codes[region] * 10 / 1e6
+            print(
+                f"{region:8s} R={r:3d} W={w:5d} {'flat' if flat else 'rows'} warps={warps}: {us:6.2f} us"
+                f"  {mb / us:5.2f} TB/s ({mb:.1f} MB)"
+            )
+
+
+if __name__ == "__main__":
+    main()
