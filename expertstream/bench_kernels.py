@@ -7,6 +7,8 @@ one CUDA graph (`graph_ms`), each on other blocks or weight copies so that they 
 decode row shows what Python's launches add. Prefill: one call per graph (its pairs sorted before the
 capture), and one engine pass. Staging: triton.testing.do_bench (median, L2 cleared before every call).
 Roofline time = max(bytes / bandwidth, FLOP / tensor-core rate); efficiency = roofline time / measured.
+Read floor: the decode and FP8 rows' weight bytes read alone (`stream_read`, 4 KiB pieces) in the same
+harness: what the memory takes at that size, launch and tail included, beside what the kernel takes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Row:
     pct_hbm: float  # of the measured copy bandwidth
     pct_roofline: float
     goal: str
+    floor_us: float | None = None  # the same weight bytes read alone (stream_read), same harness
 
 
 def measure_ceilings(do_bench) -> tuple[float, float]:
@@ -222,15 +225,25 @@ def prefill_calls(layout, slots, ws2, tokens: int, config: dict | None = None, d
     return [lambda: nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, order=order)], ids
 
 
-def fp8_calls(n: int, k: int, m: int, config: dict | None = None, copies: int = 8) -> list:
-    """`copies` fp8_rows_matmul calls of [m, k] x [n, k]^T, each on its own copy of the weight (8 x 26 MB
-    for the largest DeltaNet matrix is past L2)."""
+def fp8_weights(n: int, k: int, copies: int = 8) -> list:
+    """`copies` random [n, k] E4M3 weights on the GPU (8 x 26 MB, for the largest DeltaNet matrix, is past
+    L2)."""
+    import torch
+
+    return [torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+            for _ in range(copies)]  # fmt: skip
+
+
+def fp8_calls(
+    n: int, k: int, m: int, config: dict | None = None, copies: int = 8, weights: list | None = None
+) -> list:
+    """fp8_rows_matmul calls of [m, k] x [n, k]^T, each on its own copy of the weight (`weights`, else
+    `copies` new ones from fp8_weights)."""
     import torch
 
     from expertstream.kernels import fp8_rows_matmul
 
-    qs = [torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
-          for _ in range(copies)]  # fmt: skip
+    qs = weights or fp8_weights(n, k, copies)
     scale = torch.rand(n, device="cuda")
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     return [lambda q=q: fp8_rows_matmul(x, q, scale, config=config) for q in qs]
@@ -245,10 +258,18 @@ def route(t: int, num_experts: int = EXPERTS, k: int = TOPK, seed: int = 0, devi
     return ids, probs / probs.sum(dim=1, keepdim=True)
 
 
-def _row(kernel, shape, ms, nbytes, flop, bw, tf, goal) -> Row:
+def _row(kernel, shape, ms, nbytes, flop, bw, tf, goal, floor_ms: float | None = None) -> Row:
     roof = max(nbytes / (bw * 1e6), flop / (tf * 1e9))  # ms
     return Row(kernel, shape, ms * 1e3, nbytes / ms / 1e6, flop / ms / 1e9, 100 * nbytes / ms / 1e6 / bw,
-               100 * roof / ms, goal)  # fmt: skip
+               100 * roof / ms, goal, None if floor_ms is None else floor_ms * 1e3)  # fmt: skip
+
+
+def read_floor_calls(rows_of_calls: list, nbytes: int) -> list:
+    """stream_read calls reading, for each (rows [R, B] uint8, ids [n]) pair, nbytes of each listed row:
+    the floor under calls that read those bytes."""
+    from expertstream.kernels.stream_read import stream_read
+
+    return [lambda r=r, i=i: stream_read(r, i, nbytes) for r, i in rows_of_calls]
 
 
 def run_benchmarks() -> tuple[list[Row], dict]:
@@ -269,12 +290,13 @@ def run_benchmarks() -> tuple[list[Row], dict]:
     nbytes = TOPK * (payload + 12) + 2 * 2 * HIDDEN  # blocks, ws2, x in and y out
     for place, label in (("vram", f"k={TOPK}"), ("host", f"k={TOPK}, in host RAM")):
         calls = decode_calls(layout, slots, ws2, place)
-        ms = graph_ms(calls)
-        if place == "vram":
+        ms, floor = graph_ms(calls), None
+        if place == "vram":  # the routed blocks of decode_calls' routes (expert i in slot i), read alone
             goal = ">= 50% HBM"
+            floor = graph_ms(read_floor_calls([(slots, ids) for ids in route(ROTATE)[0]], payload))
         else:  # the engine's RAM-cache path: blocks read over the bus
             goal = f"{100 * nbytes / ms / 1e6 / h2d:.0f}% of H2D copy ({h2d:.1f} GB/s)"
-        rows.append(_row("nvfp4_moe_decode", label, ms, nbytes, TOPK * flop_per_pair, bw, tf, goal))
+        rows.append(_row("nvfp4_moe_decode", label, ms, nbytes, TOPK * flop_per_pair, bw, tf, goal, floor))
     # the same VRAM call launched from Python one at a time (do_bench): what launch overhead adds
     ms = do_bench(decode_calls(layout, slots, ws2, "vram")[0])
     rows.append(_row("nvfp4_moe_decode", f"k={TOPK}, eager", ms, nbytes, TOPK * flop_per_pair, bw, tf, "-"))
@@ -313,14 +335,16 @@ def run_benchmarks() -> tuple[list[Row], dict]:
     shape = f"T={PASS_TOKENS}, {PASS_EXPERTS} of {EXPERTS} experts (a pass)"
     rows.append(_row("prefill pass (rows + combine)", shape, ms, nbytes, pairs * flop_per_pair, bw, tf, "-"))
 
+    first = torch.zeros(1, dtype=torch.int64, device="cuda")
     for n, k in FP8_SHAPES:
+        qs = fp8_weights(n, k)
+        floor = graph_ms(read_floor_calls([(q.view(torch.uint8).view(1, -1), first) for q in qs], n * k))
         for m in FP8_M:
-            ms = graph_ms(fp8_calls(n, k, m))
+            ms = graph_ms(fp8_calls(n, k, m, weights=qs))
             nbytes = n * k + 4 * n + 2 * m * (k + n)
             goal = ">= 70% HBM" if m == 1 else "-"
-            rows.append(
-                _row("fp8_rows_matmul", f"M={m} N={n} K={k}", ms, nbytes, 2 * m * n * k, bw, tf, goal)
-            )
+            shape = f"M={m} N={n} K={k}"
+            rows.append(_row("fp8_rows_matmul", shape, ms, nbytes, 2 * m * n * k, bw, tf, goal, floor))
     # one GatedDeltaNet decode step, real heads: the kernel against its torch twin (~33 launches)
     from expertstream.kernels import gdn_step, gdn_step_ref
 
@@ -353,12 +377,12 @@ def table(rows: list[Row], device: dict) -> str:
     head = (
         f"Measured ceilings: copy {device['copy_gbps']:.0f} GB/s, "
         f"dense BF16 matmul {device['bf16_tflops']:.0f} TFLOP/s.\n\n"
-        "| kernel | shape | us/call | GB/s | % HBM | TFLOP/s | % roofline | goal |\n"
-        "|---|---|---:|---:|---:|---:|---:|---|\n"
+        "| kernel | shape | us/call | GB/s | % HBM | TFLOP/s | % roofline | read floor us | goal |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---|\n"
     )
     body = "".join(
         f"| {r.kernel} | {r.shape} | {r.us:.1f} | {r.gbps:.0f} | {r.pct_hbm:.0f} | {r.tflops:.1f} | "
-        f"{r.pct_roofline:.0f} | {r.goal} |\n"
+        f"{r.pct_roofline:.0f} | {'-' if r.floor_us is None else f'{r.floor_us:.1f}'} | {r.goal} |\n"
         for r in rows
     )
     return head + body

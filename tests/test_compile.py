@@ -26,6 +26,7 @@ from expertstream.kernels import (  # noqa: E402
     rms_norm,
     router,
     stage_blocks,
+    stream_read,
 )
 
 H, I, K = 2560, 640, 10  # hidden, expert width, experts per token of the real model
@@ -267,6 +268,15 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                 steps="i32",
             ),
             dict(CHUNK=stage_blocks.CHUNK, COUNT=True),
+            4,
+        )
+    )
+    out.append(
+        (
+            "stream read",
+            stream_read._read_kernel,
+            dict(rows_ptr="*u8", ids_ptr="*i64", out_ptr="*i32", row_words="i32", n_words="i32"),
+            dict(W=stream_read.PIECE // 4),
             4,
         )
     )

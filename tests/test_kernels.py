@@ -807,6 +807,35 @@ def test_stage_blocks_copies_ram_guesses_and_points_the_working_row_at_them(firs
     assert staged.tolist() == [-6, 3, -4, 2, -2, -1] and torch.equal(direct, through)
 
 
+@pytest.mark.parametrize("nbytes", [4, 4096, 3 * 4096 + 20])  # one word, one piece, a partial last piece
+def test_stream_read_xors_each_piece_of_the_rows_it_is_given(nbytes):
+    from expertstream.kernels.stream_read import PIECE, stream_read, stream_read_ref
+
+    g = torch.Generator().manual_seed(nbytes)
+    rows = torch.randint(0, 256, (5, 4 * 4096), dtype=torch.uint8, generator=g).to(DEV)
+    ids = torch.tensor([3, 0, 3], device=DEV)
+    got = stream_read(rows, ids, nbytes)
+    assert got.shape == (3, -(-nbytes // PIECE)) and torch.equal(got, stream_read_ref(rows, ids, nbytes))
+    words = rows[3, :nbytes].cpu().view(torch.int32)
+    first = words[: PIECE // 4]
+    want = first[0].item()
+    for v in first[1:].tolist():
+        want ^= v
+    assert got[0, 0].item() == want and torch.equal(got[0], got[2])
+
+
+def test_kernel_table_shows_the_read_floor_where_there_is_one():
+    from expertstream.bench_kernels import Row, table
+
+    rows = [
+        Row("nvfp4_moe_decode", "k=10", 24.7, 1100, 0.1, 26, 26, ">= 50% HBM", 11.25),
+        Row("gdn", "s", 5, 1, 0, 1, 1, "-"),
+    ]
+    text = table(rows, {"copy_gbps": 4244.0, "bf16_tflops": 683.0}).splitlines()
+    assert "read floor us" in text[2]
+    assert text[4].split("|")[8].strip() == "11.2" and text[5].split("|")[8].strip() == "-"
+
+
 @pytest.mark.parametrize("hot", [False, True])
 @pytest.mark.parametrize("staged", [False, True])
 def test_decode_counts_match_ref(hot, staged):
