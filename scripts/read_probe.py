@@ -9,7 +9,10 @@ another route), each program reading R rows of a region:
 - flat: a step loads W contiguous words of the program's R rows, whatever rows they belong to.
 It xors what it reads into one word a program, so no load is dropped. Gate+up reads both regions (rows of
 H/8 words), down one (rows of I/8 words). It also times the shipped kernels with one route for every call,
-so that a call's blocks stay in L2.
+so that a call's blocks stay in L2, and gate+up at its tuned shape with its parts added back one at a time
+and no maths (codes; + block scales; + x split into columns and broadcast over the rows, 85 barriers a
+program as in the kernel): where the time above the reads goes. That last part was added at the end of the
+twenty-second session and has not run on a GPU yet.
 
 Measured 2026-12-02 03:56-04:00 (docs/benchmarks.md, twenty-second session): gate+up's codes in the shipped
 pattern 6.50 us, in flat pieces 6.34 us; down's 4.5-5.7 us; the shipped kernels 24.7 us from HBM and 21.9 us
@@ -29,8 +32,8 @@ from expertstream.bench_kernels import (
     route,
 )
 from expertstream.kernels import nvfp4_moe_decode
-from expertstream.kernels.codec import cdiv, jit, tl
-from expertstream.kernels.nvfp4_moe import _expert_block
+from expertstream.kernels.codec import cdiv, e4m3_f16, jit, tl
+from expertstream.kernels.nvfp4_moe import _expert_block, _x_octets
 
 
 @jit
@@ -64,6 +67,73 @@ def _read_kernel(
                 m = (n < ROWS)[:, None] & (c < ROW)[None, :]
                 acc ^= tl.load(base + n[:, None] * ROW + c[None, :], mask=m, other=0)
     tl.store(out_ptr + k * tl.num_programs(1) + rb, tl.reduce(tl.reshape(acc, [acc.numel]), 0, _xor))
+
+
+@jit
+def _ablate_kernel(
+    x_ptr, ids_ptr, loc_ptr, slots_ptr, out_ptr, block_bytes, gw_off, uw_off, gs_off, us_off, H: tl.constexpr,
+    I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SCALES: tl.constexpr, X: tl.constexpr,
+):  # fmt: skip
+    # gate+up's program (k, n block) with its steps' parts added back one at a time and no maths: the
+    # codes (xored), the block scales (decoded and added), x (split into its eight columns and each
+    # broadcast over the rows, as the kernel's products take it)
+    k, nb = tl.program_id(0), tl.program_id(1)
+    blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, slots_ptr, k, block_bytes)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    acc = tl.zeros([BLOCK_N, 2 * BLOCK_G], tl.int32)
+    facc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    xacc = tl.zeros([BLOCK_N, 2 * BLOCK_G], tl.float32)
+    for g0 in tl.static_range(0, H // 16, BLOCK_G):
+        a, s = _ablate_part(blk, gw_off, gs_off, n, g0, H // 16, nmask, BLOCK_G, SCALES)
+        acc ^= a
+        facc += s
+        a, s = _ablate_part(blk, uw_off, us_off, n, g0, H // 16, nmask, BLOCK_G, SCALES)
+        acc ^= a
+        facc += s
+        if X:
+            xs = _x_octets(x_ptr, 2 * g0, H // 8, 2 * BLOCK_G)
+            xacc += xs[0][None, :] + xs[1][None, :] + xs[2][None, :] + xs[3][None, :]
+            xacc += xs[4][None, :] + xs[5][None, :] + xs[6][None, :] + xs[7][None, :]
+    bits = tl.reduce(tl.reshape(acc, [acc.numel]), 0, _xor).to(tl.float32)
+    tl.store(
+        out_ptr + k * tl.num_programs(1) + nb, bits + tl.sum(tl.sum(facc, 1), 0) + tl.sum(tl.sum(xacc, 1), 0)
+    )
+
+
+@jit
+def _ablate_part(blk, w_off, s_off, n, g0, row_groups, nmask, BLOCK_G: tl.constexpr, SCALES: tl.constexpr):
+    # one step's code words [BN, 2 BG] (as the kernel loads them) and, with SCALES, its decoded scales
+    wi = 2 * g0 + tl.arange(0, 2 * BLOCK_G)
+    m = nmask[:, None] & (wi < 2 * row_groups)[None, :]
+    words = (blk + w_off).to(tl.pointer_type(tl.int32))
+    w = tl.load(words + n[:, None] * (2 * row_groups) + wi[None, :], mask=m, other=0)
+    s = tl.zeros([n.shape[0], BLOCK_G], tl.float32)
+    if SCALES:
+        gg = g0 + tl.arange(0, BLOCK_G)
+        m2 = nmask[:, None] & (gg < row_groups)[None, :]
+        s = e4m3_f16(tl.load(blk + s_off + n[:, None] * row_groups + gg[None, :], mask=m2, other=0)).to(
+            tl.float32
+        )
+    return w, s
+
+
+def ablate_calls(layout, slots, scales: bool, xcols: bool, block_n: int = 4, block_g: int = 16) -> list:
+    ids, _ = route(ROTATE)
+    loc = torch.arange(EXPERTS, dtype=torch.int32, device=slots.device)
+    x = torch.randn(layout.hidden_size, dtype=torch.bfloat16, device=slots.device)
+    i_size = layout.intermediate_size
+    out = torch.empty(ids.shape[1], cdiv(i_size, block_n), dtype=torch.float32, device=slots.device)
+    offs = [layout.part(p).offset for p in ("gate_proj.weight", "up_proj.weight")]
+    offs += [layout.part(p).offset for p in ("gate_proj.weight_scale", "up_proj.weight_scale")]
+
+    def call(i):
+        _ablate_kernel[(ids.shape[1], cdiv(i_size, block_n))](
+            x, ids[i], loc, slots, out, layout.block_bytes, *offs, H=layout.hidden_size, I=i_size,
+            BLOCK_N=block_n, BLOCK_G=block_g, SCALES=scales, X=xcols, num_warps=2,
+        )  # fmt: skip
+
+    return [lambda i=i: call(i) for i in range(ROTATE)]
 
 
 def read_calls(layout, slots, region: str, r: int, w: int, flat: bool, warps: int) -> list:
@@ -101,6 +171,10 @@ def main() -> None:
         calls = [lambda c=cfg: nvfp4_moe_decode(x, ids[0], loc, ws2, w[0], layout, slots, config=c)] * ROTATE
         per = {k.split("(")[0][-24:]: round(1e3 * v, 1) for k, v in launch_us(calls).items()}
         print(f"L2-resident {cfg or 'tuned'}: graph {1e3 * graph_ms(calls):.1f} us", per)
+    # gate+up at the tuned shape (4 rows, 16 groups a step, 2 warps), its parts added back one at a time
+    for scales, xcols in ((False, False), (True, False), (True, True)):
+        us = 1e3 * graph_ms(ablate_calls(layout, slots, scales, xcols))
+        print(f"gate+up codes{' + scales' if scales else ''}{' + x columns' if xcols else ''}: {us:.2f} us")
     shapes = {
         "gate+up": [(4, 32, False, 2), (4, 64, False, 2), (4, 128, False, 2), (4, 512, False, 2),
                     (4, 256, True, 2), (4, 256, True, 4), (4, 1024, True, 4), (8, 64, False, 4),
