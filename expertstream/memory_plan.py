@@ -288,10 +288,15 @@ def stage_guesses_for(requested: int, k: int, n_slots: int) -> int:
     return g if n_slots - 2 * g >= 2 * k else 0
 
 
-def bank_staging(requested: int, k: int, n_slots: int, speculation_width: float) -> int:
-    """Guesses a bank of n_slots slots stages per layer: `stage_guesses_for`, and no more than it guesses
-    (speculation_width x K; 0 without speculation)."""
-    return min(stage_guesses_for(requested, k, n_slots), round(speculation_width * k))
+def bank_slots(
+    requested: int, k: int, n_slots: int, speculation_width: float, num_experts: int, num_layers: int
+) -> tuple[int, int, int]:
+    """How a decode bank uses its n_slots VRAM slots: (G guesses staged a layer, experts per prompt pass and
+    hot blocks a layer once every block sits in RAM). G is `stage_guesses_for`, no more than the bank
+    guesses (speculation_width x K; 0 without speculation); two layers' G staging rows come off the top, and
+    `hot_split` shares the cache slots left."""
+    g = min(stage_guesses_for(requested, k, n_slots), round(speculation_width * k))
+    return (g, *hot_split(n_slots - 2 * g, num_experts, k, num_layers))
 
 
 def hot_split(n_slots: int, num_experts: int, k: int, num_layers: int) -> tuple[int, int]:

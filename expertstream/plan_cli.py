@@ -14,14 +14,7 @@ import os
 from dataclasses import dataclass
 
 from expertstream.config import EngineConfig
-from expertstream.memory_plan import (
-    GiB,
-    MemoryPlan,
-    MemoryPlanError,
-    bank_staging,
-    gpu_budget,
-    hot_split,
-)
+from expertstream.memory_plan import GiB, MemoryPlan, MemoryPlanError, bank_slots, gpu_budget
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -192,8 +185,8 @@ def main(args: argparse.Namespace) -> int:
     k = wd.text_config["num_experts_per_tok"]
     # the bank's cache slots as the engine sizes them: the plan's three banks and its cache, less staging
     n_slots = plan.slots // wd.layout.block_bytes + plan.vram_cache_blocks
-    staged = bank_staging(cfg.stage_guesses, k, n_slots, 0 if cfg.no_speculation else cfg.speculation_width)
-    hot = hot_split(n_slots - 2 * staged, wd.num_experts, k, wd.num_layers)[1] * wd.num_layers
+    width = 0 if cfg.no_speculation else cfg.speculation_width
+    hot = bank_slots(cfg.stage_guesses, k, n_slots, width, wd.num_experts, wd.num_layers)[2] * wd.num_layers
     tb = token_bytes(wd.num_layers, wd.num_experts, k, wd.layout.block_bytes, plan.vram_cache_blocks,
                      cfg.ram_cache_gb, hot)  # fmt: skip
     disk, pcie = _rates(args, wd, cfg)

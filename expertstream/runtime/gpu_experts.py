@@ -8,7 +8,7 @@ their disk reads early). Once every block has a fixed place (all in RAM, or all 
 and decode runs without reading anything back (docs/runtime.md). With every block in RAM, `stage_guesses`
 G copies layer L+1's G best guesses into VRAM rows on a side stream while the rest of layer L and L+1's
 attention run (the bus idles then); L+1's kernel reads those from VRAM through a working location row. Where
-the VRAM cache is larger than the prompt passes need (`hot_split`), half of it holds a hot set instead: each
+the VRAM cache is larger than the prompt passes need (`bank_slots`), half of it holds a hot set instead: each
 layer's most-routed blocks, read from VRAM by decode, refreshed after each prompt's layer.
 Prefill: the call's (token, k) pairs are sorted by expert into tiles once; its distinct experts run in passes
 of consecutive experts that fit the slots, each launched over its own tiles, and every pass's rows are added
@@ -30,7 +30,7 @@ from expertstream.kernels.codec import tuned_config
 from expertstream.kernels.decode_counts import decode_counts
 from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
-from expertstream.memory_plan import bank_staging, hot_split
+from expertstream.memory_plan import bank_slots
 from expertstream.runtime.host_mirror import HostMirror
 from expertstream.runtime.pass_tables import PassTables
 from expertstream.runtime.speculation import Speculator
@@ -119,7 +119,11 @@ class GpuExperts:
         self._cache_reads = True
         scales = workdir.expert_scales()[0]  # [L, E, 3] weight_scale_2 (gate, up, down), read once
         self.k = k = workdir.text_config["num_experts_per_tok"]
-        self.stage_guesses = bank_staging(stage_guesses, k, n_slots, speculation_width if speculate else 0)
+        # staged guesses a layer; experts per prompt pass and hot blocks a layer of a RAM-resident bank
+        n_layers = workdir.num_layers
+        self.stage_guesses, self._hot_pass, self._hot_quota = bank_slots(
+            stage_guesses, k, n_slots, speculation_width if speculate else 0, self.num_experts, n_layers
+        )
         if stage_guesses > 0 and not self.stage_guesses:
             log.warning("stage_guesses %d needs speculation and %d slots; staging off", stage_guesses,
                         2 * (k + stage_guesses))  # fmt: skip
@@ -171,11 +175,9 @@ class GpuExperts:
         self._stage_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and self.stage_guesses else None
         self._staged: int | None = None  # the layer whose working row holds staged guesses
         self._forked = False  # staging queued on the side stream and not yet joined
-        # the hot set of a RAM-resident bank: experts per prompt pass and hot blocks per layer (hot_split);
-        # routed (token, expert) pairs seen per layer (prompts, and decode while it reads ids back) choose
-        # them. `_hot` [L, E]: an expert's hot slot or -1; `_ram_rows` [L, E]: every block's RAM row
-        n_layers = workdir.num_layers
-        self._hot_pass, self._hot_quota = hot_split(self.cache.n_slots, self.num_experts, k, n_layers)
+        # the hot set of a RAM-resident bank (`bank_slots`): routed (token, expert) pairs seen per layer
+        # (prompts, and decode while it reads ids back) choose it. `_hot` [L, E]: an expert's hot slot or -1;
+        # `_ram_rows` [L, E]: every block's RAM row
         self._route_counts = np.zeros((n_layers, self.num_experts), dtype=np.int64)
         self._hot = np.full((n_layers, self.num_experts), -1, dtype=np.int32)
         self._ram_rows: np.ndarray | None = None
@@ -535,7 +537,7 @@ class GpuExperts:
     @property
     def _pass_size(self) -> int:
         # experts per prompt pass: half the slots (the previous pass's stay protected while its kernels run),
-        # or, beside a hot set, half of the slots it leaves (`hot_split`)
+        # or, beside a hot set, half of the slots it leaves (`bank_slots`)
         return self._hot_pass if self.resident == "ram" else max(1, self.cache.n_slots // 2)
 
     def _groups(self, experts: list[int], starts: list[int], bm: int, k: int) -> list[list[int]]:
