@@ -18,9 +18,12 @@ from dataclasses import asdict, dataclass
 HIDDEN, INTER, TOPK, EXPERTS = 2560, 640, 10, 512
 FP8_SHAPES = ((10240, 2560), (6144, 2560), (2560, 6144))  # in_proj_qkv, in_proj_z, out_proj
 FP8_M = (1, 4, 64)
+# the model's in_proj: the qkv and z rows, both FP8, are one GEMV
+FP8_IN_PROJ = (FP8_SHAPES[0][0] + FP8_SHAPES[1][0], FP8_SHAPES[0][1])
 PREFILL_T = (32, 512, 2451, 8192)
 PREFILL_HOST_T = 2451  # a prompt whose tiles read each block about once: the case for reading RAM in place
 GDN_HEADS = (16, 48, 128, 128)  # key heads, value heads, Dk, Dv
+HC_STREAMS = 4  # hyper-connection streams
 
 
 @dataclass(slots=True)
@@ -335,12 +338,17 @@ def run_benchmarks() -> tuple[list[Row], dict]:
     shape = f"T={PASS_TOKENS}, {PASS_EXPERTS} of {EXPERTS} experts (a pass)"
     rows.append(_row("prefill pass (rows + combine)", shape, ms, nbytes, pairs * flop_per_pair, bw, tf, "-"))
 
+    from expertstream.kernels.fp8_gemv import fp8_config
+
     first = torch.zeros(1, dtype=torch.int64, device="cuda")
     for n, k in FP8_SHAPES:
         qs = fp8_weights(n, k)
         floor = graph_ms(read_floor_calls([(q.view(torch.uint8).view(1, -1), first) for q in qs], n * k))
         for m in FP8_M:
-            ms = graph_ms(fp8_calls(n, k, m, weights=qs))
+            # M = 1 alone: no dependent launch, whose weight prefetch would overlap the call before (the
+            # model's sequences below show what it gains there)
+            cfg = {**fp8_config(1, n, k, torch.device("cuda")), "pdl": False} if m == 1 else None
+            ms = graph_ms(fp8_calls(n, k, m, cfg, weights=qs))
             nbytes = n * k + 4 * n + 2 * m * (k + n)
             goal = ">= 70% HBM" if m == 1 else "-"
             shape = f"M={m} N={n} K={k}"
@@ -353,8 +361,54 @@ def run_benchmarks() -> tuple[list[Row], dict]:
     for name, fn in (("gdn_step", gdn_step), ("gdn_step_ref (torch)", gdn_step_ref)):
         ms = do_bench(lambda: fn(*step, num_k_heads=GDN_HEADS[0], eps=1e-6, gate="silu"))  # noqa: B023
         rows.append(_row(name, "Hv=48 Dk=Dv=128", ms, nbytes, 0, bw, tf, "-"))
+    # the model's two GEMVs after the kernels before them, which let them start early: their weights stream
+    # into L2 while those run (as shipped), or only after (alone)
+    for name, shape, make in sequences():
+        for label, pdl in ((" (PDL)", True), (", alone", False)):
+            calls, nbytes = make({"pdl": pdl})
+            rows.append(_row(name + label, shape, graph_ms(calls), nbytes, 0, bw, tf, "-"))
     device = {"name": torch.cuda.get_device_name(), "copy_gbps": bw, "bf16_tflops": tf}
     return rows, device
+
+
+def sequences() -> list:
+    """(name, shape, make) of the model's kernel pairs that end in an FP8 GEMV: make(config overrides) ->
+    (calls, bytes a call must move), each call on its own weights and state (as the layers are)."""
+    import torch
+
+    from expertstream.kernels import fp8_rows_matmul, gdn_step
+    from expertstream.kernels.fp8_gemv import fp8_config
+    from expertstream.kernels.hyper import hc_mix
+
+    def gemv_after(first, n: int, k: int, inputs: list, extra: int):
+        qs, scale = fp8_weights(n, k), torch.rand(n, device="cuda")
+
+        def make(over: dict):
+            cfg = {**fp8_config(1, n, k, torch.device("cuda")), **over}
+            calls = [lambda q=q, i=i: fp8_rows_matmul(first(i)[None], q, scale, config=cfg)
+                     for q, i in zip(qs, inputs)]  # fmt: skip
+            return calls, n * k + 4 * n + extra
+
+        return make
+
+    step = gdn_inputs()
+    n, k = FP8_SHAPES[2]  # out_proj after gdn_step, each layer its own state
+    states = [gdn_inputs(seed)[4] for seed in range(8)]
+
+    def gdn(state):
+        return gdn_step(*step[:4], state, *step[5:], num_k_heads=GDN_HEADS[0], eps=1e-6, gate="silu")
+
+    shape = f"Hv={GDN_HEADS[1]}, N={n} K={k}"
+    out = [("gdn_step -> out_proj", shape, gemv_after(gdn, n, k, states, 2 * states[0].nbytes))]
+    n, k = FP8_IN_PROJ
+    streams = [torch.randn(2, HC_STREAMS * k, dtype=torch.bfloat16, device="cuda") for _ in range(8)]
+
+    def mix(s):
+        return hc_mix(s[0:1], s[1:2], None, HC_STREAMS)[0][0]
+
+    shape = f"{HC_STREAMS} streams, N={n} K={k}"
+    out.append(("hc_mix -> in_proj", shape, gemv_after(mix, n, k, streams, streams[0].nbytes)))
+    return out
 
 
 def gdn_inputs(seed: int = 0) -> tuple:
@@ -562,9 +616,11 @@ def sweep_configs(
             data = json.load(f)
     best = data.setdefault(torch.cuda.get_device_name(), {})
     if "fp8_gemv" in kernels:
-        for n, k in FP8_SHAPES:  # M = 2..4 reuse the M = 1 choice (key without M)
+        # M = 2..4 reuse the M = 1 choice (key without M); timed alone (no dependent launch), which the
+        # configs do not set
+        for n, k in FP8_SHAPES + (FP8_IN_PROJ,):
             pick("fp8_gemv", f"{n}x{k}", f"fp8 M=1 {n}x{k}", FP8_GEMV_SWEEP,
-                 lambda cfg: fp8_calls(n, k, 1, cfg))  # noqa: B023  # fmt: skip
+                 lambda cfg: fp8_calls(n, k, 1, {**cfg, "pdl": False}))  # noqa: B023  # fmt: skip
     layout, slots, ws2 = random_bank(EXPERTS)
     if "nvfp4_decode" in kernels:
         for place in places:  # blocks in HBM, and in pinned host RAM read over the bus

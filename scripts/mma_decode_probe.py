@@ -42,6 +42,7 @@ from expertstream.kernels.codec import (
     gdc_launch_dependents,
     gdc_wait,
     jit,
+    prefetch_lines,
     tl,
 )
 from expertstream.kernels.nvfp4_moe import _expert_block, _prefetch_down_rows
@@ -296,7 +297,7 @@ def _mma_gate_up_kernel(
 def _mma_down_kernel(
     hh_ptr, lo_off, ids_ptr, loc_ptr, scales_ptr, slots_ptr, host_ptr, w_ptr, part_ptr, done_ptr, out_ptr,
     block_bytes, dw_off, ds_off, K: tl.constexpr, PER: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-    ROWG: tl.constexpr, PDL: tl.constexpr, HINT: tl.constexpr,
+    ROWG: tl.constexpr, PDL: tl.constexpr, HINT: tl.constexpr, LINES_W: tl.constexpr, LINES_S: tl.constexpr,
 ):  # fmt: skip
     # program (row block, split s): part[s, rows] = sum over experts k = s PER .. s PER + PER - 1, in order,
     # of w[k] down_k[rows] . h[k]; the last program of a row block sums the splits in order
@@ -308,7 +309,7 @@ def _mma_down_kernel(
     t = lane % 4
     if PDL:  # launched while gate+up runs: the rows into L2 first, then wait for h
         _prefetch_down_rows(ids_ptr, loc_ptr, slots_ptr, block_bytes, dw_off, ds_off, s,
-                            nb * NT // 2 + tl.arange(0, NT // 2), K, PER, I)  # fmt: skip
+                            nb * NT // 2 + tl.arange(0, NT // 2), K, PER, I, LINES_W, LINES_S)  # fmt: skip
         gdc_wait()
     tot0 = tl.zeros([NT], tl.float32)
     tot8 = tl.zeros([NT], tl.float32)
@@ -384,7 +385,8 @@ def nvfp4_moe_decode_mma(
     _mma_down_kernel[(n_blocks, cdiv(k, per))](
         hh, k * i_size, expert_ids, loc, scales, slots, host, weights, part, done, out, layout.block_bytes,
         off["down_proj.weight"], off["down_proj.weight_scale"], K=k, PER=per, H=h_size, I=i_size, ROWG=rd,
-        PDL=pdl, HINT=cfg.get("hint", 0), num_warps=rd, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, HINT=cfg.get("hint", 0), LINES_W=prefetch_lines(i_size // 2),
+        LINES_S=prefetch_lines(i_size // 16), num_warps=rd, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 

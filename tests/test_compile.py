@@ -75,7 +75,7 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                     ds_off="i32",
                     **DECODE_IN,
                 ),
-                dict(K=K, PER=1, H=H, I=I, BLOCK_N=16, BLOCK_G=8, PDL=True, USE_PTX=p),
+                dict(K=K, PER=1, H=H, I=I, BLOCK_N=16, BLOCK_G=8, PDL=True, USE_PTX=p, LINES_W=4, LINES_S=2),
                 2,
             )
         )
@@ -180,6 +180,9 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                     BLOCK_N=16,
                     BLOCK_K=512,
                     WORDS=not native,
+                    PDL=True,
+                    AHEAD=H,
+                    LINES=fp8_gemv.prefetch_lines(H),
                 ),  # fmt: skip
                 4,
             )
@@ -190,7 +193,7 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
             "gdn step",
             gdn_decode._gdn_step_kernel,
             dict(qkv_ptr="*fp32", s_ptr="*fp32", nega_ptr="*fp32", eps="fp32", q_scale="fp32", **act),
-            dict(HK=16, HV=48, DK=128, DV=128, SILU=True),
+            dict(HK=16, HV=48, DK=128, DV=128, SILU=True, PDL=True),
             8,
         )
     )
@@ -225,7 +228,7 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                 inj_stride="i32",
                 H="i32",
             ),  # fmt: skip
-            dict(N=hc, NP=hc, INJ=True, BLOCK=hyper.BLOCK_H),
+            dict(N=hc, NP=hc, INJ=True, BLOCK=hyper.BLOCK_H, PDL=True),
             4,
         ),
         (

@@ -99,8 +99,10 @@ def native_failed(capability: tuple[int, int], error: Exception) -> None:
 
 def dependent_launch(capability: tuple[int, int] | None) -> bool:
     """sm_90+ can launch a kernel while the one before it runs (programmatic dependent launch): the second
-    waits in-kernel (`gdc_wait`) for the first's results, after work that does not need them."""
-    return capability is not None and tuple(capability) >= (9, 0) and gdc_wait is not None
+    waits in-kernel (`gdc_wait`) for the first's results, after work that does not need them. Never when
+    interpreted (no such instructions), whatever capability a test claims."""
+    hopper = capability is not None and tuple(capability) >= (9, 0)
+    return hopper and gdc_wait is not None and not interpreting()
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -166,6 +168,20 @@ L2_PREFETCH_ASM = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;") if HA
 def l2_prefetch(ptrs):
     """L2 prefetch of the lines at `ptrs` (device memory; compiled kernels only: no asm when interpreted)."""
     return tl.inline_asm_elementwise(L2_PREFETCH_ASM, "=r,l", [ptrs], tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_lines(nbytes: int) -> int:
+    """LINES for `l2_prefetch_rows` of nbytes a row: a power of two past the lines a row can touch."""
+    return next_pow2(cdiv(nbytes, 128) + 1)
+
+
+@jit
+def l2_prefetch_rows(rows, nbytes, LINES: tl.constexpr):
+    """L2 prefetch of the first nbytes (>= 1) of each row starting at the byte pointers `rows` [BN]: one
+    address a 128-byte step, [BN, LINES] spread over the program's threads, the steps past the row's end
+    clamped to its last byte (which covers the tail line of a row that does not start on a line)."""
+    off = tl.minimum(tl.arange(0, LINES) * 128, nbytes - 1)
+    l2_prefetch(rows[:, None] + off[None, :])
 
 
 @jit

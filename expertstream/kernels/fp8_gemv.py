@@ -9,6 +9,10 @@ accumulator. Both give the exact E4M3 values; only the order of the FP32 sums di
   words decoded 4 bytes at a time (bit ops, when K % 4 == 0); FP32 FMAs into one 2-D accumulator per row of
   x, reduced once at the end. SPLIT_K > 1
   writes FP32 partials [SPLIT_K, M, N] summed in a fixed order by torch (deterministic, no atomics).
+  From sm_90 it is a dependent launch: it may start while the kernel before it runs (that kernel lets it
+  with `gdc_launch_dependents`, as gdn_step and hc_mix do), reads its weights into L2 when they are at most
+  PREFETCH_BYTES, and only then waits for x. The weights do not depend on the step; their read overlaps
+  the kernel before.
 - larger M: tiles dequantised to the activation dtype (exact for bf16 too: 4 significant bits)
   and tl.dot.
 """
@@ -21,19 +25,29 @@ from expertstream.formats.fp8 import dequantize_fp8_rows
 from expertstream.kernels.codec import (
     E4M3_UNIT,
     cdiv,
+    dependent_launch,
     device_capability,
     dot_precision,
     e4m3_f16,
     e4m3_native,
     e4m3x4_f16,
     f16x2_halves,
+    gdc_launch_dependents,
+    gdc_wait,
     jit,
+    l2_prefetch_rows,
     native_failed,
+    prefetch_lines,
     require_triton,
     tl,
     tuned_config,
 )
 
+# a matrix up to this size is read into L2 before x is ready (half the L2 of an 8 GB Blackwell card, so
+# that the lines stay until the loads after the wait). H200, 2026-12-02: out_proj (15.7 MB) after gdn_step
+# 13.7 us against 14.5 without the prefetch and 15.2 without the dependent launch; in_proj (42 MB) after
+# hc_mix 17.0 us without, 17.4 with its first 1 KB a row (16 MB), 18.9 with all of it
+PREFETCH_BYTES = 16 << 20
 GEMV_MAX_M = 4  # the GEMV kernel keeps one FMA accumulator per row of x, up to 4 rows
 # used by default only for M = 1: on the H200 (2026-11-30) M = 4 ran 2x slower than the tl.dot path
 GEMV_DEFAULT_M = 1
@@ -44,7 +58,8 @@ def fp8_rows_matmul_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
     return (x.float() @ dequantize_fp8_rows(q, scale).T).to(x.dtype)
 
 
-def _config(m: int, n: int, k: int, device: torch.device) -> dict:
+def fp8_config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """The default config of `fp8_rows_matmul` for x [m, k] and q [n, k] on `device`."""
     if m <= GEMV_DEFAULT_M:
         cfg = tuned_config("fp8_gemv", device, f"{n}x{k}x{m}") or tuned_config("fp8_gemv", device, f"{n}x{k}")
         # default: 4 rows x 1 KiB per step keep ~N/4 programs streaming 16-byte loads
@@ -64,10 +79,12 @@ def fp8_rows_matmul(
         x: [M, K] activations (fp32 / fp16 / bf16), contiguous.
         q: [N, K] float8_e4m3fn, or its raw uint8 bytes, contiguous.
         scale: [N] float32 row scales.
-        config: GEMV (M <= GEMV_MAX_M): block_n, block_k (a power of two >= 4), num_warps, split_k; tl.dot:
-            block_m, block_n, block_k, num_warps, num_stages. Default: the GEMV for M = 1 (tuned_configs.json
-            for this device and shape, else a heuristic), tl.dot above. Either may set native (bool) to
-            force the hardware E4M3 conversion on or off (tests compare the two).
+        config: GEMV (M <= GEMV_MAX_M): block_n, block_k (a power of two >= 4), num_warps, split_k, pdl
+            (bool, default True: a dependent launch from sm_90) and prefetch (bytes of each row read into L2
+            before x; default the whole row up to PREFETCH_BYTES of weights, else none); tl.dot: block_m,
+            block_n, block_k, num_warps, num_stages. Default (`fp8_config`): the GEMV for M = 1
+            (tuned_configs.json for this device and shape, else a heuristic), tl.dot above. Either may set
+            native (bool) to force the hardware E4M3 conversion on or off (tests compare the two).
 
     Returns:
         [M, N] in x.dtype.
@@ -82,7 +99,7 @@ def fp8_rows_matmul(
     n = q.shape[0]
     assert q.shape[1] == k, f"q {tuple(q.shape)} does not match x {tuple(x.shape)}"
     assert scale.dtype == torch.float32 and scale.shape == (n,), f"scale {scale.dtype} {tuple(scale.shape)}"
-    cfg = config or _config(m, n, k, x.device)
+    cfg = config or fp8_config(m, n, k, x.device)
     if "native" in cfg:
         return _launch(x, q, scale, cfg, cfg["native"])
     cap = device_capability(x.device)
@@ -162,9 +179,13 @@ def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: dict, nati
     split = cdiv(k, k_split)
     bm = 1 << max(0, (m - 1).bit_length())
     dst = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    pdl = cfg.get("pdl", True) and dependent_launch(device_capability(x.device))
+    ahead = min(k_split, cfg.get("prefetch", k_split if n * k <= PREFETCH_BYTES else 0))
     _fp8_gemv_kernel[(cdiv(n, cfg["block_n"]), split)](
         x, qv, scale, dst, m, n, K=k, K_SPLIT=k_split, UNIT=1.0 if native else E4M3_UNIT, NATIVE=native,
-        BLOCK_M=bm, BLOCK_N=cfg["block_n"], BLOCK_K=bk, WORDS=words, num_warps=cfg["num_warps"], num_stages=1,
+        BLOCK_M=bm, BLOCK_N=cfg["block_n"], BLOCK_K=bk, WORDS=words, PDL=pdl, AHEAD=ahead,
+        LINES=prefetch_lines(ahead),
+        num_warps=cfg["num_warps"], num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return dst[0] if split == 1 else dst.sum(0).to(x.dtype)  # fixed-order sum: deterministic
 
@@ -185,7 +206,7 @@ def _x_words(x_ptr, mrow, M, K: tl.constexpr, w0, c0, c1, c2, c3, BW: tl.constex
 def _fp8_gemv_kernel(
     x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr, UNIT: tl.constexpr,
     NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    WORDS: tl.constexpr,
+    WORDS: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr, LINES: tl.constexpr,
 ):  # fmt: skip
     # program (n block, k split): out[split, m, n] = scale[n] UNIT sum_{k in split} x[m, k] q[n, k] / UNIT.
     # One 2-D [BN, BW] accumulator per token row (BLOCK_M <= 4): a 3-D tile would push every decoded weight
@@ -193,6 +214,13 @@ def _fp8_gemv_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     rows = n.to(tl.int64)[:, None]
+    if PDL:  # launched while the kernel before runs: let the next start too, read AHEAD bytes a row, wait
+        gdc_launch_dependents()
+        k_start = tl.program_id(1) * K_SPLIT
+        starts = q_ptr.to(tl.pointer_type(tl.uint8)) + tl.minimum(n, N - 1).to(tl.int64) * K + k_start  # [BN]
+        if AHEAD > 0:
+            l2_prefetch_rows(starts, tl.minimum(AHEAD, K - k_start), LINES)
+        gdc_wait()
     BW: tl.constexpr = BLOCK_K // 4 if WORDS else BLOCK_K
     acc0 = tl.zeros([BLOCK_N, BW], tl.float32)
     acc1 = tl.zeros([BLOCK_N, BW], tl.float32)

@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from expertstream.kernels.codec import jit, require_triton, tl
+from expertstream.kernels.codec import (
+    dependent_launch,
+    device_capability,
+    gdc_launch_dependents,
+    jit,
+    require_triton,
+    tl,
+)
 
 GATES = ("silu", "sigmoid")
 
@@ -80,7 +87,8 @@ def gdn_step(qkv, b, a, z, state, neg_a, dt_bias, norm_w, *, num_k_heads: int, e
     # one program per value head holds its [Dk, Dv] state in registers (128 x 128 FP32 for the real model)
     _gdn_step_kernel[(hv,)](
         qkv, b, a, z, state, neg_a, dt_bias, norm_w, out, eps, dk**-0.5, HK=hk, HV=hv, DK=dk, DV=dv,
-        SILU=gate == "silu", num_warps=8 if dk * dv >= 8192 else 2,
+        SILU=gate == "silu", PDL=dependent_launch(device_capability(out.device)),
+        num_warps=8 if dk * dv >= 8192 else 2,
     )  # fmt: skip
     return out
 
@@ -89,7 +97,11 @@ def gdn_step(qkv, b, a, z, state, neg_a, dt_bias, norm_w, *, num_k_heads: int, e
 def _gdn_step_kernel(
     qkv_ptr, b_ptr, a_ptr, z_ptr, s_ptr, nega_ptr, dtb_ptr, nw_ptr, out_ptr, eps, q_scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, SILU: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    # Hv programs leave most SMs idle: out_proj (a dependent launch) may start now and read its weights
+    if PDL:
+        gdc_launch_dependents()
     h = tl.program_id(0)
     kh = h // (HV // HK)  # the key head this value head repeats
     act = out_ptr.dtype.element_ty

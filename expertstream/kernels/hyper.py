@@ -13,7 +13,16 @@ from __future__ import annotations
 
 import torch
 
-from expertstream.kernels.codec import cdiv, jit, next_pow2, require_triton, tl
+from expertstream.kernels.codec import (
+    cdiv,
+    dependent_launch,
+    device_capability,
+    gdc_launch_dependents,
+    jit,
+    next_pow2,
+    require_triton,
+    tl,
+)
 
 BLOCK_H = 1024
 
@@ -39,7 +48,7 @@ def hc_mix(mix: torch.Tensor, xn: torch.Tensor, inj: torch.Tensor | None, n: int
     src = inj if inj is not None else u
     _hc_mix_kernel[(t, cdiv(h, BLOCK_H))](
         mix, xn, u, src, c, src.stride(0), h, N=n, NP=next_pow2(n), INJ=inj is not None, BLOCK=BLOCK_H,
-        num_warps=4,
+        PDL=dependent_launch(device_capability(u.device)), num_warps=4,
     )  # fmt: skip
     return u, c if inj is not None else None
 
@@ -47,8 +56,10 @@ def hc_mix(mix: torch.Tensor, xn: torch.Tensor, inj: torch.Tensor | None, n: int
 @jit
 def _hc_mix_kernel(
     mix_ptr, xn_ptr, u_ptr, inj_ptr, c_ptr, inj_stride, H, N: tl.constexpr, NP: tl.constexpr,
-    INJ: tl.constexpr, BLOCK: tl.constexpr,
+    INJ: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # the block's input projection (an FP8 GEMV, a dependent launch) may start reading its weights
+        gdc_launch_dependents()
     t = tl.program_id(0)
     hb = tl.program_id(1)
     act = u_ptr.dtype.element_ty

@@ -35,9 +35,10 @@ from expertstream.kernels.codec import (
     gdc_launch_dependents,
     gdc_wait,
     jit,
-    l2_prefetch,
+    l2_prefetch_rows,
     launch_e2m1,
     nvfp4_unit,
+    prefetch_lines,
     require_triton,
     tl,
     tuned_config,
@@ -162,7 +163,8 @@ def nvfp4_moe_decode(
     launch_e2m1(
         _decode_down_kernel, (n_blocks, cdiv(k, per)), x.device,
         h, expert_ids, loc, scales, slots, host, weights, part, done, out, K=k, PER=per,
-        dw_off=off["dw_off"], ds_off=off["ds_off"], BLOCK_N=block_n[1], BLOCK_G=block_g[1], **common,
+        dw_off=off["dw_off"], ds_off=off["ds_off"], BLOCK_N=block_n[1], BLOCK_G=block_g[1],
+        LINES_W=prefetch_lines(i_size // 2), LINES_S=prefetch_lines(i_size // 16), **common,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -265,17 +267,9 @@ def _swiglu_rows(
 
 
 @jit
-def _prefetch_rows(rows, NBYTES: tl.constexpr):
-    # L2 prefetch of every 128-byte line that the rows starting at `rows` [BN] (NBYTES bytes each) touch
-    for j in tl.static_range(0, NBYTES, 128):
-        l2_prefetch(rows + j)
-    l2_prefetch(rows + NBYTES - 1)
-
-
-@jit
 def _prefetch_down_rows(
     ids_ptr, loc_ptr, slots_ptr, block_bytes, dw_off, ds_off, s, n, K: tl.constexpr, PER: tl.constexpr,
-    I: tl.constexpr,
+    I: tl.constexpr, LINES_W: tl.constexpr, LINES_S: tl.constexpr,
 ):  # fmt: skip
     # L2 prefetch of the down rows n (codes, scales) of the split's experts in VRAM slots: a block in host
     # RAM is left alone (read twice over the bus, it would cost the bus twice)
@@ -284,8 +278,9 @@ def _prefetch_down_rows(
         if k < K:
             c = tl.load(loc_ptr + tl.load(ids_ptr + k).to(tl.int64)).to(tl.int64)
             if c >= 0:
-                _prefetch_rows(slots_ptr + c * block_bytes + dw_off + n * (I // 2), I // 2)  # codes
-                _prefetch_rows(slots_ptr + c * block_bytes + ds_off + n * (I // 16), I // 16)  # scales
+                blk = slots_ptr + c * block_bytes
+                l2_prefetch_rows(blk + dw_off + n * (I // 2), I // 2, LINES_W)  # codes
+                l2_prefetch_rows(blk + ds_off + n * (I // 16), I // 16, LINES_S)  # scales
 
 
 @jit
@@ -293,6 +288,7 @@ def _decode_down_kernel(
     h_ptr, ids_ptr, loc_ptr, scales_ptr, slots_ptr, host_ptr, w_ptr, part_ptr, done_ptr, out_ptr, block_bytes,
     dw_off, ds_off, K: tl.constexpr, PER: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr, USE_PTX: tl.constexpr,
+    LINES_W: tl.constexpr, LINES_S: tl.constexpr,
 ):  # fmt: skip
     # program (n block, split s): part[s, n] = sum over experts k = s PER .. s PER + PER - 1, in order, of
     # w[k] * down_k[n] . h[k]; the splits of a row block run in parallel (more bytes in flight than one
@@ -301,7 +297,9 @@ def _decode_down_kernel(
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
     if PDL:  # launched while gate+up runs: start reading the rows into L2, then wait for h
-        _prefetch_down_rows(ids_ptr, loc_ptr, slots_ptr, block_bytes, dw_off, ds_off, s, n, K, PER, I)
+        _prefetch_down_rows(
+            ids_ptr, loc_ptr, slots_ptr, block_bytes, dw_off, ds_off, s, n, K, PER, I, LINES_W, LINES_S
+        )
         gdc_wait()
     rows = tl.zeros([BLOCK_N], tl.float32)
     for kk in tl.static_range(PER):
