@@ -216,10 +216,10 @@ def _fp8_gemv_kernel(
     rows = n.to(tl.int64)[:, None]
     if PDL:  # launched while the kernel before runs: let the next start too, read AHEAD bytes a row, wait
         gdc_launch_dependents()
-        k_start = tl.program_id(1) * K_SPLIT
-        starts = q_ptr.to(tl.pointer_type(tl.uint8)) + tl.minimum(n, N - 1).to(tl.int64) * K + k_start  # [BN]
         if AHEAD > 0:
-            l2_prefetch_rows(starts, tl.minimum(AHEAD, K - k_start), LINES)
+            k0 = tl.program_id(1) * K_SPLIT
+            starts = q_ptr.to(tl.pointer_type(tl.uint8)) + tl.minimum(n, N - 1).to(tl.int64) * K + k0  # [BN]
+            l2_prefetch_rows(starts, tl.minimum(AHEAD, K - k0), LINES)
         gdc_wait()
     BW: tl.constexpr = BLOCK_K // 4 if WORDS else BLOCK_K
     acc0 = tl.zeros([BLOCK_N, BW], tl.float32)
