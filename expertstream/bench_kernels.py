@@ -26,7 +26,14 @@ FP8_MODEL_SHAPES = (*FP8_SHAPES, FP8_IN_PROJ, (2 * 24 * 256, HIDDEN))
 PREFILL_T = (32, 512, 2451, 8192)
 PREFILL_HOST_T = 2451  # a prompt whose tiles read each block about once: the case for reading RAM in place
 GDN_HEADS = (16, 48, 128, 128)  # key heads, value heads, Dk, Dv
-HC_STREAMS = 4  # hyper-connection streams
+HC_STREAMS, HC_LOWRANK = 4, 320  # hyper-connection streams and low rank
+# a decode layer's BF16 matrices, read by cuBLAS at M = 1 in the model: the hyper-connection projection (low
+# rank and injection) and its up projection (each twice a layer), in_proj's b and a rows, the router gate,
+# the shared expert's gate and up (with its own gate row) and its down projection
+BF16_SHAPES = (
+    (HC_LOWRANK + HC_STREAMS, HC_STREAMS * HIDDEN), (HC_STREAMS * HIDDEN, HC_LOWRANK),
+    (2 * GDN_HEADS[1], HIDDEN), (EXPERTS, HIDDEN), (2 * INTER + 1, HIDDEN), (HIDDEN, INTER),
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -255,6 +262,25 @@ def fp8_calls(
     return [lambda q=q: fp8_rows_matmul(x, q, scale, config=config) for q in qs]
 
 
+def matvec16_calls(n: int, k: int, config: dict | None = None, cublas: bool = False) -> list:
+    """One-token calls of x [1, k] @ w^T for BF16 w [n, k], by `matvec16` (alone: no dependent launch) or by
+    torch's F.linear (cuBLAS), each on its own copy of w: at least 8 and 64 MB of them, past L2."""
+    import torch
+    import torch.nn.functional as F
+
+    from expertstream.kernels import matvec16
+    from expertstream.kernels.codec import cdiv
+    from expertstream.kernels.fp8_gemv import matvec16_config
+
+    copies = max(8, cdiv(64 << 20, 2 * n * k))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    if cublas:
+        return [lambda w=w: F.linear(x, w) for w in ws]
+    cfg = {**(config or matvec16_config(n, k, x.device)), "pdl": False}
+    return [lambda w=w: matvec16(x, w, config=cfg) for w in ws]
+
+
 def route(t: int, num_experts: int = EXPERTS, k: int = TOPK, seed: int = 0, device="cuda"):
     """Random top-k routing: ids [t, k] int64 (distinct per token), weights [t, k] fp32 summing to 1."""
     import torch
@@ -372,6 +398,12 @@ def run_benchmarks() -> tuple[list[Row], dict]:
         for label, pdl in ((" (PDL)", True), (", alone", False)):
             calls, nbytes = make({"pdl": pdl})
             rows.append(_row(name + label, shape, graph_ms(calls), nbytes, 0, bw, tf, "-"))
+    # a decode layer's BF16 matrices at M = 1: cuBLAS, as the model runs them, and matvec16 (alone)
+    for n, k in BF16_SHAPES:
+        nbytes = 2 * n * k + 2 * (n + k)
+        for name, cublas in (("F.linear (cuBLAS)", True), ("matvec16", False)):
+            ms = graph_ms(matvec16_calls(n, k, cublas=cublas))
+            rows.append(_row(name, f"M=1 N={n} K={k}", ms, nbytes, 2 * n * k, bw, tf, "-"))
     device = {"name": torch.cuda.get_device_name(), "copy_gbps": bw, "bf16_tflops": tf}
     return rows, device
 
@@ -486,6 +518,13 @@ FP8_GEMV_SWEEP = [
         (16, 512, 4, 1), (8, 256, 8, 1),
     ]
 ]  # fmt: skip
+# 16-bit rows: few rows a program for the short matrices with long rows (324 x 10,240), more for the rest
+MATVEC16_SWEEP = [
+    dict(block_n=bn, block_k=bk, num_warps=nw, split_k=1)
+    for bn, bk, nw in [
+        (1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (4, 512, 4), (8, 512, 4), (16, 256, 4), (2, 2048, 8),
+    ]
+]  # fmt: skip
 DECODE_SWEEP = [
     dict(block_n_gu=ngu, block_g_gu=ggu, block_n_down=nd, block_g_down=gd, split_down=sd, num_warps=nw)
     for ngu, ggu, nd, gd, sd, nw in [
@@ -573,7 +612,7 @@ PASS_SWEEP = [
 ]  # fmt: skip
 
 
-SWEPT = ("fp8_gemv", "nvfp4_decode", "nvfp4_prefill", "nvfp4_prefill_pass")
+SWEPT = ("fp8_gemv", "matvec16", "nvfp4_decode", "nvfp4_prefill", "nvfp4_prefill_pass")
 
 
 def sweep_configs(
@@ -626,6 +665,10 @@ def sweep_configs(
         for n, k in FP8_MODEL_SHAPES:
             pick("fp8_gemv", f"{n}x{k}", f"fp8 M=1 {n}x{k}", FP8_GEMV_SWEEP,
                  lambda cfg: fp8_calls(n, k, 1, {**cfg, "pdl": False}))  # noqa: B023  # fmt: skip
+    if "matvec16" in kernels:
+        for n, k in BF16_SHAPES:
+            pick("matvec16", f"{n}x{k}", f"matvec16 {n}x{k}", MATVEC16_SWEEP,
+                 lambda cfg: matvec16_calls(n, k, cfg))  # noqa: B023  # fmt: skip
     layout, slots, ws2 = random_bank(EXPERTS)
     if "nvfp4_decode" in kernels:
         for place in places:  # blocks in HBM, and in pinned host RAM read over the bus

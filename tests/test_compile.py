@@ -155,6 +155,19 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
         )
     )
     fp8 = dict(x_ptr="*bf16", scale_ptr="*fp32", out_ptr="*bf16", M="i32", N="i32")
+    gemv = dict(K=H, K_SPLIT=H, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, PDL=True, AHEAD=H)
+    # 16-bit weights (matvec16): the GEMV without decode or scale
+    wide = dict(fp8, q_ptr="*bf16", scale_ptr="*bf16")
+    lines, lines8 = fp8_gemv.prefetch_lines(2 * H), fp8_gemv.prefetch_lines(H)
+    out.append(
+        (
+            "matvec16",
+            fp8_gemv._fp8_gemv_kernel,
+            wide,
+            dict(gemv, UNIT=1.0, NATIVE=False, WIDE=True, WORDS=False, AHEAD=2 * H, LINES=lines),
+            4,
+        )
+    )
     for native in (False, True):  # raw bytes decoded with bit ops; float8e4nv loads (sm_89+: both caps here)
         unit = 1.0 if native else 256.0
         out.append(
@@ -171,19 +184,7 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                 "fp8 gemv" + (" native" if native else ""),
                 fp8_gemv._fp8_gemv_kernel,
                 dict(q_ptr="*fp8e4nv" if native else "*i32", **fp8),
-                dict(
-                    K=H,
-                    K_SPLIT=H,
-                    UNIT=unit,
-                    NATIVE=native,
-                    BLOCK_M=1,
-                    BLOCK_N=16,
-                    BLOCK_K=512,
-                    WORDS=not native,
-                    PDL=True,
-                    AHEAD=H,
-                    LINES=fp8_gemv.prefetch_lines(H),
-                ),  # fmt: skip
+                dict(gemv, UNIT=unit, NATIVE=native, WIDE=False, WORDS=not native, LINES=lines8),
                 4,
             )
         )

@@ -14,6 +14,8 @@ from expertstream.kernels import (
     e2m1_uses_ptx,
     fp8_rows_matmul,
     fp8_rows_matmul_ref,
+    matvec16,
+    matvec16_ref,
     nvfp4_moe_decode,
     nvfp4_moe_decode_ref,
     nvfp4_moe_prefill,
@@ -602,6 +604,41 @@ def test_fp8_gemv_small_m_matches_ref(dtype, m, n, k, cfg, native):
     got = fp8_rows_matmul(x, q, scale, config=cfg if cfg is None else {**cfg, "native": native})
     assert got.shape == (m, n) and got.dtype == dtype
     close(got, fp8_rows_matmul_ref(x, q, scale), dtype)
+
+
+# 16-bit weights: fp16 on the CPU (the interpreter has no bf16), bf16 too on a GPU
+W16 = [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+
+
+@pytest.mark.parametrize("wdtype", W16)
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        (1, 37, 132, dict(block_n=4, block_k=32, num_warps=1, split_k=2)),  # split K, ragged last step
+        (3, 21, 70, dict(block_n=8, block_k=16, num_warps=2, split_k=1)),  # masked rows and columns
+        (4, 33, 256, dict(block_n=16, block_k=64, num_warps=4, split_k=1)),
+        (1, 19, 200, None),  # the default config
+    ],
+)
+def test_matvec16_matches_ref(wdtype, m, n, k, cfg):
+    # the FP8 GEMV's kernel over 16-bit weights loaded as they are, no scale
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(DEV, wdtype)
+    x = torch.randn(m, k, generator=g).to(DEV)
+    got = matvec16(x, w, config=cfg)
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    close(got, matvec16_ref(x, w), torch.float32)
+
+
+def test_every_matvec16_sweep_candidate_matches_ref():
+    # `bench kernels` may record any of them as a device's default
+    from expertstream.bench_kernels import MATVEC16_SWEEP
+
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(37, 300, generator=g) * 0.05).to(DEV, torch.float16)
+    x = torch.randn(1, 300, generator=g).to(DEV)
+    for cfg in MATVEC16_SWEEP:
+        close(matvec16(x, w, config=cfg), matvec16_ref(x, w), torch.float32)
 
 
 def test_decode_is_deterministic(bank):

@@ -15,6 +15,8 @@ accumulator. Both give the exact E4M3 values; only the order of the FP32 sums di
   the kernel before.
 - larger M: tiles dequantised to the activation dtype (exact for bf16 too: 4 significant bits)
   and tl.dot.
+`matvec16` runs the same GEMV over 16-bit weights (bf16 / fp16 [N, K], loaded as they are, no row scale): the
+decode path's BF16 matrices, which cuBLAS reads at ~0.9 TB/s at M = 1 (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from expertstream.kernels.codec import (
 # hc_mix 17.0 us without, 17.4 with its first 1 KB a row (16 MB), 18.9 with all of it
 PREFETCH_BYTES = 16 << 20
 GEMV_MAX_M = 4  # the GEMV kernel keeps one FMA accumulator per row of x, up to 4 rows
+# untuned shapes: 4 rows x 1,024 columns a step keep ~N/4 programs streaming 16-byte loads
+GEMV_DEFAULT = dict(block_n=4, block_k=1024, num_warps=4, split_k=1)
 # used by default only for M = 1: on the H200 (2026-11-30) M = 4 ran 2x slower than the tl.dot path
 GEMV_DEFAULT_M = 1
 
@@ -62,8 +66,7 @@ def fp8_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """The default config of `fp8_rows_matmul` for x [m, k] and q [n, k] on `device`."""
     if m <= GEMV_DEFAULT_M:
         cfg = tuned_config("fp8_gemv", device, f"{n}x{k}x{m}") or tuned_config("fp8_gemv", device, f"{n}x{k}")
-        # default: 4 rows x 1 KiB per step keep ~N/4 programs streaming 16-byte loads
-        return cfg or dict(block_n=4, block_k=1024, num_warps=4, split_k=1)
+        return cfg or GEMV_DEFAULT
     # narrow column blocks keep every SM streaming; M rounds up to the 16-row dot minimum (H200 sweep)
     if n <= 4096:
         return dict(block_m=16 if m <= 16 else 64, block_n=16, block_k=128, num_warps=2, num_stages=4)
@@ -127,6 +130,37 @@ def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: dict, na
     return out
 
 
+def matvec16_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Plain-torch twin of `matvec16` (FP32 maths, output in x.dtype)."""
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def matvec16_config(n: int, k: int, device: torch.device) -> dict:
+    """The default config of `matvec16` for w [n, k] on `device`."""
+    return tuned_config("matvec16", device, f"{n}x{k}") or GEMV_DEFAULT
+
+
+def matvec16(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ w^T for a 16-bit weight w [N, K], M <= GEMV_MAX_M: the FP8 GEMV without the E4M3 decode.
+
+    Args:
+        x: [M, K] activations (fp32 / fp16 / bf16), contiguous.
+        w: [N, K] bf16 or fp16, contiguous.
+        config: block_n, block_k, num_warps, split_k, pdl, prefetch as for the FP8 GEMV; default
+            (`matvec16_config`): tuned_configs.json ("matvec16", "NxK") for this device, else GEMV_DEFAULT.
+
+    Returns:
+        [M, N] in x.dtype.
+    """
+    require_triton(x, w)
+    assert x.dim() == 2 and x.is_contiguous() and x.shape[0] <= GEMV_MAX_M, f"x {tuple(x.shape)}"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype}"
+    assert w.dtype in (torch.bfloat16, torch.float16) and w.dim() == 2 and w.is_contiguous(), f"w {w.dtype}"
+    assert w.shape[1] == x.shape[1], f"w {tuple(w.shape)} does not match x {tuple(x.shape)}"
+    n, k = w.shape
+    return _gemv(x, w, None, config or matvec16_config(n, k, x.device), native=False)
+
+
 def _weights(q: torch.Tensor, native: bool) -> torch.Tensor:
     # float8e4nv for the hardware conversion, raw bytes for the bit-op decode
     return q.view(torch.float8_e4m3fn) if native else q.view(torch.uint8)
@@ -166,13 +200,15 @@ def _e4m3(b, NATIVE: tl.constexpr):
     return w
 
 
-def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: dict, native: bool) -> torch.Tensor:
+def _gemv(x: torch.Tensor, q: torch.Tensor, scale, cfg: dict, native: bool) -> torch.Tensor:
+    # q: FP8 with its row scale, or 16-bit weights (scale None) loaded as they are
     m, k = x.shape
     n = q.shape[0]
     bk, split = cfg["block_k"], cfg.get("split_k", 1)
+    wide = scale is None
     # 4-byte words of bit-op decoded bytes need aligned rows; the hardware conversion loads bytes
-    words = not native and k % 4 == 0 and q.data_ptr() % 4 == 0
-    qv = _weights(q, native)
+    words = not wide and not native and k % 4 == 0 and q.data_ptr() % 4 == 0
+    qv = q if wide else _weights(q, native)
     if words:
         qv = qv.view(torch.int32)
     k_split = cdiv(cdiv(k, split), bk) * bk  # columns per split, whole BLOCK_K steps (disjoint ranges)
@@ -180,12 +216,13 @@ def _gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, cfg: dict, nati
     bm = 1 << max(0, (m - 1).bit_length())
     dst = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     pdl = cfg.get("pdl", True) and dependent_launch(device_capability(x.device))
-    ahead = min(k_split, cfg.get("prefetch", k_split if n * k <= PREFETCH_BYTES else 0))
+    elem = q.element_size()
+    ahead = min(k_split * elem, cfg.get("prefetch", k_split * elem if n * k * elem <= PREFETCH_BYTES else 0))
     _fp8_gemv_kernel[(cdiv(n, cfg["block_n"]), split)](
-        x, qv, scale, dst, m, n, K=k, K_SPLIT=k_split, UNIT=1.0 if native else E4M3_UNIT, NATIVE=native,
-        BLOCK_M=bm, BLOCK_N=cfg["block_n"], BLOCK_K=bk, WORDS=words, PDL=pdl, AHEAD=ahead,
-        LINES=prefetch_lines(ahead),
-        num_warps=cfg["num_warps"], num_stages=1, **({"launch_pdl": True} if pdl else {}),
+        x, qv, q if wide else scale, dst, m, n, K=k, K_SPLIT=k_split, NATIVE=native, WIDE=wide,
+        UNIT=1.0 if native or wide else E4M3_UNIT, BLOCK_M=bm, BLOCK_N=cfg["block_n"], BLOCK_K=bk,
+        WORDS=words, PDL=pdl, AHEAD=ahead, LINES=prefetch_lines(ahead), num_warps=cfg["num_warps"],
+        num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return dst[0] if split == 1 else dst.sum(0).to(x.dtype)  # fixed-order sum: deterministic
 
@@ -205,10 +242,11 @@ def _x_words(x_ptr, mrow, M, K: tl.constexpr, w0, c0, c1, c2, c3, BW: tl.constex
 @jit
 def _fp8_gemv_kernel(
     x_ptr, q_ptr, scale_ptr, out_ptr, M, N, K: tl.constexpr, K_SPLIT: tl.constexpr, UNIT: tl.constexpr,
-    NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    WORDS: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr, LINES: tl.constexpr,
+    NATIVE: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr, LINES: tl.constexpr,
 ):  # fmt: skip
-    # program (n block, k split): out[split, m, n] = scale[n] UNIT sum_{k in split} x[m, k] q[n, k] / UNIT.
+    # program (n block, k split): out[split, m, n] = scale[n] UNIT sum_{k in split} x[m, k] q[n, k] / UNIT;
+    # WIDE: 16-bit q as it is, no scale (scale_ptr unused).
     # One 2-D [BN, BW] accumulator per token row (BLOCK_M <= 4): a 3-D tile would push every decoded weight
     # through shared memory. K constexpr: the static loop unrolls so the row loads of all steps overlap.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -217,9 +255,11 @@ def _fp8_gemv_kernel(
     if PDL:  # launched while the kernel before runs: let the next start too, read AHEAD bytes a row, wait
         gdc_launch_dependents()
         if AHEAD > 0:
+            ELEM: tl.constexpr = 2 if WIDE else 1  # bytes a weight
             k0 = tl.program_id(1) * K_SPLIT
-            starts = q_ptr.to(tl.pointer_type(tl.uint8)) + tl.minimum(n, N - 1).to(tl.int64) * K + k0  # [BN]
-            l2_prefetch_rows(starts, tl.minimum(AHEAD, K - k0), LINES)
+            row = tl.minimum(n, N - 1).to(tl.int64) * K + k0
+            starts = q_ptr.to(tl.pointer_type(tl.uint8)) + ELEM * row  # [BN]
+            l2_prefetch_rows(starts, tl.minimum(AHEAD, ELEM * (K - k0)), LINES)
         gdc_wait()
     BW: tl.constexpr = BLOCK_K // 4 if WORDS else BLOCK_K
     acc0 = tl.zeros([BLOCK_N, BW], tl.float32)
@@ -249,7 +289,10 @@ def _fp8_gemv_kernel(
             kmask = kk < K
             # other=0.0: Triton casts a float to either element type (an int does not cast to fp8)
             b = tl.load(q_ptr + rows * K + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            c = _e4m3(b, NATIVE).to(tl.float32)  # (through fp16 or straight: the same speed, 13:30)
+            if WIDE:
+                c = b.to(tl.float32)
+            else:
+                c = _e4m3(b, NATIVE).to(tl.float32)  # (through fp16 or straight: the same speed, 13:30)
             # x as [BW] broadcast over the rows: loaded [1, BW] in the weights' layout, the hardware-converted
             # kernel ran at half the speed on the H200 (2026-12-01)
             acc0 += c * tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
@@ -261,7 +304,10 @@ def _fp8_gemv_kernel(
                 acc2 += c * tl.load(x_ptr + 2 * K + kk, mask=xm, other=0.0).to(tl.float32)[None, :]
                 xm = kk < tl.where(M > 3, K, 0)
                 acc3 += c * tl.load(x_ptr + 3 * K + kk, mask=xm, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(scale_ptr + n, mask=nmask, other=0.0) * UNIT
+    if WIDE:
+        s = tl.full([BLOCK_N], UNIT, tl.float32)
+    else:
+        s = tl.load(scale_ptr + n, mask=nmask, other=0.0) * UNIT
     dst = out_ptr + tl.program_id(1) * M * N + n
     ty = out_ptr.dtype.element_ty
     tl.store(dst, (tl.sum(acc0, axis=1) * s).to(ty), mask=nmask)
