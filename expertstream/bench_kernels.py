@@ -385,12 +385,10 @@ def run_benchmarks() -> tuple[list[Row], dict]:
     # one GatedDeltaNet decode step, real heads: the kernel against its torch twin (~33 launches)
     from expertstream.kernels import gdn_step, gdn_step_ref
 
-    step = gdn_inputs()
-    states = [gdn_inputs(seed)[4] for seed in range(8)]  # graph-timed, each call on its own layer's state
-    nbytes = 2 * step[4].numel() * 4  # the FP32 state read and written
     for name, fn in (("gdn_step", gdn_step), ("gdn_step_ref (torch)", gdn_step_ref)):
-        calls = [lambda s=s, f=fn: f(*step[:4], s, *step[5:], num_k_heads=GDN_HEADS[0], eps=1e-6, gate="silu")
-                 for s in states]  # fmt: skip
+        run, states = gdn_layers(fn)  # graph-timed, each call on its own layer's state
+        nbytes = 2 * states[0].nbytes  # the FP32 state read and written
+        calls = [lambda s=s, f=run: f(s) for s in states]
         rows.append(_row(name, "Hv=48 Dk=Dv=128", graph_ms(calls), nbytes, 0, bw, tf, "-"))
     # the model's two GEMVs after the kernels before them, which let them start early: their weights stream
     # into L2 while those run (as shipped), or only after (alone)
@@ -428,13 +426,8 @@ def sequences() -> list:
 
         return make
 
-    step = gdn_inputs()
     n, k = FP8_SHAPES[2]  # out_proj after gdn_step, each layer its own state
-    states = [gdn_inputs(seed)[4] for seed in range(8)]
-
-    def gdn(state):
-        return gdn_step(*step[:4], state, *step[5:], num_k_heads=GDN_HEADS[0], eps=1e-6, gate="silu")
-
+    gdn, states = gdn_layers(gdn_step)
     shape = f"Hv={GDN_HEADS[1]}, N={n} K={k}"
     out = [("gdn_step -> out_proj", shape, gemv_after(gdn, n, k, states, 2 * states[0].nbytes))]
     n, k = FP8_IN_PROJ
@@ -446,6 +439,17 @@ def sequences() -> list:
     shape = f"{HC_STREAMS} streams, N={n} K={k}"
     out.append(("hc_mix -> in_proj", shape, gemv_after(mix, n, k, streams, streams[0].nbytes)))
     return out
+
+
+def gdn_layers(fn, layers: int = 8) -> tuple:
+    """(run, states): run(state) is the GatedDeltaNet decode step `fn` (gdn_step or its twin) on one token's
+    real-size inputs and a layer's FP32 state; `layers` such states, each layer its own as in the model."""
+    step = gdn_inputs()
+
+    def run(state):
+        return fn(*step[:4], state, *step[5:], num_k_heads=GDN_HEADS[0], eps=1e-6, gate="silu")
+
+    return run, [gdn_inputs(seed)[4] for seed in range(layers)]
 
 
 def gdn_inputs(seed: int = 0) -> tuple:
