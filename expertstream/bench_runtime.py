@@ -60,33 +60,46 @@ def host_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def bench_layers(root: Path, layers: int) -> int:
-    """--layers, where 0 (the default) is issue 5's "as many layers as the disk allows": as many as this
-    machine's free disk and RAM hold (`layers_that_fit`), up to the real 48, or the largest full-shape
-    model already under `root` if that has more. A model that cannot fit on the disk is refused before
-    anything is written."""
+def full_shape_layer_bytes() -> int:
+    """Expert bytes of one full-shape layer (512 blocks of 2,764,800 B)."""
     from expertstream.formats.expert_block import ExpertLayout
     from expertstream.synth import preset_dims
 
+    tc = preset_dims("full-shape")
+    block = ExpertLayout.for_dims(tc["hidden_size"], tc["moe_intermediate_size"]).block_bytes
+    return tc["num_experts"] * block
+
+
+def bench_layers(root: Path, layers: int, reserve: float = 0.0) -> int:
+    """--layers, where 0 (the default) is issue 5's "as many layers as the disk allows": as many as this
+    machine's free disk (less `reserve` bytes that the run writes beside the model) and RAM hold
+    (`layers_that_fit`), up to the real 48, or the largest full-shape model already under `root` if that
+    has more. A model that cannot fit on the disk is refused before anything is written."""
     made = [int(p.name[5:-3]) for p in root.glob("full-*-wd") if (p / "manifest.json").exists()]
     if layers in made:
         return layers
-    tc = preset_dims("full-shape")
-    block = ExpertLayout.for_dims(tc["hidden_size"], tc["moe_intermediate_size"]).block_bytes
-    layer_expert_bytes = tc["num_experts"] * block
+    layer_expert_bytes = full_shape_layer_bytes()
     root.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(root).free
+    free = shutil.disk_usage(root).free - reserve
     by_disk, by_ram = layers_that_fit(free, host_ram_bytes(), layer_expert_bytes)
     n = layers or max([min(REAL_LAYERS, by_disk, by_ram), *made]) or 1
     if n > by_disk and n not in made:
         need = disk_needed(n, layer_expert_bytes)
         raise SystemExit(
             f"a {n}-layer full-shape bench model needs ~{need / 1e9:.0f} GB free under {root} (snapshot and "
-            f"working directory); {free / 1e9:.1f} GB are free: free some, or point --workdir elsewhere"
+            f"working directory); {free / 1e9:.1f} GB are free{' beside the baseline' if reserve else ''}: "
+            "free some, or point --workdir elsewhere"
         )
     log.info("--layers %d: %d full-shape layers (%.0f GB free disk; fit by disk %d, by RAM %d; made: %s)",
              layers, n, free / 1e9, by_disk, by_ram, made or "none")  # fmt: skip
     return n
+
+
+def baseline_disk_needed(root: Path, layers: int) -> float:
+    """Free disk --baseline writes at most: its NVFP4 snapshot (unless made) and accelerate's offload
+    folder, at most the whole bf16 twin (bf16 experts are 32/9 x the blocks); dense weights 10 % more."""
+    snapshot = 0.0 if (root / f"full-{layers}" / "config.json").exists() else 1.0
+    return layers * full_shape_layer_bytes() * (snapshot + 32 / 9) * 1.1 + DISK_SPARE
 
 
 def ensure_model(root: Path, layers: int) -> Path:
@@ -434,8 +447,19 @@ def bench_model(args, what: str, max_model_len: int):
 
     if not torch.cuda.is_available():
         raise SystemExit(f"bench {what} needs a CUDA GPU (it measures the GPU runtime); none is visible")
-    args.layers = bench_layers(Path(args.workdir), args.layers)  # the baseline scales by it too
-    work = ensure_model(Path(args.workdir), args.layers)
+    root = Path(args.workdir)
+    # --baseline writes its own snapshot and offload folder after the regimes: room is kept, and checked
+    # before they run (a full disk midway took a lent machine down with it)
+    reserve = baseline_disk_needed(root, args.baseline_layers) if args.baseline else 0.0
+    args.layers = bench_layers(root, args.layers, reserve)  # the baseline scales by it too
+    work = ensure_model(root, args.layers)
+    free = shutil.disk_usage(root).free
+    if args.baseline and free < reserve:
+        raise SystemExit(
+            f"--baseline needs ~{reserve / 1e9:.0f} GB free under {root} for its {args.baseline_layers}-layer"
+            f" snapshot and offload folder; {free / 1e9:.1f} GB are free beside the {args.layers}-layer"
+            " model: free some, use fewer --layers, or point --workdir elsewhere"
+        )
     base = EngineConfig(
         model=str(work),
         gpu_memory_gb=args.gpu_memory_gb,

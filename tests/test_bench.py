@@ -74,6 +74,35 @@ def test_layers_as_many_as_the_disk_and_ram_allow(tmp_path, monkeypatch):
         bench_layers(tmp_path, 0)
 
 
+def test_the_baseline_keeps_its_disk_room_and_is_refused_before_the_regimes(tmp_path, monkeypatch):
+    gb = 10**9
+    layer = bench_runtime.full_shape_layer_bytes()  # 1.42 GB
+    need = bench_runtime.baseline_disk_needed(tmp_path, 2)
+    # its snapshot and its whole bf16 twin, 10 % more for dense weights, 2 GB spare: ~16 GB for 2 layers
+    assert need == pytest.approx(2 * layer * (1 + 32 / 9) * 1.1 + 2 * gb)
+    (tmp_path / "full-2").mkdir()
+    (tmp_path / "full-2" / "config.json").write_text("{}")  # a snapshot already made: only the offload
+    assert bench_runtime.baseline_disk_needed(tmp_path, 2) == pytest.approx(2 * layer * 32 / 9 * 1.1 + 2 * gb)
+    disk = [30 * gb]
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: types.SimpleNamespace(free=disk[0]))
+    monkeypatch.setattr(bench_runtime, "host_ram_bytes", lambda: 10**6 * gb)
+    assert bench_layers(tmp_path / "a", 0) == 8  # (0.9 x 30 GB - 2 GB) / 3.1 GB a layer
+    assert bench_layers(tmp_path / "b", 0, reserve=need) == 3  # (0.9 x (30 - 16.2) GB - 2 GB) / 3.1 GB
+    # a model made earlier that left no room: refused before any regime runs, in one sentence (the
+    # 2-layer snapshot made above: only the offload folder is asked for)
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_runtime, "ensure_model", lambda root, n: made.append(n))
+    (tmp_path / "full-19-wd").mkdir()
+    (tmp_path / "full-19-wd" / "manifest.json").write_text("{}")
+    disk[0] = 5 * gb
+    args = parse(["decode", "--workdir", str(tmp_path), "--baseline"])
+    refusal = "--baseline needs ~13 GB free .* 5.0 GB are free beside the 19-layer model"
+    with pytest.raises(SystemExit, match=refusal):
+        bench_runtime.bench_model(args, "decode", 4096)
+    assert made == [19]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 @pytest.mark.parametrize("what", ["decode", "prefill"])
 def test_without_cuda_the_gpu_benches_refuse_clearly(what, tmp_path):
