@@ -1,7 +1,8 @@
 import pytest
+import torch
 
 from expertstream.inventory import resident_spec
-from expertstream.memory_plan import PREFILL_TARGET, GiB, MemoryPlanError, plan_memory
+from expertstream.memory_plan import PREFILL_TARGET, GiB, MemoryPlanError, gpu_budget, plan_memory
 
 BLOCK = 2_764_800
 
@@ -113,3 +114,28 @@ def test_budget_too_small_names_what_is_needed():
     # the same budget fits a short context? no: weights alone exceed 5 GiB even in FP8
     with pytest.raises(MemoryPlanError):
         plan_memory(real_text_config(), real_resident(), BLOCK, 5 * GiB, 1024)
+
+
+def test_gpu_budget_is_the_flag_or_what_is_free_and_refuses_what_the_gpu_cannot_give():
+    free, total = 20 * GiB, 24 * GiB
+    assert gpu_budget(8, 0.9, free, total) == int(8 * GiB * 0.9)
+    assert gpu_budget(None, 0.9, free, total) == int(free * 0.9)  # another process's share is left alone
+    with pytest.raises(ValueError, match="exceeds the GPU's 24.0 GiB"):
+        gpu_budget(32, 0.9, free, total)
+    with pytest.raises(ValueError, match=r"22.8 GiB, but only 20.0 GiB of the GPU's 24.0 GiB are free"):
+        gpu_budget(24, 0.95, free, total)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator's limit needs a GPU")
+def test_the_engine_enforces_its_budget_on_cuda(tiny_workdir):
+    from expertstream.config import EngineConfig
+    from expertstream.engine import Engine
+
+    eng = Engine(EngineConfig(model=str(tiny_workdir), device="cuda", gpu_memory_gb=1, max_model_len=512))
+    try:
+        torch.empty(GiB // 8, dtype=torch.uint8, device="cuda")  # inside the 0.9 GiB budget: allowed
+        with pytest.raises(torch.cuda.OutOfMemoryError):  # past it: refused, though the H200 has room
+            torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    finally:
+        del eng
+        torch.cuda.set_per_process_memory_fraction(1.0)
