@@ -38,7 +38,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "the shipped picks (a few minutes)",
     )
     p.add_argument("--out", type=Path, help="append the table, with date, device and command, to this file")
-    p.add_argument("--workdir", default=BENCH_WORKDIR, help="decode: where the synthetic model lives")
+    p.add_argument(
+        "--workdir",
+        default=BENCH_WORKDIR,
+        help="decode, prefill: where the synthetic models live (the baseline's too)",
+    )
     p.add_argument(
         "--layers",
         type=int,
