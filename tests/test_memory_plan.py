@@ -134,7 +134,7 @@ def test_the_engine_enforces_its_budget_on_cuda(tiny_workdir):
     eng = Engine(EngineConfig(model=str(tiny_workdir), device="cuda", gpu_memory_gb=1, max_model_len=512))
     try:
         torch.empty(GiB // 8, dtype=torch.uint8, device="cuda")  # inside the 0.9 GiB budget: allowed
-        with pytest.raises(torch.cuda.OutOfMemoryError):  # past it: refused, though the H200 has room
+        with pytest.raises(torch.cuda.OutOfMemoryError):  # past it: refused, though the GPU has room
             torch.empty(GiB, dtype=torch.uint8, device="cuda")
     finally:
         del eng
