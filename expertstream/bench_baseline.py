@@ -22,6 +22,7 @@ from expertstream.memory_plan import GiB
 
 log = get_logger(__name__)
 DECODER_LAYER = "Qwen4ExpTextDecoderLayer"  # accelerate never splits one across devices
+BF16_PER_BLOCK = 32 / 9  # bf16 expert bytes per NVFP4 block byte (16 bits against 4 + 8/16)
 
 
 def max_memory(gpu_memory_gb: float | None, cpu_bytes: int) -> dict:
@@ -74,12 +75,20 @@ def run_baseline(args, expert_bytes: int, prompt: int) -> dict:
     snap = Path(args.workdir) / f"full-{layers}"
     if not (snap / "config.json").exists():
         write_synthetic(snap, preset="full-shape", layers=layers, progress=True)
-    # bf16 experts are ~32/9 x the NVFP4 blocks (16 bits vs 4 + 8/16); the CPU share mirrors the disk
-    # regime's 25 % RAM cache
-    bf16_bytes = expert_bytes / args.layers * layers * 2 * 16 / 9
+    # the CPU share mirrors the disk regime's 25 % RAM cache
+    bf16_bytes = expert_bytes / args.layers * layers * BF16_PER_BLOCK
     out = time_offloaded(snap, max_memory(args.gpu_memory_gb, int(0.25 * bf16_bytes)), prompt)
     log.info("baseline: %s", out)
     return out
+
+
+def baseline_disk_needed(root: Path, layers: int) -> float:
+    """Free disk --baseline writes at most: its NVFP4 snapshot (unless made) and accelerate's offload
+    folder, at most the whole bf16 twin; dense weights 10 % more, and DISK_SPARE."""
+    from expertstream.bench_runtime import DISK_SPARE, full_shape_layer_bytes
+
+    snapshot = 0.0 if (root / f"full-{layers}" / "config.json").exists() else 1.0
+    return layers * full_shape_layer_bytes() * (snapshot + BF16_PER_BLOCK) * 1.1 + DISK_SPARE
 
 
 def baseline_table(base: dict, ours_ms_per_layer: dict[str, float], what: str) -> str:

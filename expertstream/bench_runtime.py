@@ -95,13 +95,6 @@ def bench_layers(root: Path, layers: int, reserve: float = 0.0) -> int:
     return n
 
 
-def baseline_disk_needed(root: Path, layers: int) -> float:
-    """Free disk --baseline writes at most: its NVFP4 snapshot (unless made) and accelerate's offload
-    folder, at most the whole bf16 twin (bf16 experts are 32/9 x the blocks); dense weights 10 % more."""
-    snapshot = 0.0 if (root / f"full-{layers}" / "config.json").exists() else 1.0
-    return layers * full_shape_layer_bytes() * (snapshot + 32 / 9) * 1.1 + DISK_SPARE
-
-
 def ensure_model(root: Path, layers: int) -> Path:
     """The working directory of a full-shape synthetic model of `layers` layers under root, made once."""
     from expertstream.repack import setup_workdir
@@ -443,6 +436,7 @@ def real_model_cache_share(wd, budget_gb: float, max_model_len: int) -> float:
 
 def bench_model(args, what: str, max_model_len: int):
     """The GPU benches' model and base engine config: (Workdir of the full-shape model, EngineConfig)."""
+    from expertstream.bench_baseline import baseline_disk_needed
     from expertstream.workdir import Workdir
 
     if not torch.cuda.is_available():

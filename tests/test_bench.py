@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from expertstream import bench, bench_runtime
-from expertstream.bench_baseline import baseline_table, max_memory
+from expertstream.bench_baseline import baseline_disk_needed, baseline_table, max_memory
 from expertstream.bench_prefill import plan_prefill, prefill_table
 from expertstream.bench_runtime import (
     bench_layers,
@@ -77,12 +77,12 @@ def test_layers_as_many_as_the_disk_and_ram_allow(tmp_path, monkeypatch):
 def test_the_baseline_keeps_its_disk_room_and_is_refused_before_the_regimes(tmp_path, monkeypatch):
     gb = 10**9
     layer = bench_runtime.full_shape_layer_bytes()  # 1.42 GB
-    need = bench_runtime.baseline_disk_needed(tmp_path, 2)
+    need = baseline_disk_needed(tmp_path, 2)
     # its snapshot and its whole bf16 twin, 10 % more for dense weights, 2 GB spare: ~16 GB for 2 layers
     assert need == pytest.approx(2 * layer * (1 + 32 / 9) * 1.1 + 2 * gb)
     (tmp_path / "full-2").mkdir()
     (tmp_path / "full-2" / "config.json").write_text("{}")  # a snapshot already made: only the offload
-    assert bench_runtime.baseline_disk_needed(tmp_path, 2) == pytest.approx(2 * layer * 32 / 9 * 1.1 + 2 * gb)
+    assert baseline_disk_needed(tmp_path, 2) == pytest.approx(2 * layer * 32 / 9 * 1.1 + 2 * gb)
     disk = [30 * gb]
     monkeypatch.setattr(shutil, "disk_usage", lambda p: types.SimpleNamespace(free=disk[0]))
     monkeypatch.setattr(bench_runtime, "host_ram_bytes", lambda: 10**6 * gb)
