@@ -9,10 +9,11 @@ import types
 import pytest
 import torch
 
-from expertstream import bench, bench_runtime
-from expertstream.bench_baseline import baseline_disk_needed, baseline_table, max_memory
-from expertstream.bench_prefill import plan_prefill, prefill_table
-from expertstream.bench_runtime import (
+from expertstream.bench import cli as bench
+from expertstream.bench import runtime as bench_runtime
+from expertstream.bench.baseline import baseline_disk_needed, baseline_table, max_memory
+from expertstream.bench.prefill import plan_prefill, prefill_table
+from expertstream.bench.runtime import (
     bench_layers,
     busy_ms,
     decode_regimes,
@@ -21,7 +22,7 @@ from expertstream.bench_runtime import (
     profile_tokens,
 )
 from expertstream.config import EngineConfig
-from expertstream.workdir import Workdir
+from expertstream.workdir.workdir import Workdir
 
 
 def parse(argv):
@@ -231,7 +232,7 @@ def test_baseline_memory_map_and_table():
 
 def test_baseline_runs_offloaded_on_cpu_and_disk(tiny_snapshot):
     pytest.importorskip("accelerate")
-    from expertstream.bench_baseline import time_offloaded
+    from expertstream.bench.baseline import time_offloaded
 
     out = time_offloaded(tiny_snapshot, max_memory(None, 2**20), prompt=4, reps=1)  # layer 0 in RAM
     assert out["layers"] == 4 and out["seconds"] > 0 and "disk" in out["placement"]
@@ -256,10 +257,10 @@ def test_the_real_plans_prefill_span_is_what_the_bench_uses():
     import collections
     from types import SimpleNamespace
 
-    from expertstream.bench_prefill import plan_prefill
-    from expertstream.bench_runtime import real_model_plan
+    from expertstream.bench.prefill import plan_prefill
+    from expertstream.bench.runtime import real_model_plan
     from expertstream.formats.expert_block import ExpertLayout
-    from expertstream.synth import build_config
+    from expertstream.synth.synth import build_config
 
     tc = build_config("full-shape", None, None, 1024, collections.defaultdict(lambda: 7))["text_config"]
     wd = SimpleNamespace(text_config=tc, layout=ExpertLayout.for_dims(2560, 640))
@@ -276,7 +277,7 @@ def test_the_real_plans_prefill_span_is_what_the_bench_uses():
 def test_regimes_flag_picks_regimes_by_slug_and_names_unknown_ones():
     import argparse
 
-    from expertstream.bench import chosen
+    from expertstream.bench.cli import chosen
 
     regimes = {"vram": 1, "vram eager": 2, "disk, 24 GiB VRAM": 3}
     assert chosen(argparse.Namespace(regimes=None), regimes) == regimes
@@ -305,7 +306,7 @@ def test_decode_regimes_stage_in_ram_only_on_top_of_the_cache_share(tiny_workdir
 def test_decoding_engine_starts_past_its_warm_up(tiny_workdir):
     """The decode scripts' engine: caches warmed, a 16-token prompt and 6 tokens decoded, the next token
     ready (the scripts then time the steady state)."""
-    from expertstream.bench_runtime import decoding_engine
+    from expertstream.bench.runtime import decoding_engine
     from expertstream.config import EngineConfig
 
     eng, state, tok = decoding_engine(EngineConfig(model=str(tiny_workdir), device="cpu"), 0)
