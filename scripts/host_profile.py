@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from expertstream.bench.cli import BENCH_WORKDIR
-from expertstream.bench.runtime import REAL_LAYERS, ensure_model, real_model_plan, warm_caches
+from expertstream.bench.model import REAL_LAYERS, ensure_model
+from expertstream.bench.runtime import real_model_plan, warm_caches
 from expertstream.config import EngineConfig
 from expertstream.runtime.engine import Engine
 from expertstream.workdir.workdir import Workdir

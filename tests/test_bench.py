@@ -10,17 +10,12 @@ import pytest
 import torch
 
 from expertstream.bench import cli as bench
+from expertstream.bench import model as full_model
 from expertstream.bench import runtime as bench_runtime
 from expertstream.bench.baseline import baseline_disk_needed, baseline_table, max_memory
+from expertstream.bench.model import bench_layers, layers_that_fit
 from expertstream.bench.prefill import plan_prefill, prefill_table
-from expertstream.bench.runtime import (
-    bench_layers,
-    busy_ms,
-    decode_regimes,
-    decode_table,
-    layers_that_fit,
-    profile_tokens,
-)
+from expertstream.bench.runtime import busy_ms, decode_regimes, decode_table, profile_tokens
 from expertstream.config import EngineConfig
 from expertstream.workdir.workdir import Workdir
 
@@ -51,11 +46,11 @@ def test_layers_as_many_as_the_disk_and_ram_allow(tmp_path, monkeypatch):
     assert layers_that_fit(100 * gb, 20 * gb, int(1.4 * gb)) == (28, 7)  # half of 20 GB of RAM pinned
     assert layers_that_fit(gb, gb, int(1.4 * gb)) == (0, 0)
     # the refusal's figure is the same arithmetic: 28 layers need at most 100 GB, 29 more
-    need = [bench_runtime.disk_needed(n, int(1.4 * gb)) for n in (28, 29)]
+    need = [full_model.disk_needed(n, int(1.4 * gb)) for n in (28, 29)]
     assert need[0] <= 100 * gb < need[1]
     disk = [10**6 * gb]  # what shutil.disk_usage says is free
     monkeypatch.setattr(shutil, "disk_usage", lambda p: types.SimpleNamespace(free=disk[0]))
-    monkeypatch.setattr(bench_runtime, "host_ram_bytes", lambda: 10**6 * gb)
+    monkeypatch.setattr(full_model, "host_ram_bytes", lambda: 10**6 * gb)
     assert bench_layers(tmp_path, 0) == 48  # never more than the real model
     assert bench_layers(tmp_path, 3) == 3  # an explicit --layers is taken as it is
     disk[0] = 10 * gb  # room for 2 layers
@@ -77,7 +72,7 @@ def test_layers_as_many_as_the_disk_and_ram_allow(tmp_path, monkeypatch):
 
 def test_the_baseline_keeps_its_disk_room_and_is_refused_before_the_regimes(tmp_path, monkeypatch):
     gb = 10**9
-    layer = bench_runtime.full_shape_layer_bytes()  # 1.42 GB
+    layer = full_model.full_shape_layer_bytes()  # 1.42 GB
     need = baseline_disk_needed(tmp_path, 2)
     # its snapshot and its whole bf16 twin, 10 % more for dense weights, 2 GB spare: ~16 GB for 2 layers
     assert need == pytest.approx(2 * layer * (1 + 32 / 9) * 1.1 + 2 * gb)
@@ -86,7 +81,7 @@ def test_the_baseline_keeps_its_disk_room_and_is_refused_before_the_regimes(tmp_
     assert baseline_disk_needed(tmp_path, 2) == pytest.approx(2 * layer * 32 / 9 * 1.1 + 2 * gb)
     disk = [30 * gb]
     monkeypatch.setattr(shutil, "disk_usage", lambda p: types.SimpleNamespace(free=disk[0]))
-    monkeypatch.setattr(bench_runtime, "host_ram_bytes", lambda: 10**6 * gb)
+    monkeypatch.setattr(full_model, "host_ram_bytes", lambda: 10**6 * gb)
     assert bench_layers(tmp_path / "a", 0) == 8  # (0.9 x 30 GB - 2 GB) / 3.1 GB a layer
     assert bench_layers(tmp_path / "b", 0, reserve=need) == 3  # (0.9 x (30 - 16.2) GB - 2 GB) / 3.1 GB
     # a model made earlier that left no room: refused before any regime runs, in one sentence (the

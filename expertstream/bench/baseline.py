@@ -85,7 +85,7 @@ def run_baseline(args, expert_bytes: int, prompt: int) -> dict:
 def baseline_disk_needed(root: Path, layers: int) -> float:
     """Free disk --baseline writes at most: its NVFP4 snapshot (unless made) and accelerate's offload
     folder, at most the whole bf16 twin; dense weights 10 % more, and DISK_SPARE."""
-    from expertstream.bench.runtime import DISK_SPARE, full_shape_layer_bytes
+    from expertstream.bench.model import DISK_SPARE, full_shape_layer_bytes
 
     snapshot = 0.0 if (root / f"full-{layers}" / "config.json").exists() else 1.0
     return layers * full_shape_layer_bytes() * (snapshot + BF16_PER_BLOCK) * 1.1 + DISK_SPARE

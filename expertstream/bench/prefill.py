@@ -17,13 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from expertstream.bench.model import REAL_LAYERS
 from expertstream.bench.runtime import (
-    REAL_LAYERS,
     bench_model,
-    disk_rate,
     disk_rates,
     engine_disk_note,
-    pcie_rate,
     profile_tokens,
     real_model_plan,
     warm_caches,
@@ -31,6 +29,7 @@ from expertstream.bench.runtime import (
 from expertstream.config import EngineConfig
 from expertstream.log import get_logger
 from expertstream.memory_plan import GiB
+from expertstream.runtime.probes import disk_rate, pcie_rate
 
 log = get_logger(__name__)
 PROMPTS = (2451, 32768)

@@ -18,119 +18,21 @@ first regime's. --baseline adds transformers + accelerate offloading (expertstre
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from expertstream.bench.model import REAL_LAYERS, REAL_VOCAB, bench_layers, ensure_model
 from expertstream.config import EngineConfig
 from expertstream.log import get_logger
 from expertstream.memory_plan import GiB
+from expertstream.runtime.probes import disk_rate, pcie_rate
 
 log = get_logger(__name__)
-# the emulated model: Qwen3.8-Flash-Next's layer count and vocabulary (the synthetic one keeps a tiny vocab)
-REAL_LAYERS = 48
-REAL_VOCAB = 248320
 BIG_BUDGET_GB = 24  # issue 5's regime 3: a 24 GiB card with the disk regime's RAM cache
-
-
-# a full-shape bench model on disk: its experts twice (snapshot and working directory) and 10 % more of dense
-# weights a layer, with a tenth of the free disk and 2 GB more left over
-LAYER_DISK, DISK_USE, DISK_SPARE = 2.2, 0.9, 2e9
-
-
-def disk_needed(layers: int, layer_expert_bytes: int) -> float:
-    """Free disk a full-shape bench model of `layers` layers needs."""
-    return (layers * LAYER_DISK * layer_expert_bytes + DISK_SPARE) / DISK_USE
-
-
-def layers_that_fit(free_disk: int, host_ram: int, layer_expert_bytes: int) -> tuple[int, int]:
-    """(by disk, by RAM): full-shape layers that fit, on the disk (the inverse of `disk_needed`) and in
-    half the RAM (the `ram` regime pins every expert block)."""
-    by_disk = int((DISK_USE * free_disk - DISK_SPARE) // (LAYER_DISK * layer_expert_bytes))
-    return max(0, by_disk), host_ram // 2 // layer_expert_bytes
-
-
-def host_ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def full_shape_layer_bytes() -> int:
-    """Expert bytes of one full-shape layer (512 blocks of 2,764,800 B)."""
-    from expertstream.formats.expert_block import ExpertLayout
-    from expertstream.synth.synth import preset_dims
-
-    tc = preset_dims("full-shape")
-    block = ExpertLayout.for_dims(tc["hidden_size"], tc["moe_intermediate_size"]).block_bytes
-    return tc["num_experts"] * block
-
-
-def bench_layers(root: Path, layers: int, reserve: float = 0.0) -> int:
-    """--layers, where 0 (the default) is issue 5's "as many layers as the disk allows": as many as this
-    machine's free disk (less `reserve` bytes that the run writes beside the model) and RAM hold
-    (`layers_that_fit`), up to the real 48, or the largest full-shape model already under `root` if that
-    has more. A model that cannot fit on the disk is refused before anything is written."""
-    made = [int(p.name[5:-3]) for p in root.glob("full-*-wd") if (p / "manifest.json").exists()]
-    if layers in made:
-        return layers
-    layer_expert_bytes = full_shape_layer_bytes()
-    root.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(root).free - reserve
-    by_disk, by_ram = layers_that_fit(free, host_ram_bytes(), layer_expert_bytes)
-    n = layers or max([min(REAL_LAYERS, by_disk, by_ram), *made]) or 1
-    if n > by_disk and n not in made:
-        need = disk_needed(n, layer_expert_bytes)
-        raise SystemExit(
-            f"a {n}-layer full-shape bench model needs ~{need / 1e9:.0f} GB free under {root} (snapshot and "
-            f"working directory); {free / 1e9:.1f} GB are free{' beside the baseline' if reserve else ''}: "
-            "free some, or point --workdir elsewhere"
-        )
-    log.info("--layers %d: %d full-shape layers (%.0f GB free disk; fit by disk %d, by RAM %d; made: %s)",
-             layers, n, free / 1e9, by_disk, by_ram, made or "none")  # fmt: skip
-    return n
-
-
-def ensure_model(root: Path, layers: int) -> Path:
-    """The working directory of a full-shape synthetic model of `layers` layers under root, made once."""
-    from expertstream.synth.synth import write_synthetic
-    from expertstream.workdir.repack import setup_workdir
-
-    snap, work = root / f"full-{layers}", root / f"full-{layers}-wd"
-    if not (work / "manifest.json").exists():
-        if not (snap / "config.json").exists():
-            write_synthetic(snap, preset="full-shape", layers=layers, progress=True)
-        setup_workdir(snap, work, fp8_dense=True)
-    return work
-
-
-def disk_rate(path: Path, block_bytes: int, threads: int, n: int = 768) -> float:
-    """GB/s of O_DIRECT reads of `n` random expert blocks with `threads` readers, after the page cache's
-    writeback of a just-written model has finished (it otherwise shares the drive with the measurement)."""
-    from expertstream.store.reader import BlockReader, alloc_aligned
-
-    os.sync()
-
-    reader = BlockReader(path)
-    blocks = path.stat().st_size // block_bytes
-    offsets = (torch.randperm(blocks)[:n] * block_bytes).tolist()
-    bufs = threading.local()
-
-    def read(off):
-        if not hasattr(bufs, "b"):
-            bufs.b = alloc_aligned(block_bytes)
-        reader.read_into(bufs.b, off)
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(read, offsets))
-    dt = time.perf_counter() - t0
-    reader.close()
-    return len(offsets) * block_bytes / dt / 1e9
 
 
 def disk_rates(path: Path, block_bytes: int, threads: int, before: float) -> tuple[float, str]:
@@ -138,33 +40,6 @@ def disk_rates(path: Path, block_bytes: int, threads: int, before: float) -> tup
     lent H200s), so it is probed again after the regimes and the higher rate is the limit."""
     after = disk_rate(path, block_bytes, threads)
     return max(before, after), f"{before:.2f} before and {after:.2f} GB/s after the regimes, the higher used"
-
-
-def pcie_rate(nbytes: int = 1 << 30, block: int | None = None) -> float:
-    """GB/s of pinned host->device copies of `nbytes`: one copy (the bus's rate, the bound's), or with
-    `block` one copy call per block at random rows, as decode's routed blocks cross (context only: on the
-    H200 2.76 MB blocks crossed at ~0.94 of the one-copy rate, scripts/h2d_probe.py)."""
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    if block is None:
-        pairs = [(dev, host)]
-    else:
-        rows = nbytes // block
-        src, dst = host[: rows * block].view(rows, block), dev[: rows * block].view(rows, block)
-        pairs = [(dst[i], src[r]) for i, r in enumerate(torch.randperm(rows).tolist())]
-    moved = sum(d.numel() for d, _ in pairs)
-
-    def copy() -> None:
-        for d, src_row in pairs:
-            d.copy_(src_row, non_blocking=True)
-
-    copy()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        copy()
-    torch.cuda.synchronize()
-    return 3 * moved / (time.perf_counter() - t0) / 1e9
 
 
 def warm_caches(eng, vram: bool) -> None:

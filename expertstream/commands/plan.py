@@ -102,7 +102,7 @@ def _budget(cfg: EngineConfig) -> int:
 
 def _rates(args, wd, cfg: EngineConfig) -> tuple[float, float | None]:
     """(disk GB/s, PCIe GB/s or None): as given, else measured here."""
-    from expertstream.bench.runtime import disk_rate, pcie_rate
+    from expertstream.runtime.probes import disk_rate, pcie_rate
 
     disk = args.disk_gbps or disk_rate(wd.experts_path, wd.layout.block_bytes, cfg.io_threads, n=256)
     if args.pcie_gbps:
