@@ -163,6 +163,8 @@ def test_a_cut_model_checks_as_its_first_layers(capsys, tiny_snapshot, tiny_work
     wd = Workdir(work)
     assert wd.num_layers == 2 and wd.text_config["num_hidden_layers"] == 2
     assert wd.experts_path.stat().st_size == 2 * wd.num_experts * wd.layout.block_bytes
+    names = wd.load_resident().keys()
+    assert "layers.1.mlp.gate.weight" in names and not any(n.startswith("layers.2.") for n in names)
     assert len(build_reference(snap).model.layers) == 2
     rc, report = run_check(capsys, work, snap, "--prompts", "1", "--continuation", "2")
     assert rc == 0 and report["argmax_agreement"] == 1.0

@@ -2,9 +2,9 @@
 
 Making a full-shape model takes ~15 s and 3.1 GB of disk a layer (snapshot and working directory), so the
 device runs make the deepest model once and cut it: the snapshot's config.json (and the workdir's copy) names
-fewer layers, the workdir's experts.bin is truncated to them (blocks are layer-major) with its manifest, and
-the tensors of the layers past the cut stay in the files unread (the check's reference skips them, the
-engine loads only the layers its config names).
+fewer layers, the workdir's experts.bin is truncated to them (blocks are layer-major) and its resident file
+rewritten without the layers past the cut (the VRAM plan counts what that file holds), with its manifest.
+The snapshot's tensors of those layers stay in its files unread (the check's reference skips them).
 """
 
 from __future__ import annotations
@@ -12,9 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+
 from expertstream.workdir.workdir import Workdir, write_manifest
+
+LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 
 
 def cut_config(config: dict, layers: int) -> dict:
@@ -47,5 +52,16 @@ def cut_model(snapshot: str | os.PathLike, workdir: str | os.PathLike, layers: i
     manifest["budget"]["expert_bytes_per_token"] = (
         manifest["budget"]["expert_bytes_per_token"] * layers // old
     )
+    kept = {
+        n: t
+        for n, t in load_file(wd.resident_path).items()
+        if not (m := LAYER_RE.match(n)) or int(m[1]) < layers
+    }
+    tmp = wd.resident_path.with_suffix(".tmp")
+    save_file(kept, tmp)
+    os.replace(tmp, wd.resident_path)
+    resident = manifest["resident"]
+    resident["fp8_row_scaled"] = [n for n in resident["fp8_row_scaled"] if n in kept]
+    resident["bytes"] = manifest["budget"]["resident_bytes"] = sum(t.nbytes for t in kept.values())
     manifest["source"]["config_sha256"] = hashlib.sha256(data).hexdigest()
     write_manifest(wd.path, manifest)
