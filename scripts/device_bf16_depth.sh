@@ -38,8 +38,9 @@ for n in $L 8 4; do
   check $n
   if [ $n = 8 ]; then  # bench decode finds the cut model under its own name
     ln -sfn full-$L-wd $W/full-8-wd; ln -sfn full-$L $W/full-8
-    timeout ${DECODE_S:-150} python3 -m expertstream bench decode --layers 8 --workdir $W --tokens ${TOKENS:-24} \
-      --out $OUT/decode.md --json > $OUT/decode.log 2>&1
+    timeout ${DECODE_S:-150} python3 -m expertstream bench decode --layers 8 --workdir $W --tokens ${TOKENS:-16} \
+      --regimes ${REGIMES:-vram ram ram_unstaged ram_24_GiB_VRAM disk} --out $OUT/decode.md --json \
+      > $OUT/decode.log 2>&1
     grep -E "FP8 row-scaled|\(BF16\)" $OUT/decode.log | sort | uniq -c | head -4
     grep -E "Greedy tokens identical|^\| (vram|ram|disk)" $OUT/decode.md
     rm -f $W/full-8-wd $W/full-8
