@@ -4,12 +4,12 @@
 # and with the 8 GiB plan's FP8 DeltaNet matrices (--fp8-dense both), transformers' BF16 and the FP32 truth on
 # the same prompts (one random, the chat one, one past the indexer budget; 64 greedy tokens each) and the
 # per-layer table (--layers); then the same on the model cut to 8 layers (expertstream/bench/depth.py), with
-# `bench decode` there (do the regimes choose the same tokens?), then cut to 4. The device kernel check and
+# `bench decode` there (do the regimes choose the same tokens?; DECODE=0 skips it), then cut to 4. The device kernel check and
 # the decode launch-shape tests run while the model is made. Needs .whl/ carried; writes under $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-W=/tmp/expertstream-bench L=${LAYERS:-16}
+W=/tmp/expertstream-bench L=${LAYERS:-16}  # $DEPTHS: the depths checked, deepest first (cuts are in place)
 (timeout ${KERNELS_S:-90} python3 scripts/device_kernel_check.py > $OUT/kernel_check.txt 2>&1
  timeout 60 python3 -m pytest -p no:cacheprovider -rf tests/test_kernels.py -k "decode_launch_shape or decode_reads_host" \
    > $OUT/gpu_tests.txt 2>&1) &
@@ -31,12 +31,12 @@ check() {  # the three-way check of the model as it now is ($1 layers)
 print_report(json.load(open('$OUT/check_$1.json')))" > $OUT/check_$1.txt 2>&1
   echo "check of $1 layers: $(( $(date +%s) - t )) s"; grep "to the fp32 truth" $OUT/check_$1.txt
 }
-for n in $L 8 4; do
+for n in ${DEPTHS:-$L 8 4}; do
   if [ $n -lt $L ]; then
     python3 -c "from expertstream.bench.depth import cut_model; cut_model('$W/full-$L', '$W/full-$L-wd', $n)" || break
   fi
   check $n
-  if [ $n = 8 ]; then  # bench decode finds the cut model under its own name
+  if [ $n = 8 ] && [ "${DECODE:-1}" = 1 ]; then  # bench decode finds the cut model under its own name
     ln -sfn full-$L-wd $W/full-8-wd; ln -sfn full-$L $W/full-8
     timeout ${DECODE_S:-150} python3 -m expertstream bench decode --layers 8 --workdir $W --tokens ${TOKENS:-16} \
       --regimes ${REGIMES:-vram ram ram_unstaged ram_24_GiB_VRAM disk} --out $OUT/decode.md --json \

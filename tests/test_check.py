@@ -145,12 +145,16 @@ def test_bfloat16_ratio_form_fails_an_engine_worse_than_transformers(capsys, tin
 
 
 def test_lazy_experts_reference_equals_the_dense_one(tiny_snapshot):
-    """Experts dequantized per layer as it runs give the same logits as every layer's experts held dense."""
+    """Experts dequantized per layer as it runs give the same logits as every layer's experts held dense,
+    and outside a layer's run the lazy model holds none of them."""
     ids = list(range(3, 40))
     for dtype in (torch.float32, torch.bfloat16):
         dense = reference_logits(build_reference(tiny_snapshot, dtype), ids)
-        lazy = reference_logits(build_reference(tiny_snapshot, dtype, lazy_experts=True), ids)
-        assert torch.equal(dense, lazy)
+        model = build_reference(tiny_snapshot, dtype, lazy_experts=True)
+        held = [layer.mlp.experts for layer in model.model.layers]
+        assert all(m.gate_up_proj.numel() == m.down_proj.numel() == 0 for m in held)
+        assert torch.equal(dense, reference_logits(model, ids))
+        assert all(m.gate_up_proj.numel() == m.down_proj.numel() == 0 for m in held)
 
 
 def test_a_cut_model_checks_as_its_first_layers(capsys, tiny_snapshot, tiny_workdir, tmp_path):

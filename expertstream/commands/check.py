@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -231,8 +232,10 @@ def run_engines(variants, control: str, prompts: list[Prompt], continuation: int
             engine.close()
         passes[name] = [o for o, _ in out]
         conts = conts or [c for _, c in out]
+    gc.collect()  # a closed engine's VRAM goes back once its reference cycles (model <-> bank) are gone
     if torch.cuda.is_available():  # the engine's VRAM budget is a per-process allocator limit: lift it
         torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
     return passes, conts
 
 

@@ -142,10 +142,10 @@ def _expert_modules(model) -> list:
     return [layer.mlp.experts for layer in model.model.layers]
 
 
-def attach_experts(model, raw: RawExperts, dtype: torch.dtype) -> None:
+def attach_experts(model, raw: RawExperts, dtype: torch.dtype, device: str) -> None:
     """Give each layer's experts module its dense weights only while it runs: dequantized (FP32, then cast
     to dtype, as the eager reference casts them) in a pre-hook, dropped again in a hook after."""
-    empty = torch.empty(0, dtype=dtype, device=next(model.parameters()).device)
+    empty = torch.empty(0, dtype=dtype, device=device)
 
     def put(module, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
@@ -214,11 +214,11 @@ def build_reference(
         raise ValueError(
             f"{snapshot}: reference weights do not match; missing {missing}, unexpected {unexpected}"
         )
+    if experts is not None:  # before the cast: the empty experts construction made would go to the device
+        attach_experts(model, experts, dtype, device)
     for p in model.parameters():  # buffers (RoPE) keep the FP32 transformers made them in
         p.data = p.data.to(device, dtype)
     model.to(device)
-    if experts is not None:
-        attach_experts(model, experts, dtype)
     return model.eval()
 
 
