@@ -21,8 +21,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from expertstream.config import EngineConfig
 from expertstream.generate import SamplingParams
 from expertstream.log import get_logger
-from expertstream.server_errors import ERROR_RESPONSES, APIError, BodyLimit, add_error_handlers
+from expertstream.server_errors import ERROR_RESPONSES, APIError, add_error_handlers
 from expertstream.server_jobs import Jobs
+from expertstream.server_limits import BodyLimit, body_limit
 from expertstream.server_metrics import Metrics
 from expertstream.server_output import ChatOutput, CompletionOutput
 from expertstream.server_protocol import (
@@ -34,7 +35,7 @@ from expertstream.server_protocol import (
     ModelList,
     new_id,
 )
-from expertstream.server_request import chat_prompt, completion_prompt, sampling_params
+from expertstream.server_request import Prompts, sampling_params
 from expertstream.server_settings import REASONING_FIELDS, THINKING_SUFFIX, ServerSettings
 from expertstream.worker import EngineBackend
 
@@ -73,7 +74,15 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
             allow_methods=["*"],
             allow_headers=["*"],
         )
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    prompts = Prompts(tokenizer, settings)
+    tokenizer.max_token_bytes  # noqa: B018 (computed once here, not on the first request's event loop)
+
+    def max_body_bytes() -> int:
+        if settings.max_body_bytes is not None:
+            return settings.max_body_bytes
+        return body_limit(settings.max_model_len, tokenizer.max_token_bytes)
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     add_error_handlers(app)
 
     def check_key(request: Request) -> None:
@@ -128,7 +137,7 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, **v1)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         thinking = resolve_model(req.model)
-        prompt = await chat_prompt(tokenizer, req, thinking)
+        prompt = await prompts.chat(req, thinking)
         want_logprobs = bool(req.logprobs)
         max_tokens = req.max_completion_tokens or req.max_tokens
         top_n = req.top_logprobs or 0
@@ -142,7 +151,7 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
     @app.post("/v1/completions", response_model=CompletionResponse, **v1)
     async def completions(req: CompletionRequest, request: Request):
         resolve_model(req.model)
-        ids = await completion_prompt(tokenizer, req)
+        ids = await prompts.completion(req)
         want_logprobs = req.logprobs is not None
         params = sampling_params(settings, req, len(ids), req.max_tokens, want_logprobs, req.logprobs or 0)
         out = CompletionOutput(tokenizer, new_id("cmpl"), req.model or name, want_logprobs)

@@ -1,7 +1,7 @@
 """Errors of `expertstream serve`, all sent as OpenAI's {"error": {message, type, param, code}} body.
 
 `APIError` is what handlers raise; `add_error_handlers` turns it, FastAPI's validation errors, unknown routes
-and unexpected exceptions into that body; `BodyLimit` refuses oversized requests before they are parsed.
+and unexpected exceptions into that body.
 """
 
 from __future__ import annotations
@@ -48,38 +48,6 @@ def generation_failed(exc: BaseException) -> APIError:
 
 def error_json(err: APIError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
-class BodyLimit:
-    """ASGI middleware: refuse request bodies over `max_bytes` with 413, with or without Content-Length."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        too_big = APIError(413, f"request body exceeds {self.max_bytes} bytes", code="body_too_large")
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await error_json(too_big)(scope, receive, send)
-        # read the body here, counting, then hand it on; later receives (disconnects) pass through
-        messages, size = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                return await error_json(too_big)(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-
-        async def replay():
-            return messages.pop(0) if messages else await receive()
-
-        await self.app(scope, replay, send)
 
 
 async def _api_error(_request: Request, err: APIError):

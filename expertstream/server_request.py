@@ -6,6 +6,7 @@ named function) a forced opening of the Qwen XML call; request sampling fields w
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from expertstream.generate import SamplingParams
 from expertstream.reasoning import prompt_ends_in_reasoning, split_reasoning
 from expertstream.server_errors import APIError
+from expertstream.server_limits import check_fits, text_bytes
 from expertstream.server_protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -28,6 +30,8 @@ from expertstream.server_settings import ServerSettings
 REASONING_EFFORT = {"minimal": "low", "low": "low", "medium": "medium", "high": "xhigh", "xhigh": "xhigh"}
 # template arguments a request may not override through chat_template_kwargs
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
+# prompts rendered and tokenized at once (each holds up to a context's text and its tokens in memory)
+PREPARE_AT_ONCE = 2
 
 
 @dataclass(slots=True)
@@ -127,38 +131,66 @@ def _render(tokenizer, render: Callable[[], str]) -> tuple[str, list[int]]:
         raise APIError(400, f"cannot build the prompt: {e}", param="messages") from None
 
 
-async def chat_prompt(tokenizer, req: ChatCompletionRequest, thinking: bool) -> ChatPrompt:
-    """Render the chat template (in a thread: long histories take a while) and tokenize."""
-    parse_tools = bool(req.tools) and req.tool_choice != "none"
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if parse_tools else None
-    messages = [_message_dict(m) for m in req.messages]
-    kwargs = _template_kwargs(req, thinking)
-    prompt, ids = await run_in_threadpool(
-        _render, tokenizer, lambda: tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
-    )
-    in_reasoning = prompt_ends_in_reasoning(prompt)
-    forced = _forced_tool_prefix(req.tool_choice, tools, in_reasoning) if parse_tools else ""
-    ids = ids + tokenizer.encode(forced) if forced else ids
-    return ChatPrompt(ids, in_reasoning, tools, forced)
+def _message_texts(messages: list[dict]):
+    for m in messages:
+        yield m.get("content")
+        yield m.get("reasoning_content")
 
 
-async def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
-    """Token ids of a legacy prompt: text, a one-element list of text, or token ids."""
-    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
-        if len(req.prompt) != 1:
-            raise APIError(400, "prompt lists must hold exactly one prompt (no batching)", param="prompt")
-        prompt = req.prompt[0]
-    else:
-        prompt = req.prompt
-    if isinstance(prompt, str):
-        ids = (await run_in_threadpool(_render, tokenizer, lambda: prompt))[1]
-    else:
-        ids = list(prompt)
-        if any(not 0 <= t < tokenizer.vocab_size for t in ids):
-            raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
-    if not ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    return ids
+class Prompts:
+    """Builds prompt ids off the event loop, at most `PREPARE_AT_ONCE` at a time, refusing early a prompt
+    whose text alone exceeds the context.
+
+    Args:
+        tokenizer: the model's `Tokenizer`.
+        settings: `max_model_len` (read at each request: the engine may clamp it while loading).
+    """
+
+    def __init__(self, tokenizer, settings: ServerSettings):
+        self.tokenizer, self.settings = tokenizer, settings
+        self._slots = asyncio.Semaphore(PREPARE_AT_ONCE)
+
+    def check_fits(self, nbytes: int, param: str) -> None:
+        check_fits(nbytes, self.tokenizer.max_token_bytes, self.settings.max_model_len, param)
+
+    async def _render(self, render: Callable[[], str]) -> tuple[str, list[int]]:
+        async with self._slots:
+            return await run_in_threadpool(_render, self.tokenizer, render)
+
+    async def chat(self, req: ChatCompletionRequest, thinking: bool) -> ChatPrompt:
+        """Render the chat template and tokenize."""
+        tokenizer = self.tokenizer
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if parse_tools else None
+        messages = [_message_dict(m) for m in req.messages]
+        self.check_fits(text_bytes(_message_texts(messages)), "messages")
+        kwargs = _template_kwargs(req, thinking)
+        prompt, ids = await self._render(
+            lambda: tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
+        )
+        in_reasoning = prompt_ends_in_reasoning(prompt)
+        forced = _forced_tool_prefix(req.tool_choice, tools, in_reasoning) if parse_tools else ""
+        ids = ids + tokenizer.encode(forced) if forced else ids
+        return ChatPrompt(ids, in_reasoning, tools, forced)
+
+    async def completion(self, req: CompletionRequest) -> list[int]:
+        """Token ids of a legacy prompt: text, a one-element list of text, or token ids."""
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
+            if len(req.prompt) != 1:
+                raise APIError(400, "prompt lists must hold exactly one prompt (no batching)", param="prompt")
+            prompt = req.prompt[0]
+        else:
+            prompt = req.prompt
+        if isinstance(prompt, str):
+            self.check_fits(text_bytes([prompt]), "prompt")
+            ids = (await self._render(lambda: prompt))[1]
+        else:
+            ids = list(prompt)
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+                raise APIError(400, f"token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return ids
 
 
 def sampling_params(

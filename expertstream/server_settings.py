@@ -26,7 +26,7 @@ class ServerSettings:
     state_cache_bytes: int = 4 << 30
     max_queue: int = 16
     keepalive_s: float = 15.0
-    max_body_bytes: int = 32 << 20
+    max_body_bytes: int | None = None  # None: what the context can hold (`server_limits.body_limit`)
 
     def __post_init__(self) -> None:
         if self.reasoning_field not in REASONING_FIELDS:
