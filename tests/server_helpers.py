@@ -12,9 +12,9 @@ import openai
 import torch
 import uvicorn
 
-from expertstream.engine import EngineStats
 from expertstream.generate import SamplingParams
-from expertstream.server import ServerSettings, create_app
+from expertstream.runtime.engine import EngineStats
+from expertstream.server.app import ServerSettings, create_app
 from expertstream.tokenizer import Tokenizer
 
 KEY = "sk-test"

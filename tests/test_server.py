@@ -23,9 +23,9 @@ from fastapi.testclient import TestClient
 from server_helpers import KEY, USER, LiveServer, ScriptedEngine, scripted_server, stream_parts, wait_idle
 
 from expertstream.config import EngineConfig
-from expertstream.engine import Engine
 from expertstream.generate import SamplingParams
-from expertstream.server import ServerSettings, configure_parser, create_app, sampling_defaults
+from expertstream.runtime.engine import Engine
+from expertstream.server.app import ServerSettings, configure_parser, create_app, sampling_defaults
 from expertstream.tokenizer import Tokenizer
 
 

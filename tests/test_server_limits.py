@@ -9,7 +9,7 @@ import httpx
 import pytest
 from server_helpers import USER, scripted_server
 
-from expertstream.server_limits import body_limit
+from expertstream.server.limits import body_limit
 from expertstream.tokenizer import Tokenizer
 
 
