@@ -28,6 +28,8 @@ from expertstream.runtime.engine import Engine
 from expertstream.server.app import ServerSettings, configure_parser, create_app, sampling_defaults
 from expertstream.tokenizer import Tokenizer
 
+LOCAL = "http://127.0.0.1"  # TestClient's default Host, testserver, is not a loopback name
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_workdir):
@@ -368,7 +370,7 @@ def test_reasoning_field_both(tokenizer):
     engine = ScriptedEngine(tokenizer, max_model_len=256)
     engine.configure(script="why</think>because")
     settings = ServerSettings(served_model_name="m", max_model_len=256, reasoning_field="both")
-    with TestClient(create_app(settings, tokenizer, lambda: engine)) as http:
+    with TestClient(create_app(settings, tokenizer, lambda: engine), base_url=LOCAL) as http:
         body = {"model": "m-thinking", "messages": USER}
         message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
         assert message["reasoning_content"] == message["reasoning"] == "why"
@@ -388,7 +390,7 @@ def test_health_is_503_while_loading(tokenizer):
         return ScriptedEngine(tokenizer, max_model_len=64)
 
     app = create_app(ServerSettings(served_model_name="m", max_model_len=64), tokenizer, load)
-    with TestClient(app) as http:
+    with TestClient(app, base_url=LOCAL) as http:
         assert http.get("/health").status_code == 503
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["m", "m-thinking"]
         release.set()
@@ -404,7 +406,9 @@ def test_schemathesis_finds_no_server_errors(fake):
     from schemathesis.generation.modes import GenerationMode
 
     fake.engine.configure(script="ok")
-    schema = schemathesis.openapi.from_url(fake.url + "/openapi.json")
+    schema = schemathesis.openapi.from_url(
+        fake.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}
+    )
     cases = st.one_of(schema.as_strategy(generation_mode=m) for m in GenerationMode)
 
     # the same cases every CI run (a red CI must mean a change broke something); EXPERTSTREAM_FUZZ=1 explores
@@ -530,7 +534,7 @@ def test_follow_up_reuses_the_state_and_matches_an_uncached_run(real, engine):
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - generation_prompt
 
     fresh = create_app(real_settings(state_cache_bytes=0), engine.tokenizer, lambda: engine)
-    with TestClient(fresh) as http:
+    with TestClient(fresh, base_url=LOCAL) as http:
         ref = http.post("/v1/chat/completions", json={"model": "tiny", "messages": follow_up}).json()
     assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert ref["usage"]["prompt_tokens"] == r2.usage.prompt_tokens

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -24,6 +23,7 @@ from expertstream.generate import SamplingParams
 from expertstream.log import get_logger
 from expertstream.runtime.worker import EngineBackend
 from expertstream.server.errors import ERROR_RESPONSES, APIError, add_error_handlers
+from expertstream.server.guard import Guard, host_name, is_loopback
 from expertstream.server.jobs import Jobs
 from expertstream.server.limits import BodyLimit, body_limit
 from expertstream.server.metrics import Metrics
@@ -68,13 +68,6 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
     app = FastAPI(title="expertstream", summary="OpenAI-compatible API of expertstream")
     app.state.backend = backend
     app.state.metrics = metrics
-    if settings.allowed_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=settings.allowed_origins,
-            allow_methods=["*"],
-            allow_headers=["*"],
-        )
     prompts = Prompts(tokenizer, settings)
     tokenizer.max_token_bytes  # noqa: B018 (computed once here, not on the first request's event loop)
 
@@ -83,17 +76,17 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
             return settings.max_body_bytes
         return body_limit(settings.max_model_len, tokenizer.max_token_bytes)
 
+    # the last added runs first: CORS preflights, then Host and key, then the body bound
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(Guard, allowed_hosts=settings.allowed_hosts, api_key=settings.api_key)
+    if settings.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     add_error_handlers(app)
-
-    def check_key(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
-            raise APIError(
-                401, "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key"
-            )
 
     def resolve_model(model: str | None) -> bool:
         if model is None:
@@ -124,7 +117,7 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
     def card(model_id: str) -> ModelCard:
         return ModelCard(id=model_id, created=created, max_model_len=settings.max_model_len)
 
-    v1 = {"dependencies": [Depends(check_key)], "responses": ERROR_RESPONSES}
+    v1 = {"responses": ERROR_RESPONSES}
 
     @app.get("/v1/models", **v1)
     async def list_models() -> ModelList:
@@ -164,9 +157,7 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
         ("/chat/completions", chat_completions, ["POST"]),
         ("/completions", completions, ["POST"]),
     ):
-        app.add_api_route(
-            path, endpoint, methods=methods, dependencies=[Depends(check_key)], include_in_schema=False
-        )
+        app.add_api_route(path, endpoint, methods=methods, include_in_schema=False)
 
     return app
 
@@ -185,6 +176,13 @@ def sampling_defaults(args: argparse.Namespace, workdir: Path) -> SamplingParams
     return SamplingParams(seed=args.seed, **picked)
 
 
+def allowed_hosts(bind: str, flag: list[str] | None) -> list[str] | None:
+    """--allowed-hosts, else loopback names only (None) on a loopback bind, else any host."""
+    if flag is not None:
+        return flag
+    return None if is_loopback(host_name(bind)) else ["*"]
+
+
 def configure_parser(p: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_args(p)
     g = p.add_argument_group("server")
@@ -195,7 +193,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"model id (default: the workdir's name); NAME{THINKING_SUFFIX} is the same with thinking on",
     )
-    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every /v1 route")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on all routes but /health, /metrics",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="Host header names accepted (`.example.com` for a domain, `*` for any); default: loopback names "
+        "when bound to loopback, any otherwise",
+    )
     g.add_argument(
         "--reasoning-field",
         choices=sorted(REASONING_FIELDS),
@@ -243,11 +253,12 @@ def main(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         reasoning_field=args.reasoning_field,
         allowed_origins=args.allowed_origins,
+        allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
         state_cache_bytes=int(args.state_cache_gb * 2**30),
         max_queue=args.max_queue,
         keepalive_s=args.keepalive_interval,
     )
-    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+    if not is_loopback(host_name(args.host)) and args.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", args.host)
     app = create_app(settings, Tokenizer.from_dir(config.model), lambda: Engine(config))
     server = uvicorn.Server(

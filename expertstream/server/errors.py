@@ -50,6 +50,11 @@ def error_json(err: APIError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
+def error_for(path: str, err: APIError, headers: dict | None = None) -> JSONResponse:
+    """The error response in the shape the route's clients expect."""
+    return error_json(err, headers)
+
+
 async def _api_error(_request: Request, err: APIError):
     return error_json(err, {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None)
 

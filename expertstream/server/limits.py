@@ -14,7 +14,7 @@ import ctypes.util
 
 from starlette.concurrency import run_in_threadpool
 
-from expertstream.server.errors import APIError, error_json
+from expertstream.server.errors import APIError, error_for
 
 # bytes of a body that are not prompt text: tool definitions, schemas, sampling fields
 BODY_SLACK = 1 << 20
@@ -78,7 +78,7 @@ class BodyLimit:
         too_big = APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return await error_json(too_big)(scope, receive, send)
+            return await error_for(scope["path"], too_big)(scope, receive, send)
         # read the body here, counting, then hand it on; later receives (disconnects) pass through
         messages, size = [], 0
         while True:
@@ -89,7 +89,7 @@ class BodyLimit:
             size += len(message.get("body", b""))
             if size > limit:
                 messages.clear()
-                await error_json(too_big)(scope, receive, send)
+                await error_for(scope["path"], too_big)(scope, receive, send)
                 return await run_in_threadpool(release_memory)
             if not message.get("more_body", False):
                 break

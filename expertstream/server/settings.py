@@ -23,6 +23,7 @@ class ServerSettings:
     api_key: str | None = None
     reasoning_field: str = "reasoning_content"
     allowed_origins: list[str] = field(default_factory=list)
+    allowed_hosts: list[str] | None = None  # None: loopback names only (`guard.host_allowed`)
     state_cache_bytes: int = 4 << 30
     max_queue: int = 16
     keepalive_s: float = 15.0
