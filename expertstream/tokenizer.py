@@ -176,6 +176,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (constrained decoding builds its token trie from it)."""
+        return self._tok.to_str()
+
     def detokenizer(self) -> StreamingDetokenizer:
         return StreamingDetokenizer(self._tok)
 

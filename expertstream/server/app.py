@@ -135,7 +135,9 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
         want_logprobs = bool(req.logprobs)
         max_tokens = req.max_completion_tokens or req.max_tokens
         top_n = req.top_logprobs or 0
-        params = sampling_params(settings, req, len(prompt.ids), max_tokens, want_logprobs, top_n)
+        params = sampling_params(
+            settings, req, len(prompt.ids), max_tokens, want_logprobs, top_n, prompt.processors
+        )
         model = req.model or name
         out = ChatOutput(
             tokenizer, new_id("chatcmpl"), model, prompt, settings.reasoning_field, want_logprobs

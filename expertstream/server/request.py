@@ -9,18 +9,20 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jinja2
 from starlette.concurrency import run_in_threadpool
 
 from expertstream.generate import SamplingParams
+from expertstream.server.constrained import Constraints
 from expertstream.server.errors import APIError
 from expertstream.server.limits import check_fits, text_bytes
 from expertstream.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    ResponseFormat,
     SamplingRequest,
 )
 from expertstream.server.reasoning import prompt_ends_in_reasoning, split_reasoning
@@ -40,6 +42,7 @@ class ChatPrompt:
     in_reasoning: bool  # the rendered prompt ends inside an open <think> block
     tools: list[dict] | None  # None: tool calls are not parsed out of the reply
     forced: str  # text appended to the prompt that the reply is taken to start with
+    processors: list = field(default_factory=list)  # logits processors (constrained decoding)
 
 
 def _message_dict(m: ChatMessage) -> dict:
@@ -137,6 +140,15 @@ def _message_texts(messages: list[dict]):
         yield m.get("reasoning_content")
 
 
+def _response_schema(fmt: ResponseFormat) -> dict | None:
+    """The JSON schema response_format asks for; None for any JSON object."""
+    if fmt.type == "json_object":
+        return None
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+    return fmt.json_schema.schema_
+
+
 class Prompts:
     """Builds prompt ids off the event loop, at most `PREPARE_AT_ONCE` at a time, refusing early a prompt
     whose text alone exceeds the context.
@@ -148,7 +160,12 @@ class Prompts:
 
     def __init__(self, tokenizer, settings: ServerSettings):
         self.tokenizer, self.settings = tokenizer, settings
+        self.constraints = Constraints(tokenizer)
         self._slots = asyncio.Semaphore(PREPARE_AT_ONCE)
+
+    async def _build(self, build: Callable[[], object]):
+        """A grammar processor, compiled in a thread (a large schema takes a while; it drops the GIL)."""
+        return await run_in_threadpool(build)
 
     def check_fits(self, nbytes: int, param: str) -> None:
         check_fits(nbytes, self.tokenizer.max_token_bytes, self.settings.max_model_len, param)
@@ -171,7 +188,15 @@ class Prompts:
         in_reasoning = prompt_ends_in_reasoning(prompt)
         forced = _forced_tool_prefix(req.tool_choice, tools, in_reasoning) if parse_tools else ""
         ids = ids + tokenizer.encode(forced) if forced else ids
-        return ChatPrompt(ids, in_reasoning, tools, forced)
+        processors = []
+        if forced:
+            # the rest of the call: a declared name and arguments that parse, whatever the model prefers
+            name = forced.rpartition("<function=")[2].removesuffix(">\n") or None
+            processors.append(await self._build(lambda: self.constraints.tool_call(tools, name)))
+        elif req.response_format is not None and req.response_format.type != "text":
+            schema = _response_schema(req.response_format)
+            processors.append(await self._build(lambda: self.constraints.json(schema, in_reasoning)))
+        return ChatPrompt(ids, in_reasoning, tools, forced, processors)
 
     async def completion(self, req: CompletionRequest) -> list[int]:
         """Token ids of a legacy prompt: text, a one-element list of text, or token ids."""
@@ -200,6 +225,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    logits_processors: list | None = None,
 ) -> SamplingParams:
     """The request's sampling fields over `settings.defaults`, with max_tokens clamped to the context left."""
     if n_prompt >= settings.max_model_len:
@@ -223,4 +249,5 @@ def sampling_params(
         stop=stop,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        logits_processors=list(logits_processors or []),
     )
