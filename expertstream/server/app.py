@@ -22,6 +22,7 @@ from expertstream.config import EngineConfig
 from expertstream.generate import SamplingParams
 from expertstream.log import get_logger
 from expertstream.runtime.worker import EngineBackend
+from expertstream.server.anthropic import add_anthropic_routes
 from expertstream.server.errors import ERROR_RESPONSES, APIError, add_error_handlers
 from expertstream.server.guard import Guard, host_name, is_loopback
 from expertstream.server.jobs import Jobs
@@ -152,6 +153,8 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
         params = sampling_params(settings, req, len(ids), req.max_tokens, want_logprobs, req.logprobs or 0)
         out = CompletionOutput(tokenizer, new_id("cmpl"), req.model or name, want_logprobs)
         return await jobs.respond(jobs.submit(ids, params, "completions"), out, req, request)
+
+    add_anthropic_routes(app, tokenizer, settings, prompts, jobs, resolve_model)
 
     # the same routes without the /v1 prefix, as mlx-lm serves them; kept out of the schema
     for path, endpoint, methods in (

@@ -50,16 +50,41 @@ def error_json(err: APIError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
+# Anthropic's error types by HTTP status (its clients raise a class per type)
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages",)  # routes whose errors take Anthropic's shape
+
+
+def anthropic_body(err: APIError) -> dict:
+    kind = ANTHROPIC_ERROR_TYPES.get(
+        err.status, "api_error" if err.status >= 500 else "invalid_request_error"
+    )
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
 def error_for(path: str, err: APIError, headers: dict | None = None) -> JSONResponse:
-    """The error response in the shape the route's clients expect."""
+    """The error response in the shape its route's clients expect (Anthropic's on /v1/messages)."""
+    if headers is None and err.status == 429:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    if path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic_body(err), status_code=err.status, headers=headers)
     return error_json(err, headers)
 
 
-async def _api_error(_request: Request, err: APIError):
-    return error_json(err, {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None)
+async def _api_error(request: Request, err: APIError):
+    return error_for(request.url.path, err)
 
 
-async def _validation_error(_request: Request, err: RequestValidationError):
+async def _validation_error(request: Request, err: RequestValidationError):
     first = err.errors()[0]
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
@@ -67,16 +92,17 @@ async def _validation_error(_request: Request, err: RequestValidationError):
         message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
     else:
         message = f"{param or 'body'}: {first.get('msg')}"
-    return error_json(APIError(400, message, param=param))
+    return error_for(request.url.path, APIError(400, message, param=param))
 
 
-async def _http_error(_request: Request, err: StarletteHTTPException):
-    return error_json(APIError(err.status_code, str(err.detail), code=str(err.status_code)), err.headers)
+async def _http_error(request: Request, err: StarletteHTTPException):
+    err_ = APIError(err.status_code, str(err.detail), code=str(err.status_code))
+    return error_for(request.url.path, err_, err.headers)
 
 
-async def _internal_error(_request: Request, err: Exception):
+async def _internal_error(request: Request, err: Exception):
     log.exception("request failed", exc_info=err)
-    return error_json(APIError(500, f"internal error: {err}", type="server_error"))
+    return error_for(request.url.path, APIError(500, f"internal error: {err}", type="server_error"))
 
 
 def add_error_handlers(app: FastAPI) -> None:
