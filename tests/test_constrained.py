@@ -244,3 +244,29 @@ def test_thinking_then_json(scripted):
     message = r.choices[0].message
     assert message.reasoning_content == "Let me think."
     assert json.loads(message.content) == {"name": "Ann", "age": 7, "member": True}
+
+
+def test_stream_generate_calls_the_processors_with_the_ids_so_far(tiny_workdir):
+    from server_helpers import ScriptedEngine
+
+    from expertstream.generate import stream_generate
+
+    tokenizer = Tokenizer.from_dir(tiny_workdir)
+    engine = ScriptedEngine(tokenizer, max_model_len=256)
+    engine.configure(script="Hello!")
+    allowed = tokenizer.encode("ab")
+    seen = []
+
+    def only_a_and_b(generated, logits):
+        seen.append(list(generated))
+        masked = torch.full_like(logits, float("-inf"))
+        masked[allowed] = logits[allowed]
+        return masked
+
+    params = SamplingParams(max_tokens=5, logits_processors=[only_a_and_b], logprobs=True)
+    records = list(stream_generate(engine, tokenizer.encode("Hi"), params))
+    tokens = [r.token for r in records]
+    assert set(tokens) <= set(allowed) and len(tokens) == 5  # the script's own tokens were masked away
+    assert seen == [tokens[:i] for i in range(5)]
+    # logprobs stay those of the model's distribution, not of the masked one
+    assert all(r.logprobs < -1 for r in records)
