@@ -47,6 +47,9 @@ def test_body_limit_follows_the_context(server, tokenizer):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "word " * 200_000})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "at least" in r.json()["error"]["message"]
+    # token ids are counted before each one is looked at
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5] * 2000})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_flood_of_large_bodies_leaves_health_and_small_requests_answering(server):

@@ -47,6 +47,17 @@ def check_fits(nbytes: int, max_token_bytes: int, max_model_len: int, param: str
         )
 
 
+def check_tokens(n: int, max_model_len: int, param: str) -> None:
+    """Refuse a prompt of `n` tokens that leaves no room to generate (400, context_length_exceeded)."""
+    if n >= max_model_len:
+        raise APIError(
+            400,
+            f"the prompt has {n} tokens; the context holds {max_model_len}",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 def _malloc_trim():
     path = ctypes.util.find_library("c")
     fn = getattr(ctypes.CDLL(path), "malloc_trim", None) if path else None

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from expertstream.generate import SamplingParams
 from expertstream.server.constrained import Constraints
 from expertstream.server.errors import APIError
-from expertstream.server.limits import check_fits, text_bytes
+from expertstream.server.limits import check_fits, check_tokens, text_bytes
 from expertstream.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -211,6 +211,7 @@ class Prompts:
             ids = (await self._render(lambda: prompt))[1]
         else:
             ids = list(prompt)
+            check_tokens(len(ids), self.settings.max_model_len, "prompt")  # before looking at each id
             if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
                 raise APIError(400, f"token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
         if not ids:
@@ -228,13 +229,9 @@ def sampling_params(
     logits_processors: list | None = None,
 ) -> SamplingParams:
     """The request's sampling fields over `settings.defaults`, with max_tokens clamped to the context left."""
-    if n_prompt >= settings.max_model_len:
-        raise APIError(
-            400,
-            f"the prompt has {n_prompt} tokens; the context holds {settings.max_model_len}",
-            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-            code="context_length_exceeded",
-        )
+    check_tokens(
+        n_prompt, settings.max_model_len, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    )
     d = settings.defaults
     room = settings.max_model_len - n_prompt
     max_tokens = max_tokens or settings.default_max_tokens or room
