@@ -185,3 +185,41 @@ def test_errors_are_anthropic_shaped(fake):
             list(stream)
     fake.engine.configure(script="fine")
     assert client.messages.create(model="fake", max_tokens=20, messages=HI).content[0].text == "fine"
+
+
+# ---- the real tiny engine
+
+
+@pytest.fixture(scope="module")
+def real(tiny_workdir):
+    from server_helpers import LiveServer
+
+    from expertstream.config import EngineConfig
+    from expertstream.generate import SamplingParams
+    from expertstream.runtime.engine import Engine
+    from expertstream.server.app import ServerSettings, create_app
+
+    engine = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", max_model_len=512))
+    settings = ServerSettings(
+        served_model_name="tiny", max_model_len=512, defaults=SamplingParams(temperature=0.0)
+    )
+    server = LiveServer(create_app(settings, engine.tokenizer, lambda: engine))
+    server.anthropic = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    yield server
+    server.stop()
+    engine.close()
+
+
+def test_real_engine_stream_matches_message(real):
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    m = real.anthropic.messages.create(model="tiny", max_tokens=6, messages=ask)
+    assert m.stop_reason in ("end_turn", "max_tokens") and 0 < m.usage.output_tokens <= 6
+    with real.anthropic.messages.stream(model="tiny", max_tokens=6, messages=ask) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    assert (final.stop_reason, final.usage.output_tokens) == (m.stop_reason, m.usage.output_tokens)
+    # a follow-up reuses the conversation state: the cached prompt shows in usage
+    follow = ask + [{"role": "assistant", "content": m.content[0].text if m.content else ""}]
+    follow += [{"role": "user", "content": "And Italy?"}]
+    again = real.anthropic.messages.create(model="tiny", max_tokens=4, messages=follow)
+    assert again.usage.cache_read_input_tokens and again.usage.cache_read_input_tokens > 0
