@@ -47,18 +47,28 @@ def test_body_limit_follows_the_context(server, tokenizer):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "word " * 200_000})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "at least" in r.json()["error"]["message"]
+    # under the byte limit but thousands of one-word messages: refused before parsing
+    r = httpx.post(server.url + "/v1/chat/completions", content=many_messages(400 << 10), headers=JSON)
+    assert r.status_code == 413 and "JSON objects" in r.json()["error"]["message"]
     # token ids are counted before each one is looked at
     r = httpx.post(server.url + "/v1/completions", json={"prompt": [5] * 2000})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
+def many_messages(size: int) -> bytes:
+    """A body of one-word messages: cheap to send, costly to validate (one model per message)."""
+    one = {"role": "user", "content": "hi"}
+    return json.dumps({"model": "fake", "messages": [one] * (size // len(json.dumps(one)))}).encode()
+
+
 def test_flood_of_large_bodies_leaves_health_and_small_requests_answering(server):
-    sizes = [4 << 20, 1 << 20, 600 << 10]  # over the body limit, under it but over the context, and so on
+    # over the body limit; under it but over the context; and under it as 28,000 one-word messages
+    bodies = [chat_body("lorem ipsum " * (4 << 20 >> 4)), chat_body("lorem ipsum " * (1 << 20 >> 4))]
+    bodies += [chat_body("lorem ipsum " * (600 << 10 >> 4)), many_messages(900 << 10)]
     stop = threading.Event()
     statuses: list[int] = []
 
-    def flood(size: int):
-        body = chat_body("lorem ipsum " * (size // 12))
+    def flood(body: bytes):
         with httpx.Client(base_url=server.url, timeout=60) as http:
             for _ in range(6):  # bounded: a broken server cannot keep the test running
                 if stop.is_set():
@@ -69,7 +79,7 @@ def test_flood_of_large_bodies_leaves_health_and_small_requests_answering(server
                     statuses.append(-1)  # the server may close a connection whose body it refused
 
     rss0 = rss()
-    flooders = [threading.Thread(target=flood, args=(s,)) for s in sizes * 2]
+    flooders = [threading.Thread(target=flood, args=(b,)) for b in bodies * 2]
     for t in flooders:
         t.start()
     slowest = 0.0

@@ -26,7 +26,7 @@ from expertstream.server.anthropic import add_anthropic_routes
 from expertstream.server.errors import ERROR_RESPONSES, APIError, add_error_handlers
 from expertstream.server.guard import Guard, host_name, is_loopback
 from expertstream.server.jobs import Jobs
-from expertstream.server.limits import BodyLimit, body_limit
+from expertstream.server.limits import BodyLimit, body_limit, item_limit
 from expertstream.server.metrics import Metrics
 from expertstream.server.output import ChatOutput, CompletionOutput
 from expertstream.server.protocol import (
@@ -78,7 +78,9 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
         return body_limit(settings.max_model_len, tokenizer.max_token_bytes)
 
     # the last added runs first: CORS preflights, then Host and key, then the body bound
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(
+        BodyLimit, max_bytes=max_body_bytes, max_items=lambda: item_limit(settings.max_model_len)
+    )
     app.add_middleware(Guard, allowed_hosts=settings.allowed_hosts, api_key=settings.api_key)
     if settings.allowed_origins:
         app.add_middleware(

@@ -22,11 +22,20 @@ BODY_SLACK = 1 << 20
 JSON_EXPANSION = 3
 # a refused body at least this large hands its freed memory back to the OS
 LARGE_BODY = 1 << 20
+# JSON objects and arrays a body may hold, per context token, plus slack for tool schemas: parsing and
+# validating holds the GIL (~10 us an object), so 10^5 one-word messages would stall every request for seconds
+ITEMS_PER_TOKEN = 8
+ITEMS_SLACK = 4096
 
 
 def body_limit(max_model_len: int, max_token_bytes: int) -> int:
     """Bytes of the largest body whose prompt could fit the context."""
     return JSON_EXPANSION * max_model_len * max_token_bytes + BODY_SLACK
+
+
+def item_limit(max_model_len: int) -> int:
+    """JSON objects and arrays (counted as `{` and `[` bytes, strings included) a body may hold."""
+    return ITEMS_PER_TOKEN * max_model_len + ITEMS_SLACK
 
 
 def text_bytes(texts) -> int:
@@ -74,13 +83,14 @@ def release_memory() -> None:
 
 
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over `max_bytes()` with 413, with or without Content-Length.
+    """ASGI middleware: refuse with 413, before parsing, a body over `max_bytes()` (with or without
+    Content-Length) or one holding more than `max_items()` JSON objects and arrays.
 
     After a large body was refused (here or by the route), its freed memory goes back to the OS.
     """
 
-    def __init__(self, app, max_bytes):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes, max_items):
+        self.app, self.max_bytes, self.max_items = app, max_bytes, max_items
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -91,19 +101,30 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > limit:
             return await error_for(scope["path"], too_big)(scope, receive, send)
         # read the body here, counting, then hand it on; later receives (disconnects) pass through
-        messages, size = [], 0
+        messages, size, items = [], 0, 0
         while True:
             message = await receive()
             messages.append(message)
             if message["type"] != "http.request":
                 break
-            size += len(message.get("body", b""))
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            items += chunk.count(b"{") + chunk.count(b"[")
             if size > limit:
                 messages.clear()
                 await error_for(scope["path"], too_big)(scope, receive, send)
                 return await run_in_threadpool(release_memory)
             if not message.get("more_body", False):
                 break
+        if items > self.max_items():
+            messages.clear()
+            err = APIError(
+                413,
+                f"request body holds {items} JSON objects and arrays; at most {self.max_items()}",
+                code="body_too_large",
+            )
+            await error_for(scope["path"], err)(scope, receive, send)
+            return await run_in_threadpool(release_memory)
 
         async def replay():
             return messages.pop(0) if messages else await receive()
