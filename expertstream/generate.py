@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 from expertstream.log import get_logger
-from expertstream.sampling import make_generator, sample, token_logprobs
+from expertstream.sampling import (
+    LogitsProcessor,
+    apply_logits_processors,
+    make_generator,
+    sample,
+    token_logprobs,
+)
 
 log = get_logger(__name__)
 
@@ -39,6 +45,8 @@ class SamplingParams:
         stop: strings that end generation; they are not part of the output.
         logprobs: report the chosen token's log-probability.
         top_logprobs: also report this many most likely (token, logprob) pairs.
+        logits_processors: applied to the logits before each draw, with the ids generated so far (for
+            example a grammar's mask); logprobs stay those of the model's own distribution.
     """
 
     max_tokens: int = 256
@@ -50,6 +58,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -203,8 +212,11 @@ def stream_generate(
 
     detok = tokenizer.detokenizer()
     matcher = StopStringMatcher(params.stop)
+    generated: list[int] = []
     for n in range(1, max_tokens + 1):
-        token = sample(logits, params.temperature, params.top_k, params.top_p, params.min_p, generator)
+        masked = apply_logits_processors(params.logits_processors, generated, logits)
+        token = sample(masked, params.temperature, params.top_k, params.top_p, params.min_p, generator)
+        generated.append(token)
         lp, top = token_logprobs(logits, token, params.top_logprobs) if params.logprobs else (None, None)
         finish = None
         if token in stop_ids:

@@ -1,8 +1,15 @@
-"""Next-token choice: greedy, or temperature + top-k + top-p + min-p sampling with a seeded generator."""
+"""Next-token choice: greedy, or temperature + top-k + top-p + min-p sampling with a seeded generator,
+after the request's logits processors (constrained decoding masks the logits there)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
+
+# (token ids this sequence generated so far, logits [V]) -> logits [V]; may modify the logits in place. A
+# processor belongs to one sequence (it may keep state, such as a grammar matcher, between calls).
+LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 
 # Below this temperature a draw is the argmax (its limit); dividing float32 logits by a smaller number
 # overflows or, under float32's smallest subnormal, divides by zero and poisons the softmax with NaN.
@@ -42,6 +49,15 @@ def filter_logits(
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def apply_logits_processors(
+    processors: Sequence[LogitsProcessor], generated: Sequence[int], logits: torch.Tensor
+) -> torch.Tensor:
+    """Logits [V] after each processor in turn; call once per sampled position, before `sample`."""
+    for processor in processors:
+        logits = processor(generated, logits)
     return logits
 
 

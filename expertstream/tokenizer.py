@@ -7,6 +7,7 @@ that does not HTML-escape, and the tokenizer's special tokens as variables.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -161,11 +162,23 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        # chat prompts already carry their special tokens as text, so no BOS/EOS is added by default
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # chat prompts already carry their special tokens as text, so no BOS/EOS is added by default;
+        # encode_batch releases the GIL while it runs (encode holds it: a long prompt stalls other threads)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token's text: a text of B bytes has at least B / this many tokens."""
+        texts = self._tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        # +1: a decoder may drop a leading space from a token decoded alone (SentencePiece's metaspace)
+        return 1 + max(len(t.encode("utf-8", "surrogatepass")) for t in texts)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (constrained decoding builds its token trie from it)."""
+        return self._tok.to_str()
 
     def detokenizer(self) -> StreamingDetokenizer:
         return StreamingDetokenizer(self._tok)

@@ -15,95 +15,20 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
 from fastapi.testclient import TestClient
+from server_helpers import KEY, USER, LiveServer, ScriptedEngine, scripted_server, stream_parts, wait_idle
 
 from expertstream.config import EngineConfig
 from expertstream.generate import SamplingParams
-from expertstream.runtime.engine import Engine, EngineStats
+from expertstream.runtime.engine import Engine
 from expertstream.server.app import ServerSettings, configure_parser, create_app, sampling_defaults
 from expertstream.tokenizer import Tokenizer
 
-KEY = "sk-test"
-
-
-class LiveServer:
-    def __init__(self, app):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not (self.server.started and httpx.get(self.url + "/health").status_code == 200):
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-# ---- scripted engine
-
-
-class ScriptedState:
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.tokens, self.generated = [], 0
-
-    def snapshot(self):
-        return SimpleNamespace(
-            tokens=list(self.tokens), generated=self.generated, nbytes=8 * len(self.tokens)
-        )
-
-    def restore(self, snap):
-        self.tokens, self.generated = list(snap.tokens), snap.generated
-
-
-class ScriptedEngine:
-    """Writes `script` (then <|im_end|>) whatever the prompt; knobs make it slow or fail."""
-
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
-        self.tokenizer = tokenizer
-        self.config = SimpleNamespace(max_model_len=max_model_len)
-        self.device = torch.device("cpu")
-        self.im_end = tokenizer.token_to_id("<|im_end|>")
-        self.forward_calls = 0
-        self.configure()
-
-    def configure(self, script="Hello!", prefill_delay_s=0.0, token_delay_s=0.0, fail_at=None):
-        self.script_ids = self.tokenizer.encode(script) + [self.im_end]
-        self.prefill_delay_s, self.token_delay_s, self.fail_at = prefill_delay_s, token_delay_s, fail_at
-
-    def new_state(self):
-        return ScriptedState()
-
-    def stats(self):
-        return EngineStats(**dict.fromkeys(EngineStats.__dataclass_fields__, 0))
-
-    def forward(self, state, ids, all_logits=False):
-        self.forward_calls += 1
-        ids = list(ids)
-        script = self.script_ids
-        decode = len(ids) == 1 and state.generated < len(script) and ids[0] == script[state.generated]
-        state.generated = state.generated + 1 if decode else 0
-        time.sleep(self.token_delay_s if decode else self.prefill_delay_s)
-        if self.fail_at is not None and state.generated >= self.fail_at:
-            raise RuntimeError("scripted failure")
-        state.tokens.extend(ids)
-        logits = torch.full((self.tokenizer.vocab_size,), -30.0)
-        logits[script[min(state.generated, len(script) - 1)]] = 30.0
-        return logits
+LOCAL = "http://127.0.0.1"  # TestClient's default Host, testserver, is not a loopback name
 
 
 @pytest.fixture(scope="module")
@@ -113,19 +38,7 @@ def tokenizer(tiny_workdir):
 
 @pytest.fixture(scope="module")
 def scripted(tokenizer):
-    engine = ScriptedEngine(tokenizer, max_model_len=1024)
-    settings = ServerSettings(
-        served_model_name="fake",
-        max_model_len=1024,
-        defaults=SamplingParams(temperature=0.0),
-        api_key=KEY,
-        max_queue=1,
-        keepalive_s=0.2,
-        max_body_bytes=64 << 10,
-    )
-    server = LiveServer(create_app(settings, tokenizer, lambda: engine))
-    server.engine = engine
-    server.client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    server = scripted_server(tokenizer, api_key=KEY, max_queue=1, keepalive_s=0.2, max_body_bytes=64 << 10)
     yield server
     server.stop()
 
@@ -137,31 +50,6 @@ def fake(scripted):
     # leave the worker idle for the next test
     wait_idle(scripted)
     scripted.engine.configure()
-
-
-def wait_idle(server, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while re.search("^expertstream_worker_busy 1$", httpx.get(server.url + "/metrics").text, re.M):
-        assert time.monotonic() < deadline, "the worker stayed busy"
-        time.sleep(0.02)
-
-
-USER = [{"role": "user", "content": "Hi"}]
-
-
-def stream_parts(stream):
-    content, reasoning, finish, tool_calls = [], [], None, []
-    for chunk in stream:
-        for choice in chunk.choices:
-            delta = choice.delta
-            content.append(delta.content or "")
-            reasoning.append(getattr(delta, "reasoning_content", None) or "")
-            tool_calls += delta.tool_calls or []
-            finish = choice.finish_reason or finish
-    return content, reasoning, finish, tool_calls
-
-
-# ---- scripted engine: what random weights cannot show
 
 
 def test_stop_string_never_leaks_streamed_or_not(fake):
@@ -482,7 +370,7 @@ def test_reasoning_field_both(tokenizer):
     engine = ScriptedEngine(tokenizer, max_model_len=256)
     engine.configure(script="why</think>because")
     settings = ServerSettings(served_model_name="m", max_model_len=256, reasoning_field="both")
-    with TestClient(create_app(settings, tokenizer, lambda: engine)) as http:
+    with TestClient(create_app(settings, tokenizer, lambda: engine), base_url=LOCAL) as http:
         body = {"model": "m-thinking", "messages": USER}
         message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
         assert message["reasoning_content"] == message["reasoning"] == "why"
@@ -502,7 +390,7 @@ def test_health_is_503_while_loading(tokenizer):
         return ScriptedEngine(tokenizer, max_model_len=64)
 
     app = create_app(ServerSettings(served_model_name="m", max_model_len=64), tokenizer, load)
-    with TestClient(app) as http:
+    with TestClient(app, base_url=LOCAL) as http:
         assert http.get("/health").status_code == 503
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["m", "m-thinking"]
         release.set()
@@ -518,7 +406,9 @@ def test_schemathesis_finds_no_server_errors(fake):
     from schemathesis.generation.modes import GenerationMode
 
     fake.engine.configure(script="ok")
-    schema = schemathesis.openapi.from_url(fake.url + "/openapi.json")
+    schema = schemathesis.openapi.from_url(
+        fake.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}
+    )
     cases = st.one_of(schema.as_strategy(generation_mode=m) for m in GenerationMode)
 
     # the same cases every CI run (a red CI must mean a change broke something); EXPERTSTREAM_FUZZ=1 explores
@@ -644,7 +534,7 @@ def test_follow_up_reuses_the_state_and_matches_an_uncached_run(real, engine):
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - generation_prompt
 
     fresh = create_app(real_settings(state_cache_bytes=0), engine.tokenizer, lambda: engine)
-    with TestClient(fresh) as http:
+    with TestClient(fresh, base_url=LOCAL) as http:
         ref = http.post("/v1/chat/completions", json={"model": "tiny", "messages": follow_up}).json()
     assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert ref["usage"]["prompt_tokens"] == r2.usage.prompt_tokens

@@ -109,3 +109,20 @@ def test_malformed_call_becomes_content_and_text_without_tags_passes():
     assert s.feed("a < b and <tool") == ("a < b and ", [])
     assert s.feed("_call>oops</tool_call> end") == ("<tool_call>oops</tool_call> end", [])
     assert s.flush() == ("", [])
+
+
+def test_undeclared_or_broken_calls_stay_text():
+    # the name must be declared, the arguments a JSON object; otherwise the user sees the text
+    bad = [
+        "<tool_call>\n<function=3\ufffdum\x15<|im_start|>\n</function>\n</tool_call>",
+        '<tool_call>{"name": "get_weather", "arguments": "{not json"}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": "[1, 2]"}</tool_call>',
+    ]
+    for text in bad:
+        s = ToolCallStreamer(TOOLS)
+        content, calls = s.feed(text)
+        assert (content, calls) == (text, []) and s.flush() == ("", [])
+    # a call cut off before its function closed (max_tokens) is text, not a call with half its arguments
+    s = ToolCallStreamer(TOOLS)
+    cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+    assert s.feed(cut) == ("", []) and s.flush() == (cut, [])

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -23,8 +22,11 @@ from expertstream.config import EngineConfig
 from expertstream.generate import SamplingParams
 from expertstream.log import get_logger
 from expertstream.runtime.worker import EngineBackend
-from expertstream.server.errors import ERROR_RESPONSES, APIError, BodyLimit, add_error_handlers
+from expertstream.server.anthropic import add_anthropic_routes
+from expertstream.server.errors import ERROR_RESPONSES, APIError, add_error_handlers
+from expertstream.server.guard import Guard, host_name, is_loopback
 from expertstream.server.jobs import Jobs
+from expertstream.server.limits import BodyLimit, body_limit, item_limit
 from expertstream.server.metrics import Metrics
 from expertstream.server.output import ChatOutput, CompletionOutput
 from expertstream.server.protocol import (
@@ -36,7 +38,7 @@ from expertstream.server.protocol import (
     ModelList,
     new_id,
 )
-from expertstream.server.request import chat_prompt, completion_prompt, sampling_params
+from expertstream.server.request import Prompts, sampling_params
 from expertstream.server.settings import REASONING_FIELDS, THINKING_SUFFIX, ServerSettings
 
 log = get_logger(__name__)
@@ -67,6 +69,19 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
     app = FastAPI(title="expertstream", summary="OpenAI-compatible API of expertstream")
     app.state.backend = backend
     app.state.metrics = metrics
+    prompts = Prompts(tokenizer, settings)
+    tokenizer.max_token_bytes  # noqa: B018 (computed once here, not on the first request's event loop)
+
+    def max_body_bytes() -> int:
+        if settings.max_body_bytes is not None:
+            return settings.max_body_bytes
+        return body_limit(settings.max_model_len, tokenizer.max_token_bytes)
+
+    # the last added runs first: CORS preflights, then Host and key, then the body bound
+    app.add_middleware(
+        BodyLimit, max_bytes=max_body_bytes, max_items=lambda: item_limit(settings.max_model_len)
+    )
+    app.add_middleware(Guard, allowed_hosts=settings.allowed_hosts, api_key=settings.api_key)
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -74,17 +89,7 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
             allow_methods=["*"],
             allow_headers=["*"],
         )
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     add_error_handlers(app)
-
-    def check_key(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
-            raise APIError(
-                401, "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key"
-            )
 
     def resolve_model(model: str | None) -> bool:
         if model is None:
@@ -115,7 +120,7 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
     def card(model_id: str) -> ModelCard:
         return ModelCard(id=model_id, created=created, max_model_len=settings.max_model_len)
 
-    v1 = {"dependencies": [Depends(check_key)], "responses": ERROR_RESPONSES}
+    v1 = {"responses": ERROR_RESPONSES}
 
     @app.get("/v1/models", **v1)
     async def list_models() -> ModelList:
@@ -129,11 +134,13 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, **v1)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         thinking = resolve_model(req.model)
-        prompt = await chat_prompt(tokenizer, req, thinking)
+        prompt = await prompts.chat(req, thinking)
         want_logprobs = bool(req.logprobs)
         max_tokens = req.max_completion_tokens or req.max_tokens
         top_n = req.top_logprobs or 0
-        params = sampling_params(settings, req, len(prompt.ids), max_tokens, want_logprobs, top_n)
+        params = sampling_params(
+            settings, req, len(prompt.ids), max_tokens, want_logprobs, top_n, prompt.processors
+        )
         model = req.model or name
         out = ChatOutput(
             tokenizer, new_id("chatcmpl"), model, prompt, settings.reasoning_field, want_logprobs
@@ -143,11 +150,13 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
     @app.post("/v1/completions", response_model=CompletionResponse, **v1)
     async def completions(req: CompletionRequest, request: Request):
         resolve_model(req.model)
-        ids = await completion_prompt(tokenizer, req)
+        ids = await prompts.completion(req)
         want_logprobs = req.logprobs is not None
         params = sampling_params(settings, req, len(ids), req.max_tokens, want_logprobs, req.logprobs or 0)
         out = CompletionOutput(tokenizer, new_id("cmpl"), req.model or name, want_logprobs)
         return await jobs.respond(jobs.submit(ids, params, "completions"), out, req, request)
+
+    add_anthropic_routes(app, tokenizer, settings, prompts, jobs, resolve_model)
 
     # the same routes without the /v1 prefix, as mlx-lm serves them; kept out of the schema
     for path, endpoint, methods in (
@@ -155,9 +164,7 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
         ("/chat/completions", chat_completions, ["POST"]),
         ("/completions", completions, ["POST"]),
     ):
-        app.add_api_route(
-            path, endpoint, methods=methods, dependencies=[Depends(check_key)], include_in_schema=False
-        )
+        app.add_api_route(path, endpoint, methods=methods, include_in_schema=False)
 
     return app
 
@@ -176,6 +183,13 @@ def sampling_defaults(args: argparse.Namespace, workdir: Path) -> SamplingParams
     return SamplingParams(seed=args.seed, **picked)
 
 
+def allowed_hosts(bind: str, flag: list[str] | None) -> list[str] | None:
+    """--allowed-hosts, else loopback names only (None) on a loopback bind, else any host."""
+    if flag is not None:
+        return flag
+    return None if is_loopback(host_name(bind)) else ["*"]
+
+
 def configure_parser(p: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_args(p)
     g = p.add_argument_group("server")
@@ -186,7 +200,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"model id (default: the workdir's name); NAME{THINKING_SUFFIX} is the same with thinking on",
     )
-    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every /v1 route")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on all routes but /health, /metrics",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="Host header names accepted (`.example.com` for a domain, `*` for any); default: loopback names "
+        "when bound to loopback, any otherwise",
+    )
     g.add_argument(
         "--reasoning-field",
         choices=sorted(REASONING_FIELDS),
@@ -234,11 +260,12 @@ def main(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         reasoning_field=args.reasoning_field,
         allowed_origins=args.allowed_origins,
+        allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
         state_cache_bytes=int(args.state_cache_gb * 2**30),
         max_queue=args.max_queue,
         keepalive_s=args.keepalive_interval,
     )
-    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+    if not is_loopback(host_name(args.host)) and args.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", args.host)
     app = create_app(settings, Tokenizer.from_dir(config.model), lambda: Engine(config))
     server = uvicorn.Server(

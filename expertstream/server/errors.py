@@ -1,7 +1,7 @@
 """Errors of `expertstream serve`, all sent as OpenAI's {"error": {message, type, param, code}} body.
 
 `APIError` is what handlers raise; `add_error_handlers` turns it, FastAPI's validation errors, unknown routes
-and unexpected exceptions into that body; `BodyLimit` refuses oversized requests before they are parsed.
+and unexpected exceptions into that body.
 """
 
 from __future__ import annotations
@@ -50,43 +50,41 @@ def error_json(err: APIError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-class BodyLimit:
-    """ASGI middleware: refuse request bodies over `max_bytes` with 413, with or without Content-Length."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        too_big = APIError(413, f"request body exceeds {self.max_bytes} bytes", code="body_too_large")
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await error_json(too_big)(scope, receive, send)
-        # read the body here, counting, then hand it on; later receives (disconnects) pass through
-        messages, size = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                return await error_json(too_big)(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-
-        async def replay():
-            return messages.pop(0) if messages else await receive()
-
-        await self.app(scope, replay, send)
+# Anthropic's error types by HTTP status (its clients raise a class per type)
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages",)  # routes whose errors take Anthropic's shape
 
 
-async def _api_error(_request: Request, err: APIError):
-    return error_json(err, {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None)
+def anthropic_body(err: APIError) -> dict:
+    kind = ANTHROPIC_ERROR_TYPES.get(
+        err.status, "api_error" if err.status >= 500 else "invalid_request_error"
+    )
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
-async def _validation_error(_request: Request, err: RequestValidationError):
+def error_for(path: str, err: APIError, headers: dict | None = None) -> JSONResponse:
+    """The error response in the shape its route's clients expect (Anthropic's on /v1/messages)."""
+    if headers is None and err.status == 429:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    if path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic_body(err), status_code=err.status, headers=headers)
+    return error_json(err, headers)
+
+
+async def _api_error(request: Request, err: APIError):
+    return error_for(request.url.path, err)
+
+
+async def _validation_error(request: Request, err: RequestValidationError):
     first = err.errors()[0]
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
@@ -94,16 +92,17 @@ async def _validation_error(_request: Request, err: RequestValidationError):
         message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
     else:
         message = f"{param or 'body'}: {first.get('msg')}"
-    return error_json(APIError(400, message, param=param))
+    return error_for(request.url.path, APIError(400, message, param=param))
 
 
-async def _http_error(_request: Request, err: StarletteHTTPException):
-    return error_json(APIError(err.status_code, str(err.detail), code=str(err.status_code)), err.headers)
+async def _http_error(request: Request, err: StarletteHTTPException):
+    err_ = APIError(err.status_code, str(err.detail), code=str(err.status_code))
+    return error_for(request.url.path, err_, err.headers)
 
 
-async def _internal_error(_request: Request, err: Exception):
+async def _internal_error(request: Request, err: Exception):
     log.exception("request failed", exc_info=err)
-    return error_json(APIError(500, f"internal error: {err}", type="server_error"))
+    return error_for(request.url.path, APIError(500, f"internal error: {err}", type="server_error"))
 
 
 def add_error_handlers(app: FastAPI) -> None:

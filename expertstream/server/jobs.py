@@ -110,6 +110,23 @@ class Output(Protocol):
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
     def add(self, r: GenerationResponse) -> None: ...
     def response(self, last: GenerationResponse | None, usage: Usage) -> BaseModel: ...
+    # the stream's framing: one event per chunk, an error event, the end of the stream
+    def encode(self, chunk: BaseModel) -> str: ...
+    def error_event(self, err: APIError) -> str: ...
+    def end(self) -> str: ...
+
+
+class OpenAIFraming:
+    """OpenAI's SSE framing: `data: {json}` events, errors as `{"error": ...}` events, then `[DONE]`."""
+
+    def encode(self, chunk: BaseModel) -> str:
+        return _sse(chunk)
+
+    def error_event(self, err: APIError) -> str:
+        return _sse(err.body())
+
+    def end(self) -> str:
+        return "data: [DONE]\n\n"
 
 
 class Jobs:
@@ -172,18 +189,18 @@ class Jobs:
                         yield f": keepalive {ev[1]}/{ev[2]}\n\n"
                     elif ev[0] == "error":
                         self.metrics.count(job.endpoint, "error")
-                        yield _sse(generation_failed(ev[1]).body())
+                        yield out.error_event(generation_failed(ev[1]))
                         return
                     elif ev[0] == "token":
                         for chunk in out.token_chunks(ev[1]):
-                            yield _sse(chunk)
+                            yield out.encode(chunk)
                     elif ev[0] == "done":
                         for chunk in out.final_chunks(job.last):
-                            yield _sse(chunk)
+                            yield out.encode(chunk)
                         self._finished(job)
                         if include_usage:
-                            yield _sse(out.usage_chunk(job.usage()))
-            yield "data: [DONE]\n\n"
+                            yield out.encode(out.usage_chunk(job.usage()))
+            yield out.end()
         except asyncio.CancelledError:
             self.metrics.count(job.endpoint, "cancelled")
             raise

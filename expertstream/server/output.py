@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from expertstream.generate import GenerationResponse
+from expertstream.server.jobs import OpenAIFraming
 from expertstream.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -38,7 +39,7 @@ def _finish_reason(last: GenerationResponse | None) -> str:
     return "length" if last is not None and last.finish_reason == "length" else "stop"
 
 
-class ChatOutput:
+class ChatOutput(OpenAIFraming):
     """Turns generated records into chat deltas: reasoning split, tool calls, logprobs."""
 
     def __init__(
@@ -53,7 +54,7 @@ class ChatOutput:
         self.reasoning = ""
         self._token_logprobs: list[TokenLogprob] = []
         self._started = False
-        self._forced_deltas = self.feed(prompt.forced) if prompt.forced else []  # e.g. the forced call's name
+        self.forced_deltas = self.feed(prompt.forced) if prompt.forced else []  # e.g. the forced call's name
 
     def feed(self, text: str) -> list[DeltaMessage]:
         return self._deltas(self.splitter.feed(text), final=False)
@@ -112,7 +113,7 @@ class ChatOutput:
         if not self._started:
             self._started = True
             yield self._chunk(DeltaMessage(role="assistant", content=""))
-            for delta in self._forced_deltas:
+            for delta in self.forced_deltas:
                 yield self._chunk(delta)
 
     def token_chunks(self, r: GenerationResponse) -> Iterator[ChatCompletionChunk]:
@@ -156,7 +157,7 @@ class ChatOutput:
         return ChatCompletionResponse(id=self.id, model=self.model, choices=[choice], usage=usage)
 
 
-class CompletionOutput:
+class CompletionOutput(OpenAIFraming):
     """Legacy completions: the text as generated, with OpenAI's parallel logprob lists when asked."""
 
     def __init__(self, tokenizer, cmpl_id: str, model: str, logprobs: bool):

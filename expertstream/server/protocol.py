@@ -67,6 +67,18 @@ class Tool(OpenAIRequest):
     function: FunctionDef
 
 
+class JSONSchemaFormat(OpenAIRequest):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
@@ -107,6 +119,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingRequest):

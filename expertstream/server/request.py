@@ -6,19 +6,23 @@ named function) a forced opening of the Qwen XML call; request sampling fields w
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jinja2
 from starlette.concurrency import run_in_threadpool
 
 from expertstream.generate import SamplingParams
+from expertstream.server.constrained import Constraints
 from expertstream.server.errors import APIError
+from expertstream.server.limits import check_fits, check_tokens, text_bytes
 from expertstream.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    ResponseFormat,
     SamplingRequest,
 )
 from expertstream.server.reasoning import prompt_ends_in_reasoning, split_reasoning
@@ -28,6 +32,8 @@ from expertstream.server.settings import ServerSettings
 REASONING_EFFORT = {"minimal": "low", "low": "low", "medium": "medium", "high": "xhigh", "xhigh": "xhigh"}
 # template arguments a request may not override through chat_template_kwargs
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
+# prompts rendered and tokenized at once (each holds up to a context's text and its tokens in memory)
+PREPARE_AT_ONCE = 2
 
 
 @dataclass(slots=True)
@@ -36,6 +42,7 @@ class ChatPrompt:
     in_reasoning: bool  # the rendered prompt ends inside an open <think> block
     tools: list[dict] | None  # None: tool calls are not parsed out of the reply
     forced: str  # text appended to the prompt that the reply is taken to start with
+    processors: list = field(default_factory=list)  # logits processors (constrained decoding)
 
 
 def _message_dict(m: ChatMessage) -> dict:
@@ -127,38 +134,89 @@ def _render(tokenizer, render: Callable[[], str]) -> tuple[str, list[int]]:
         raise APIError(400, f"cannot build the prompt: {e}", param="messages") from None
 
 
-async def chat_prompt(tokenizer, req: ChatCompletionRequest, thinking: bool) -> ChatPrompt:
-    """Render the chat template (in a thread: long histories take a while) and tokenize."""
-    parse_tools = bool(req.tools) and req.tool_choice != "none"
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if parse_tools else None
-    messages = [_message_dict(m) for m in req.messages]
-    kwargs = _template_kwargs(req, thinking)
-    prompt, ids = await run_in_threadpool(
-        _render, tokenizer, lambda: tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
-    )
-    in_reasoning = prompt_ends_in_reasoning(prompt)
-    forced = _forced_tool_prefix(req.tool_choice, tools, in_reasoning) if parse_tools else ""
-    ids = ids + tokenizer.encode(forced) if forced else ids
-    return ChatPrompt(ids, in_reasoning, tools, forced)
+def _message_texts(messages: list[dict]):
+    for m in messages:
+        yield m.get("content")
+        yield m.get("reasoning_content")
 
 
-async def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
-    """Token ids of a legacy prompt: text, a one-element list of text, or token ids."""
-    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
-        if len(req.prompt) != 1:
-            raise APIError(400, "prompt lists must hold exactly one prompt (no batching)", param="prompt")
-        prompt = req.prompt[0]
-    else:
-        prompt = req.prompt
-    if isinstance(prompt, str):
-        ids = (await run_in_threadpool(_render, tokenizer, lambda: prompt))[1]
-    else:
-        ids = list(prompt)
-        if any(not 0 <= t < tokenizer.vocab_size for t in ids):
-            raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
-    if not ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    return ids
+def _response_schema(fmt: ResponseFormat) -> dict | None:
+    """The JSON schema response_format asks for; None for any JSON object."""
+    if fmt.type == "json_object":
+        return None
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+    return fmt.json_schema.schema_
+
+
+class Prompts:
+    """Builds prompt ids off the event loop, at most `PREPARE_AT_ONCE` at a time, refusing early a prompt
+    whose text alone exceeds the context.
+
+    Args:
+        tokenizer: the model's `Tokenizer`.
+        settings: `max_model_len` (read at each request: the engine may clamp it while loading).
+    """
+
+    def __init__(self, tokenizer, settings: ServerSettings):
+        self.tokenizer, self.settings = tokenizer, settings
+        self.constraints = Constraints(tokenizer)
+        self._slots = asyncio.Semaphore(PREPARE_AT_ONCE)
+
+    async def _build(self, build: Callable[[], object]):
+        """A grammar processor, compiled in a thread (a large schema takes a while; it drops the GIL)."""
+        return await run_in_threadpool(build)
+
+    def check_fits(self, nbytes: int, param: str) -> None:
+        check_fits(nbytes, self.tokenizer.max_token_bytes, self.settings.max_model_len, param)
+
+    async def _render(self, render: Callable[[], str]) -> tuple[str, list[int]]:
+        async with self._slots:
+            return await run_in_threadpool(_render, self.tokenizer, render)
+
+    async def chat(self, req: ChatCompletionRequest, thinking: bool) -> ChatPrompt:
+        """Render the chat template and tokenize."""
+        tokenizer = self.tokenizer
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if parse_tools else None
+        messages = [_message_dict(m) for m in req.messages]
+        self.check_fits(text_bytes(_message_texts(messages)), "messages")
+        kwargs = _template_kwargs(req, thinking)
+        prompt, ids = await self._render(
+            lambda: tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
+        )
+        in_reasoning = prompt_ends_in_reasoning(prompt)
+        forced = _forced_tool_prefix(req.tool_choice, tools, in_reasoning) if parse_tools else ""
+        ids = ids + tokenizer.encode(forced) if forced else ids
+        processors = []
+        if forced:
+            # the rest of the call: a declared name and arguments that parse, whatever the model prefers
+            name = forced.rpartition("<function=")[2].removesuffix(">\n") or None
+            processors.append(await self._build(lambda: self.constraints.tool_call(tools, name)))
+        elif req.response_format is not None and req.response_format.type != "text":
+            schema = _response_schema(req.response_format)
+            processors.append(await self._build(lambda: self.constraints.json(schema, in_reasoning)))
+        return ChatPrompt(ids, in_reasoning, tools, forced, processors)
+
+    async def completion(self, req: CompletionRequest) -> list[int]:
+        """Token ids of a legacy prompt: text, a one-element list of text, or token ids."""
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
+            if len(req.prompt) != 1:
+                raise APIError(400, "prompt lists must hold exactly one prompt (no batching)", param="prompt")
+            prompt = req.prompt[0]
+        else:
+            prompt = req.prompt
+        if isinstance(prompt, str):
+            self.check_fits(text_bytes([prompt]), "prompt")
+            ids = (await self._render(lambda: prompt))[1]
+        else:
+            ids = list(prompt)
+            check_tokens(len(ids), self.settings.max_model_len, "prompt")  # before looking at each id
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+                raise APIError(400, f"token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return ids
 
 
 def sampling_params(
@@ -168,15 +226,12 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    logits_processors: list | None = None,
 ) -> SamplingParams:
     """The request's sampling fields over `settings.defaults`, with max_tokens clamped to the context left."""
-    if n_prompt >= settings.max_model_len:
-        raise APIError(
-            400,
-            f"the prompt has {n_prompt} tokens; the context holds {settings.max_model_len}",
-            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-            code="context_length_exceeded",
-        )
+    check_tokens(
+        n_prompt, settings.max_model_len, "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    )
     d = settings.defaults
     room = settings.max_model_len - n_prompt
     max_tokens = max_tokens or settings.default_max_tokens or room
@@ -191,4 +246,5 @@ def sampling_params(
         stop=stop,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        logits_processors=list(logits_processors or []),
     )

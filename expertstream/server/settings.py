@@ -23,10 +23,11 @@ class ServerSettings:
     api_key: str | None = None
     reasoning_field: str = "reasoning_content"
     allowed_origins: list[str] = field(default_factory=list)
+    allowed_hosts: list[str] | None = None  # None: loopback names only (`guard.host_allowed`)
     state_cache_bytes: int = 4 << 30
     max_queue: int = 16
     keepalive_s: float = 15.0
-    max_body_bytes: int = 32 << 20
+    max_body_bytes: int | None = None  # None: what the context can hold (`server.limits.body_limit`)
 
     def __post_init__(self) -> None:
         if self.reasoning_field not in REASONING_FIELDS:

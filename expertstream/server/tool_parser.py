@@ -20,6 +20,7 @@ log = get_logger(__name__)
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+_FUNCTION_CLOSE = "</function>"
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
 # a parameter ends at its closing tag, or (tolerating a missing one) at the next parameter or the end
@@ -106,6 +107,19 @@ def parse_tool_call(block: str, tools: list[dict] | None = None) -> ToolCall:
     return ToolCall(id=_new_id(), name=name, arguments=json.dumps(args, ensure_ascii=False))
 
 
+def check_call(call: ToolCall, tools: list[dict] | None) -> None:
+    """Raise ToolCallError unless the call names a declared tool and its arguments are a JSON object."""
+    declared = set(_schema_types(tools))
+    if tools is not None and call.name not in declared:
+        raise ToolCallError(f"tool call names {call.name[:100]!r}, not one of {sorted(declared)}")
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        raise ToolCallError(f"tool call arguments are not JSON: {call.arguments[:200]!r}") from None
+    if not isinstance(args, dict):
+        raise ToolCallError(f"tool call arguments are not a JSON object: {call.arguments[:200]!r}")
+
+
 def _new_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -147,7 +161,7 @@ class ToolCallStreamer:
         return content, calls
 
     def flush(self) -> tuple[str, list[ToolCall]]:
-        """End of output: an unterminated call is parsed if it can be, else returned as content."""
+        """End of output: an unterminated call is parsed if its function closed, else returned as content."""
         calls: list[ToolCall] = []
         buf, self._buf = self._buf, ""
         content = self._parse(buf, calls, "") if self._inside else buf
@@ -156,9 +170,12 @@ class ToolCallStreamer:
 
     def _parse(self, block: str, calls: list[ToolCall], close: str) -> str:
         try:
+            if not close and _FUNCTION_CLOSE not in block and not block.lstrip().startswith("{"):
+                raise ToolCallError(f"tool call cut short: {block[:200]!r}")
             call = parse_tool_call(block, self._tools)
+            check_call(call, self._tools)
         except ToolCallError as e:
-            # a malformed call is shown to the user rather than lost
+            # a malformed call is shown to the user as text rather than sent as a broken tool call
             log.warning("%s", e)
             return TOOL_CALL_OPEN + block + close
         calls.append(call)
