@@ -16,12 +16,13 @@ from expertstream.log import get_logger
 from expertstream.memory_plan import MemoryPlan, gpu_budget
 from expertstream.models import base
 from expertstream.models.base import ModelArgs
+from expertstream.models.config_rules import check_config
 from expertstream.models.qwen4_exp import Qwen4ExpModel
 from expertstream.ple import PleTable
 from expertstream.runtime.speculation import SpecStats
 from expertstream.state import State
 from expertstream.store import ExpertStore
-from expertstream.workdir import Workdir
+from expertstream.workdir import Workdir, WorkdirError
 
 log = get_logger(__name__)
 
@@ -83,6 +84,7 @@ class Engine:
     def __init__(self, config: EngineConfig, control: str = "none", vram_cache_blocks: int | None = None):
         t0 = time.perf_counter()
         self.workdir = Workdir(config.model)
+        check_config(self.workdir.config, self.workdir.path / "config.json", WorkdirError)
         self.args = ModelArgs.from_dict(self.workdir.text_config)
         if config.max_model_len > self.args.max_position_embeddings:
             log.info(
