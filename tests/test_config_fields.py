@@ -9,12 +9,12 @@ import shutil
 import pytest
 import torch
 
-from expertstream.layers.experts import DenseExperts
+from expertstream.experts.cpu_bank import DenseExperts
+from expertstream.formats.text_config import ConfigError, check_config
 from expertstream.models.base import ModelArgs
-from expertstream.models.config_rules import ConfigError, check_config
 from expertstream.models.qwen4_exp import Qwen4ExpModel
-from expertstream.ple import DenseTable
-from expertstream.state import State
+from expertstream.models.state import State
+from expertstream.store.ple import DenseTable
 
 qwen4 = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402
@@ -248,8 +248,8 @@ def test_setup_refuses_an_unsupported_field(tiny_snapshot, tmp_path, capsys):
 
 def test_engine_refuses_an_existing_workdir_with_an_unsupported_field(tiny_workdir, tmp_path):
     from expertstream.config import EngineConfig
-    from expertstream.engine import Engine
-    from expertstream.workdir import WorkdirError
+    from expertstream.runtime.engine import Engine
+    from expertstream.workdir.workdir import WorkdirError
 
     wd = tmp_path / "wd"
     shutil.copytree(tiny_workdir, wd)

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertstream.formats import text_config
 from expertstream.formats.fp8 import e4m3_to_float
 from expertstream.kernels import conv_update, gdn_decode, hyper, rms_norm, router
 from expertstream.kernels.dispatch import Fused
-from expertstream.models import config_rules
 
-INDEXED_ALIASES = config_rules.INDEXED_ALIASES
+INDEXED_ALIASES = text_config.INDEXED_ALIASES
 LAYER_KINDS = ("linear_attention", "indexed_attention")
 
 
@@ -35,7 +35,7 @@ class ModelArgs:
     rms_norm_eps: float = 1e-6
     rope_parameters: dict | None = None
     attention_bias: bool = False
-    tie_word_embeddings: bool = False  # refused when true (config_rules)
+    tie_word_embeddings: bool = False  # refused when true (formats/text_config.py)
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
@@ -62,12 +62,12 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelArgs:
-        """Build from a text_config dict as transformers resolves it (config_rules: RoPE keys merged, layer
-        types derived when absent); keys the network does not read are ignored."""
+        """Build from a text_config dict as transformers resolves it (formats/text_config.py: RoPE keys
+        merged, layer types derived when absent); keys the network does not read are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
-        kw["rope_parameters"] = config_rules.rope_parameters(d)
-        kw["layer_types"] = config_rules.layer_types(d)
+        kw["rope_parameters"] = text_config.rope_parameters(d)
+        kw["layer_types"] = text_config.layer_types(d)
         missing = [
             f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in kw
         ]
@@ -95,7 +95,7 @@ class ModelArgs:
         # the GDN output gate falls back to hidden_act only when the key is absent or null
         if self.output_gate_type is None:
             self.output_gate_type = self.hidden_act
-        problem = config_rules.config_problem(dataclasses.asdict(self))
+        problem = text_config.config_problem(dataclasses.asdict(self))
         if problem is not None:
             raise ValueError(problem)
         if self.hidden_act == "swish":
