@@ -256,3 +256,18 @@ def test_engine_refuses_an_existing_workdir_with_an_unsupported_field(tiny_workd
     _edit_config(wd / "config.json", rope_parameters={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(WorkdirError, match=r"config\.json: rope_type 'dynamic' is not supported"):
         Engine(EngineConfig(model=str(wd), device="cpu"))
+
+
+def test_memory_plan_derives_layer_types_as_transformers():
+    from test_memory_plan import BLOCK, real_resident, real_text_config
+
+    from expertstream.formats.text_config import layer_types
+    from expertstream.memory_plan import GiB, plan_memory
+
+    tc = real_text_config()
+    implicit = {k: v for k, v in tc.items() if k != "layer_types"}
+    implicit["full_attention_interval"] = 3
+    explicit = {**implicit, "layer_types": layer_types(implicit)}
+    assert explicit["layer_types"] != tc["layer_types"]
+    plans = [plan_memory(c, real_resident(), BLOCK, 8 * GiB, 32768) for c in (implicit, explicit)]
+    assert plans[0] == plans[1] != plan_memory(tc, real_resident(), BLOCK, 8 * GiB, 32768)
