@@ -3,7 +3,6 @@ config.json text_config, prompt and decode steps), or refused in one sentence na
 and at engine load (docs/model.md "Config fields")."""
 
 import json
-import math
 import shutil
 
 import pytest
@@ -17,6 +16,7 @@ from expertstream.models.state import State
 from expertstream.store.ple import DenseTable
 
 qwen4 = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
+from test_model import randomise  # noqa: E402
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402
 
 EOS, VOCAB, PROMPT, STEPS = 7, 96, 24, 6
@@ -124,21 +124,6 @@ HONOURED = [
         ),
     ),
 ]
-
-
-def randomise(model: torch.nn.Module) -> None:
-    """Non-trivial norms, biases, gates and convs; decisive routing (no near-ties in top-k)."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g) + name.endswith("linear_attn.norm.weight"))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
 
 
 def pair(tc: dict):
