@@ -142,8 +142,14 @@ def plan_memory(
     """
     c = text_config
     h, n_layers = c["hidden_size"], c["num_hidden_layers"]
-    types = c["layer_types"]
-    n_attn = sum(t != "linear_attention" for t in types)
+    # without layer_types every full_attention_interval-th layer (4 by default) is indexed, as in transformers
+    # (formats/text_config.layer_types; this module sits below formats)
+    types = c.get("layer_types")
+    n_attn = (
+        sum(t != "linear_attention" for t in types)
+        if types
+        else n_layers // c.get("full_attention_interval", 4)
+    )
     n_lin = n_layers - n_attn
     k = c["num_experts_per_tok"]
     hc = c.get("hc_count", 1)

@@ -1,8 +1,11 @@
 """Tokenizer, chat template and streaming detokenizer, from the files of a snapshot or workdir.
 
-Uses the `tokenizers` library and jinja2 only (no transformers). The chat template is rendered the way
-transformers renders it: sandboxed jinja2, `trim_blocks`/`lstrip_blocks`, `raise_exception`, a `tojson`
-that does not HTML-escape, and the tokenizer's special tokens as variables.
+Uses the `tokenizers` library and jinja2 only (no transformers). For a qwen4_exp snapshot the tokenizer is
+built as transformers' AutoTokenizer builds it (`Qwen3_5Tokenizer`): only the BPE vocabulary and merges come
+from tokenizer.json; the normalizer (NFC), pre-tokenizer (Qwen's split regex, then byte level) and decoder
+are the class's own, and the added tokens and their flags come from tokenizer_config.json. The chat template
+is rendered the way transformers renders it: sandboxed jinja2, `trim_blocks`/`lstrip_blocks`,
+`raise_exception`, a `tojson` that does not HTML-escape, and the tokenizer's special tokens as variables.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import jinja2
 import tokenizers
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
 from expertstream.log import get_logger
 
@@ -23,6 +27,16 @@ log = get_logger(__name__)
 
 # chat turns end with <|im_end|> while config.json names only <|endoftext|> as eos (checkpoint doc §2.4)
 IM_END = "<|im_end|>"
+# model types transformers' AutoTokenizer maps to Qwen3_5Tokenizer whatever tokenizer_config.json names
+QWEN35_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen4_exp")
+# Qwen3_5Tokenizer's PRETOKENIZE_REGEX
+SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# the special-token keys of tokenizer_config.json, with Qwen3_5Tokenizer's defaults for absent keys
+NAMED_TOKENS = {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+                "unk_token": "<|endoftext|>"}  # fmt: skip
 
 
 def _raise_exception(message: str) -> None:
@@ -64,6 +78,61 @@ def _token_content(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def qwen35_tokenizer(tokenizer_json: dict, tok_config: dict, source: str) -> tokenizers.Tokenizer:
+    """The backend tokenizer transformers' Qwen3_5Tokenizer builds from these two files."""
+    model = tokenizer_json.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(f"{source}/tokenizer.json: model type {model.get('type')!r} is not BPE")
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.BPE(vocab=model.get("vocab", {}), merges=merges, dropout=None, unk_token=None,
+                              continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                              byte_fallback=False)
+    )  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(
+                add_prefix_space=bool(tok_config.get("add_prefix_space")), use_regex=False
+            ),
+        ]
+    )
+    # added tokens: tokenizer_config.json's, else tokenizer.json's, in id order; named ones are special
+    if "added_tokens_decoder" in tok_config:
+        added = sorted((int(i), t) for i, t in tok_config["added_tokens_decoder"].items())
+    else:
+        added = sorted(
+            (t["id"], {k: v for k, v in t.items() if k != "id"})
+            for t in tokenizer_json.get("added_tokens", [])
+        )
+    named = {k: _token_content(tok_config.get(k, default)) for k, default in NAMED_TOKENS.items()}
+    tokens = [AddedToken(**t) for _, t in added]
+    for t in tokens:
+        t.special = t.special or t.content in named.values()
+    missing = [c for c in named.values() if c is not None and c not in {t.content for t in tokens}]
+    tok.add_tokens(tokens + [AddedToken(c, special=True) for c in dict.fromkeys(missing)])
+    if tokenizer_json.get("post_processor") is not None:
+        tok.post_processor = tokenizers.Tokenizer.from_str(
+            json.dumps({**tokenizer_json, "model": {**model, "vocab": {}, "merges": []}, "added_tokens": []})
+        ).post_processor
+    else:
+        tok.post_processor = _template(tok, named, tok_config)
+    tok.encode_special_tokens = bool(tok_config.get("split_special_tokens", False))
+    return tok
+
+
+def _template(tok: tokenizers.Tokenizer, named: dict, tok_config: dict) -> processors.TemplateProcessing:
+    # transformers' update_post_processor: BOS / EOS around each sequence when add_bos/eos_token say so
+    bos = named["bos_token"] if tok_config.get("add_bos_token") else None
+    eos = named["eos_token"] if tok_config.get("add_eos_token") else None
+    single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if bos else ''} $B:1{' ' + eos + ':1' if eos else ''}"
+    special = [(t, tok.token_to_id(t)) for t in (bos, eos) if t]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
 class StreamingDetokenizer:
@@ -125,8 +194,12 @@ class Tokenizer:
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
-        tok = tokenizers.Tokenizer.from_file(str(tok_file))
         tok_config = _read_json(path / "tokenizer_config.json")
+        config = _read_json(path / "config.json")
+        if config.get("model_type") in QWEN35_MODEL_TYPES:
+            tok = qwen35_tokenizer(json.loads(tok_file.read_text()), tok_config, str(path))
+        else:
+            tok = tokenizers.Tokenizer.from_file(str(tok_file))
         template_file = path / "chat_template.jinja"
         if template_file.is_file():
             template = template_file.read_text()
@@ -137,7 +210,6 @@ class Tokenizer:
         if template is None:
             log.warning("%s has no chat template; apply_chat_template will raise", path)
 
-        config = _read_json(path / "config.json")
         text_config = config.get("text_config", config)
         stop = _as_id_list(text_config.get("eos_token_id", config.get("eos_token_id")), f"{path}/config.json")
         im_end = tok.token_to_id(IM_END)

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from expertstream.formats import text_config
 from expertstream.formats.fp8 import e4m3_to_float
 from expertstream.kernels import conv_update, gdn_decode, hyper, rms_norm, router
 from expertstream.kernels.dispatch import Fused
 
-# config.json spellings of the one softmax-attention layer kind (QSA: indexed sparse attention)
-INDEXED_ALIASES = ("indexed_attention", "full_attention", "qwen_sparse_attention")
+INDEXED_ALIASES = text_config.INDEXED_ALIASES
 LAYER_KINDS = ("linear_attention", "indexed_attention")
 
 
@@ -28,12 +28,14 @@ class ModelArgs:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    layer_types: list[str]
     eos_token_id: int | list[int]
+    layer_types: list[str] | None = None  # None: transformers' full_attention_interval pattern
     max_position_embeddings: int = 32768
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
     rope_parameters: dict | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False  # refused when true (formats/text_config.py)
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
@@ -60,22 +62,18 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelArgs:
-        """Build from a text_config dict; unknown keys are ignored, legacy RoPE keys folded in."""
+        """Build from a text_config dict as transformers resolves it (formats/text_config.py: RoPE keys
+        merged, layer types derived when absent); keys the network does not read are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
+        kw["rope_parameters"] = text_config.rope_parameters(d)
+        kw["layer_types"] = text_config.layer_types(d)
         missing = [
             f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in kw
         ]
         if missing:
             raise ValueError(f"text_config lacks required keys {missing}")
         args = cls(**kw)
-        if args.rope_parameters is None:
-            # older configs keep rope_theta / partial_rotary_factor at the top level
-            args.rope_parameters = {
-                "rope_type": (d.get("rope_scaling") or {}).get("rope_type", "default"),
-                "rope_theta": d.get("rope_theta", 10000.0),
-                "partial_rotary_factor": d.get("partial_rotary_factor", 1.0),
-            }
         args._normalise()
         return args
 
@@ -94,17 +92,14 @@ class ModelArgs:
         self.ple_layer_ids = sorted(set(self.ple_layer_ids or []))
         if self.ple_embed_dim is None:
             self.ple_embed_dim = self.hidden_size
-        # the GDN output gate falls back to hidden_act only when the key is absent
+        # the GDN output gate falls back to hidden_act only when the key is absent or null
         if self.output_gate_type is None:
             self.output_gate_type = self.hidden_act
-        for key in ("hidden_act", "output_gate_type"):
-            if getattr(self, key) not in ("sigmoid", "silu"):
-                raise ValueError(f"unsupported {key} {getattr(self, key)!r} (expected silu or sigmoid)")
-        rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope_type {rope_type!r} is not supported (text positions use default RoPE)")
-        if "indexed_attention" in kinds and self.indexer_budget is None:
-            raise ValueError("indexed_attention layers need indexer_* keys in text_config")
+        problem = text_config.config_problem(dataclasses.asdict(self))
+        if problem is not None:
+            raise ValueError(problem)
+        if self.hidden_act == "swish":
+            self.hidden_act = "silu"
         for lid in self.ple_layer_ids:
             if not 1 <= lid <= self.num_hidden_layers or kinds[lid - 1] != "linear_attention":
                 raise ValueError(
@@ -216,12 +211,14 @@ def fp8_rows_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> to
 
 
 class Linear(nn.Module):
-    """Bias-free linear holding a dense weight [out, in] or FP8 rows (q [out, in] e4m3, scale [out] FP32)."""
+    """Linear holding a dense weight [out, in] or FP8 rows (q [out, in] e4m3, scale [out] FP32), and an
+    optional bias [out] (`attention_bias`)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, bias=None):
         super().__init__()
         self.weight = nn.Buffer(weight)
         self.scale = nn.Buffer(scale) if scale is not None else None
+        self.bias = nn.Buffer(bias) if bias is not None else None
 
     @property
     def out_features(self) -> int:
@@ -229,8 +226,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
-            return F.linear(x, self.weight)
-        return fp8_rows_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scale).unflatten(0, x.shape[:-1])
+            return F.linear(x, self.weight, self.bias)
+        y = fp8_rows_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scale).unflatten(0, x.shape[:-1])
+        return y if self.bias is None else y + self.bias
 
 
 class FusedLinear(nn.Module):

@@ -91,27 +91,41 @@ class Weights:
             raise ValueError(f"{name!r} is listed as FP8 row-scaled but stored as {q.dtype}")
         return q.view(torch.float8_e4m3fn), self._checked(f"{name}_scale", (out_f,)).float()
 
-    def linear(self, name: str, out_f: int, in_f: int) -> Linear:
+    def linear(self, name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
+        b = self._bias([(name, out_f)]) if bias else None
         if name in self.fp8:
             q, scale = self._fp8_rows(name, out_f, in_f)
-            return Linear(q.to(self.device), scale.to(self.device))
-        return Linear(self.get(name, (out_f, in_f)))
+            return Linear(q.to(self.device), scale.to(self.device), b)
+        return Linear(self.get(name, (out_f, in_f)), bias=b)
 
-    def fused(self, specs: list[tuple[str, int]], in_f: int, factor: float = 1.0) -> FusedLinear:
-        """Linears on one input, `specs` [(name, out_features)], rows concatenated before the device copy.
+    def _bias(self, specs: list[tuple[str, int]], biased=()) -> torch.Tensor:
+        """The biases [sum of out_f] of `specs` named in `biased` (all when empty), zeros for the others."""
+        parts = [
+            self.get(n.removesuffix(".weight") + ".bias", (o,))
+            if not biased or n in biased
+            else torch.zeros(o, dtype=self.dtype, device=self.device)
+            for n, o in specs
+        ]
+        return torch.cat(parts)
+
+    def fused(self, specs: list[tuple[str, int]], in_f: int, factor: float = 1.0, biased=()) -> FusedLinear:
+        """Linears on one input, `specs` [(name, out_features)], rows concatenated before the device copy;
+        the names in `biased` add their `.bias` (`attention_bias`).
 
         `factor` multiplies every output, folded into the weights or row scales (exact for powers of two).
         """
         runs = []
         for fp8, group in itertools.groupby(specs, key=lambda spec: spec[0] in self.fp8):
             group = list(group)
+            b = self._bias(group, biased) if any(n in biased for n, _ in group) else None
+            b = b.mul_(factor) if b is not None else None
             if fp8:
                 q, scale = zip(*(self._fp8_rows(n, o, in_f) for n, o in group))
-                lin = Linear(torch.cat(q).to(self.device), torch.cat(scale).mul_(factor).to(self.device))
+                lin = Linear(torch.cat(q).to(self.device), torch.cat(scale).mul_(factor).to(self.device), b)
             else:
                 ws = [self._checked(n, (o, in_f)) for n, o in group]
                 w = torch.cat([w.to(ws[0].device, self.dtype) for w in ws]).mul_(factor)
-                lin = Linear(w.to(self.device))
+                lin = Linear(w.to(self.device), bias=b)
             runs.append((lin, [o for _, o in group]))
         return FusedLinear(runs)
 
@@ -277,16 +291,18 @@ class Attention(nn.Module):
         self.inh, self.di, self.c = a.indexer_n_heads, a.indexer_head_dim, a.indexer_compress_ratio
         self.block_topk = a.indexer_budget // self.c
         # q (with its gate), k, v and the indexer's q and raw key all read x: one matmul
+        qkv = [f"{p}.{n}_proj.weight" for n in "qkv"]
         self.proj = w.fused(
             [
-                (f"{p}.q_proj.weight", 2 * self.nh * self.d),
-                (f"{p}.k_proj.weight", self.nkv * self.d),
-                (f"{p}.v_proj.weight", self.nkv * self.d),
+                (qkv[0], 2 * self.nh * self.d),
+                (qkv[1], self.nkv * self.d),
+                (qkv[2], self.nkv * self.d),
                 (f"{p}.indexer.index_qk_proj.weight", (self.inh + 1) * self.di),
             ],
             h,
+            biased=qkv if a.attention_bias else (),
         )
-        self.o_proj = w.linear(f"{p}.o_proj.weight", h, self.nh * self.d)
+        self.o_proj = w.linear(f"{p}.o_proj.weight", h, self.nh * self.d, bias=a.attention_bias)
         self.q_norm = RMSNorm(w.get(f"{p}.q_norm.weight", (self.d,)), eps)
         self.k_norm = RMSNorm(w.get(f"{p}.k_norm.weight", (self.d,)), eps)
         self.iq_norm = RMSNorm(w.get(f"{p}.indexer.q_layernorm.weight", (self.di,)), eps)

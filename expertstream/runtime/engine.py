@@ -13,6 +13,7 @@ from expertstream.config import EngineConfig, parse_cpu_list
 from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.experts.speculation import SpecStats
 from expertstream.formats.fp8 import quantize_fp8_rows
+from expertstream.formats.text_config import check_config
 from expertstream.log import get_logger
 from expertstream.memory_plan import MemoryPlan, gpu_budget
 from expertstream.models import base
@@ -22,7 +23,7 @@ from expertstream.models.state import State
 from expertstream.store import ExpertStore
 from expertstream.store.ple import PleTable
 from expertstream.workdir.repack import FP8_DENSE
-from expertstream.workdir.workdir import Workdir
+from expertstream.workdir.workdir import Workdir, WorkdirError
 
 log = get_logger(__name__)
 
@@ -84,6 +85,7 @@ class Engine:
     def __init__(self, config: EngineConfig, control: str = "none", vram_cache_blocks: int | None = None):
         t0 = time.perf_counter()
         self.workdir = Workdir(config.model)
+        check_config(self.workdir.config, self.workdir.path / "config.json", WorkdirError)
         self.args = ModelArgs.from_dict(self.workdir.text_config)
         if config.max_model_len > self.args.max_position_embeddings:
             log.info(

@@ -34,6 +34,7 @@ from expertstream.formats.snapshot import (
     header_bytes,
     iter_tensor_bytes,
 )
+from expertstream.formats.text_config import check_config
 from expertstream.log import get_logger
 from expertstream.workdir.inventory import (
     EXPERT_TENSOR,
@@ -94,6 +95,7 @@ def plan_setup(snapshot: str | os.PathLike, fp8_dense: bool) -> Plan:
     """Read and check everything a setup needs; raises SetupError/SnapshotError before any write."""
     snap = Snapshot(snapshot)
     check_model_type(snap)
+    check_config(snap.config, snap.path / "config.json", SetupError)
     tc = snap.text_config
     L, E = config_value(tc, "num_hidden_layers"), config_value(tc, "num_experts")
     check_quant_config(snap, L)
