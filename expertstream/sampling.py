@@ -1,4 +1,5 @@
-"""Next-token choice: greedy, or temperature + top-k + top-p + min-p sampling with a seeded generator."""
+"""Next-token choice: greedy, or temperature + top-k + top-p + min-p sampling with a seeded generator, after
+the repetition, frequency and presence penalties."""
 
 from __future__ import annotations
 
@@ -42,6 +43,27 @@ def filter_logits(
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    seen: torch.Tensor,
+    counts: torch.Tensor,
+    repetition: float = 1.0,
+    frequency: float = 0.0,
+    presence: float = 0.0,
+) -> torch.Tensor:
+    """Logits [V] in float32 with the penalties of `SamplingParams`: `seen` [V] bool marks the prompt's and
+    the reply's tokens (repetition), `counts` [V] float32 how often each token is in the reply (OpenAI's
+    frequency and presence)."""
+    logits = logits.float()
+    if repetition != 1.0:
+        # dividing a positive logit and multiplying a negative one both make the token less likely
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalized, logits)
+    if frequency or presence:
+        logits = logits - frequency * counts - presence * (counts > 0).float()
     return logits
 
 

@@ -365,12 +365,13 @@ def test_chat_loop_reuses_state_between_turns(engine):
         top_p=1.0,
         top_k=0,
         min_p=0.0,
+        repetition_penalty=1.0,
         seed=None,
         stats=True,
     )
-    out = io.StringIO()
-    chat_loop(engine, args, iter(["Hi", "And then?", "/exit", "never read"]), out=out)
-    stats = [line for line in out.getvalue().splitlines() if line.startswith("prompt:")]
+    out, err = io.StringIO(), io.StringIO()
+    chat_loop(engine, args, iter(["Hi", "And then?", "/exit", "never read"]), out=out, err=err)
+    stats = [line for line in err.getvalue().splitlines() if line.startswith("prompt:")]
     assert len(stats) == 2 and "(0 cached)" in stats[0] and "(0 cached)" not in stats[1]
 
 
