@@ -13,28 +13,28 @@ import importlib
 import os
 import re
 import sys
-from pathlib import Path
+
+from expertstream.usage import CLIError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "synth": ("expertstream.synth", "write a synthetic checkpoint in NVIDIA's NVFP4 export layout"),
-    "setup": ("expertstream.repack", "turn a Hugging Face snapshot into a verified working directory"),
-    "verify": ("expertstream.verify", "check a working directory against its manifest and snapshot"),
-    "generate": ("expertstream.generate_cli", "generate text from a working directory"),
-    "chat": ("expertstream.chat", "interactive chat in the terminal"),
-    "check": ("expertstream.check", "compare the engine's logits with transformers' qwen4_exp"),
-    "ppl": ("expertstream.ppl", "perplexity of the engine on a text, with must-break controls"),
-    "serve": ("expertstream.server", "OpenAI-compatible streaming HTTP server"),
-    "bench": ("expertstream.bench", "measure speed against the machine's physical limits"),
+    "synth": ("expertstream.synth.synth", "write a synthetic checkpoint in NVIDIA's NVFP4 export layout"),
+    "setup": (
+        "expertstream.workdir.repack",
+        "turn a Hugging Face snapshot into a verified working directory",
+    ),
+    "verify": ("expertstream.workdir.verify", "check a working directory against its manifest and snapshot"),
+    "generate": ("expertstream.commands.generate", "generate text from a working directory"),
+    "chat": ("expertstream.commands.chat", "interactive chat in the terminal"),
+    "check": ("expertstream.commands.check", "compare the engine's logits with transformers' qwen4_exp"),
+    "ppl": ("expertstream.commands.ppl", "perplexity of the engine on a text, with must-break controls"),
+    "serve": ("expertstream.server.app", "OpenAI-compatible streaming HTTP server"),
+    "bench": ("expertstream.bench.cli", "measure speed against the machine's physical limits"),
     "plan": (
-        "expertstream.plan_cli",
+        "expertstream.commands.plan",
         "what a box gets from a model (workdir, snapshot, config.json or model id), before the download",
     ),
 }
-
-
-class CLIError(Exception):
-    """An error the user caused and can fix; its text is the one sentence printed."""
 
 
 def version() -> str:
@@ -45,49 +45,6 @@ def version() -> str:
         return dist_version("expertstream")
     except PackageNotFoundError:  # run from a checkout that is not installed
         return "unknown (not installed)"
-
-
-def check_workdir(path: str) -> None:
-    """Refuse, in one sentence, a WORKDIR argument that is not a finished working directory (no torch)."""
-    p = Path(path)
-    hint = "give a working directory made by `expertstream setup`, or none for the bundled demo model"
-    if not p.exists():
-        raise CLIError(f"{path} does not exist: {hint}")
-    if not p.is_dir():
-        raise CLIError(f"{path} is a file, not a working directory: {hint}")
-    if (p / "manifest.json").is_file():
-        return
-    if (p / "setup.progress.json").is_file():
-        raise CLIError(f"{path} is an unfinished setup: run `expertstream setup` again to finish it")
-    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-        raise CLIError(
-            f"{path} is a Hugging Face snapshot, not a working directory: "
-            f"`expertstream setup {path} WORKDIR` makes one from it"
-        )
-    if not any(p.iterdir()):
-        raise CLIError(f"{path} is empty: {hint}")
-    raise CLIError(f"{path} has no manifest.json, so it is not a finished working directory: {hint}")
-
-
-def read_text_arg(value: str, what: str) -> str:
-    """`value` itself, or the text of stdin when it is '-'."""
-    if value != "-":
-        return value
-    if sys.stdin.isatty():
-        print(f"(reading the {what} from stdin; end it with Ctrl-D)", file=sys.stderr)
-    return sys.stdin.read()
-
-
-def read_file_arg(path: str, what: str) -> str:
-    """The text of a file, or of stdin for '-'."""
-    if path == "-":
-        return read_text_arg("-", what)
-    try:
-        return Path(path).read_text()
-    except FileNotFoundError:
-        raise CLIError(f"the {what} file {path} does not exist") from None
-    except UnicodeDecodeError:
-        raise CLIError(f"the {what} file {path} is not UTF-8 text") from None
 
 
 def _sentence(e: BaseException, parser: argparse.ArgumentParser) -> str:
