@@ -113,6 +113,10 @@ def validate(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
     params = sampling_from_args(args, stop=getattr(args, "stop", None))
     if args.model:
         check_workdir(args.model)
+    if cfg.device.startswith("cuda"):  # asked for explicitly: torch must see a GPU (this loads torch)
+        from expertstream.runtime.engine import resolve_device_dtype
+
+        resolve_device_dtype(cfg)
     return cfg, params
 
 
