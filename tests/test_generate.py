@@ -351,6 +351,29 @@ def test_generate_cli_json_and_text(capsys, tiny_workdir):
     assert "tok/s" in captured.err and "finish:" in captured.err
 
 
+def test_generate_reads_the_prompt_from_a_file_or_stdin(tiny_workdir, tmp_path, capsys, monkeypatch):
+    import io
+    import sys
+
+    from expertstream.cli import main as cli
+
+    (tmp_path / "prompt.txt").write_text("Hello")
+    base = ["generate", str(tiny_workdir), "--max-tokens", "2", "--json"]
+    runs = []
+    for source in (
+        ["--prompt", "Hello"],
+        ["-f", str(tmp_path / "prompt.txt")],
+        ["--prompt", "-"],
+        ["-f", "-"],
+    ):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Hello"))
+        assert cli(base + source) == 0
+        runs.append(
+            [(r["token"], r["prompt_tokens"]) for r in map(json.loads, capsys.readouterr().out.splitlines())]
+        )
+    assert runs[0] and all(run == runs[0] for run in runs)
+
+
 def test_chat_loop_reuses_state_between_turns(engine):
     import argparse
     import io
