@@ -60,6 +60,25 @@ def _sentence(e: BaseException, parser: argparse.ArgumentParser) -> str:
     return text
 
 
+class DefaultsOnce(argparse.HelpFormatter):
+    """argparse's help with every flag's default said once: appended where the help does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = action.default in (None, False, "", [], argparse.SUPPRESS) or not action.option_strings
+        return text if quiet or "default" in text.lower() else text + " (default: %(default)s)"
+
+
+def subcommand_parser(name: str):
+    """(the subcommand's module, its parser)."""
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(
+        prog=f"expertstream {name}", description=COMMANDS[name][1], formatter_class=DefaultsOnce
+    )
+    module.configure_parser(parser)
+    return module, parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="expertstream",
@@ -82,10 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints --help, --version or the usage error and exits
         return 2
     name, rest = argv[0], argv[1:]
-    sub = argparse.ArgumentParser(prog=f"expertstream {name}", description=COMMANDS[name][1])
+    sub = argparse.ArgumentParser(prog=f"expertstream {name}")  # until the module's parser is built
     try:
-        module = importlib.import_module(COMMANDS[name][0])
-        module.configure_parser(sub)
+        module, sub = subcommand_parser(name)
         args = sub.parse_args(rest)
         from expertstream.log import setup_logging
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from expertstream.cli import COMMANDS, main
+from expertstream.cli import COMMANDS, main, subcommand_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,18 +56,21 @@ def test_version(capsys):
 
 
 def _parser(name: str) -> argparse.ArgumentParser:
-    import importlib
-
-    p = argparse.ArgumentParser(prog=f"expertstream {name}")
-    importlib.import_module(COMMANDS[name][0]).configure_parser(p)
-    return p
+    return subcommand_parser(name)[1]
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_each_default_is_said_once_in_help(name):
-    for action in _parser(name)._actions:
-        text = (action.help or "").lower()
-        assert text.count("default") <= 1, f"{name} {action.option_strings}: {action.help}"
+    parser = _parser(name)
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS:
+            continue
+        text = formatter._expand_help(action).lower()
+        meaningful = action.default not in (None, False, "", [], argparse.SUPPRESS)
+        assert text.count("default") == 1 if meaningful else text.count("default") <= 1, (
+            f"{name} {action.option_strings}: {text}"
+        )
 
 
 def test_ctx_size_is_shown_beside_max_model_len(capsys):
