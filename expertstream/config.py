@@ -104,6 +104,13 @@ class EngineConfig:
             "Larger than the plan's may not fit the VRAM budget"
         },
     )
+    fp8_dense: bool = field(
+        default=False,
+        metadata={
+            "help": "store the big DeltaNet matrices FP8 row-scaled at load, as `setup --fp8-dense` does: a "
+            "BF16 working directory then runs in the formats of the 8 GiB plan"
+        },
+    )
     cpu_affinity: str | None = field(
         default=None,
         metadata={

@@ -150,9 +150,12 @@ def test_decode_table_bound_efficiency_and_token_check():
     table = decode_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4)
     assert results["disk"]["bound_ms"] == pytest.approx(30.0) and results["disk"]["efficiency"] == 0.75
     rows = table.strip().splitlines()
-    assert len(rows) == 6 and "guess hit" in rows[0] and "bank syncs/token" in rows[0]
+    assert len(rows) == 8 and "guess hit" in rows[0] and "bank syncs/token" in rows[0]
     # the engine's own disk rate: 60 MB in 40 ms, under the 2 GB/s probe (no flag)
-    assert rows[-1] == "Disk rate the engine reached (disk bytes / wall time, GB/s): disk 1.50."
+    assert rows[-3] == "Disk rate the engine reached (disk bytes / wall time, GB/s): disk 1.50."
+    assert (
+        rows[-1] == "Greedy tokens identical in every regime (2 tokens, against `vram`): NO (`disk` differ)."
+    )
     assert "| 0.00 | 1.50 | 0.25 | 0.10 | 3.00 |" in rows[2]  # stall, sync wait, bank host, guesses, outside
     assert "| 75% | 2.0 | 4.0 | 9.5 | 6.25 | yes |" in rows[2] and "| NO |" in rows[3]  # no margins recorded
 
@@ -165,6 +168,9 @@ def test_decode_table_says_where_tokens_part_and_the_margin_there():
     }
     rows = decode_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4).strip().splitlines()
     assert "| NO from token 2 (vram top-2 margin 0.02) |" in rows[3] and "| yes |" in rows[4]
+    del results["ram"]
+    table = decode_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4)
+    assert table.endswith("Greedy tokens identical in every regime (4 tokens, against `vram`): yes.\n")
 
 
 def test_decode_table_hardware_bound_from_the_profile():

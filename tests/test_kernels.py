@@ -125,6 +125,30 @@ def test_decode_reads_host_rows_like_slots(bank):
     assert not torch.allclose(bad, got)
 
 
+def test_decode_launch_shape_is_the_same_wherever_the_blocks_are(bank, monkeypatch):
+    # the tuned launch shape sets the order of the sums: blocks in host rows must take the shape (and give
+    # the bits) of blocks in slots, so that the decode regimes (VRAM, RAM, disk) choose the same tokens
+    import expertstream.kernels.nvfp4_moe as moe
+
+    asked = []
+
+    def tuned(kernel, device, key):
+        asked.append(key)
+        return cfg(8, 2, 4, 2)
+
+    monkeypatch.setattr(moe, "tuned_config", tuned)
+    layout, slots, ws2 = bank
+    x = torch.randn(layout.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEV)
+    ids = torch.tensor([4, 1, 5, 0], device=DEV)
+    w = torch.rand(4, device=DEV)
+    host = slots[3:].flip(0).cpu()
+    host = host.pin_memory() if DEV == "cuda" else host
+    loc = torch.tensor([0, 1, 2, -3, -2, -1], dtype=torch.int32, device=DEV)
+    got = nvfp4_moe_decode(x, ids, loc, ws2, w, layout, slots[:3].contiguous(), host)
+    assert torch.equal(got, decode(x, slots, ids, ws2, w, layout))
+    assert len(asked) == 2 and asked[0] == asked[1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("t,block_m", [(1, 16), (9, 16), (40, 32)])
 def test_prefill_matches_ref(bank, dtype, t, block_m):

@@ -619,12 +619,11 @@ PASS_SWEEP = [
 SWEPT = ("fp8_gemv", "matvec16", "nvfp4_decode", "nvfp4_prefill", "nvfp4_prefill_pass")
 
 
-def sweep_configs(
-    path: str, kernels: tuple[str, ...] = SWEPT, places: tuple[str, ...] = ("vram", "host")
-) -> dict:
+def sweep_configs(path: str, kernels: tuple[str, ...] = SWEPT, places: tuple[str, ...] = ("host",)) -> dict:
     """Time each candidate config of `kernels` on the real shapes and merge the best per shape into the
     tuned_configs.json data at `path` ({device name: {kernel: {key: cfg}}}; other entries are kept);
-    prints one line per candidate. `places`: where the decode kernel's blocks are (VRAM, pinned host RAM)."""
+    prints one line per candidate. `places`: where the decode kernel's blocks are while its one launch
+    shape is timed ("vram", "host": pinned host RAM)."""
     import json
     import os
 
@@ -675,10 +674,13 @@ def sweep_configs(
                  lambda cfg: matvec16_calls(n, k, cfg))  # noqa: B023  # fmt: skip
     layout, slots, ws2 = random_bank(EXPERTS)
     if "nvfp4_decode" in kernels:
-        for place in places:  # blocks in HBM, and in pinned host RAM read over the bus
-            key = f"{HIDDEN}x{INTER}" + ("-host" if place == "host" else "")
-            pick("nvfp4_decode", key, f"decode k={TOPK} {place}", DECODE_SWEEP,
-                 lambda cfg: decode_calls(layout, slots, ws2, place, cfg))  # noqa: B023  # fmt: skip
+        # one shape for blocks wherever they are (it sets the sums' order), timed where `places` says:
+        # by default over the bus, the case decode streams in
+        def decode_places(cfg: dict) -> list:
+            return [c for place in places for c in decode_calls(layout, slots, ws2, place, cfg)]
+
+        pick("nvfp4_decode", f"{HIDDEN}x{INTER}", f"decode k={TOPK} {'+'.join(places)}", DECODE_SWEEP,
+             decode_places)  # fmt: skip
     if "nvfp4_prefill" in kernels:  # one call per graph: a prompt's experts are far past L2
         for t in (512, 2451, 8192):
             pick_prefill(f"{HIDDEN}x{INTER}x{prefill_bucket(t * TOPK, EXPERTS)}", f"prefill T={t}",

@@ -287,7 +287,19 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
         for n, r in results.items()
         if r["disk_bytes_per_token"]
     }
-    return "\n".join(rows) + "\n" + engine_disk_note(rates, disk_gbps)
+    return "\n".join(rows) + "\n" + engine_disk_note(rates, disk_gbps) + tokens_note(results)
+
+
+def tokens_note(results: dict[str, dict]) -> str:
+    """A line saying whether every regime chose the first regime's greedy tokens (they compute the same
+    sums in the same order, so they must), naming those that did not."""
+    (first_name, first), *rest = results.items()
+    parted = [n for n, r in rest if r["tokens"] != first["tokens"]]
+    verdict = "yes" if not parted else f"NO ({', '.join(f'`{n}`' for n in parted)} differ)"
+    return (
+        f"\nGreedy tokens identical in every regime ({len(first['tokens'])} tokens, against `{first_name}`): "
+        f"{verdict}.\n"
+    )
 
 
 def real_model_plan(wd, budget_gb: float, max_model_len: int):
@@ -440,6 +452,9 @@ def run(args) -> int:
         base_ms = {n: r["ms_per_token"] / wd.num_layers for n, r in results.items()}
         table += "\n" + baseline_table(run_baseline(args, expert_bytes, prompt=1), base_ms, "decode") + "\n"
     payload = dict(disk_gbps=disk, pcie_gbps=pcie, pcie_block_gbps=pcie_block, vram_blocks=vram_blocks)
+    payload["tokens_identical"] = all(
+        r["tokens"] == next(iter(results.values()))["tokens"] for r in results.values()
+    )
     payload.update(results)
     emit(args, "Decode", torch.cuda.get_device_name(), table, payload)
     return 0

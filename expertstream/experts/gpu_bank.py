@@ -400,8 +400,8 @@ class GpuExperts:
         if staged:
             self._staged = None
             loc = self.loc_work[layer % 2]
-        # with every block in VRAM for good the kernel takes the launch shape tuned for HBM reads, not the
-        # one for reads over the bus (as adopted: a VRAM cache that fills up later does not move the table)
+        # with every block in VRAM for good there is no host pool to pass (the launch shape, and so the sums,
+        # are the same either way)
         host = None if self.resident == "vram" else self.host_blocks
         return nvfp4_moe.nvfp4_moe_decode(
             x, expert_ids[0], loc, self.scales[layer], weights[0].float(), self.layout, self.cache.slots, host

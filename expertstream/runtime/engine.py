@@ -21,6 +21,7 @@ from expertstream.models.qwen4_exp import Qwen4ExpModel
 from expertstream.models.state import State
 from expertstream.store import ExpertStore
 from expertstream.store.ple import PleTable
+from expertstream.workdir.repack import FP8_DENSE
 from expertstream.workdir.workdir import Workdir
 
 log = get_logger(__name__)
@@ -155,8 +156,9 @@ class Engine:
             self.ple = PleTable(self.workdir.ple)
         tensors = self.workdir.load_resident(device="cpu")
         fp8 = set(self.workdir.fp8_row_scaled)
-        for name in self.plan.fp8 if self.plan else ():
-            if name not in fp8:  # the VRAM plan moved this BF16 matrix to FP8 rows
+        at_load = [n for n in tensors if config.fp8_dense and FP8_DENSE.fullmatch(n)]
+        for name in [*(self.plan.fp8 if self.plan else ()), *at_load]:
+            if name not in fp8:  # the VRAM plan (or --fp8-dense) moved this BF16 matrix to FP8 rows
                 tensors[name], tensors[f"{name}_scale"] = quantize_fp8_rows(tensors[name])
                 fp8.add(name)
         # the routers go to the device here so the model's Weights.get (a no-op .to) and the bank share them
