@@ -1,15 +1,27 @@
-"""`EngineConfig`: one dataclass; its field names are the CLI flags (`ram_cache_gb` -> `--ram-cache-gb`)."""
+"""`EngineConfig` and `SamplingParams`: the validated parameters of the engine and of a request.
+
+EngineConfig's field names are the CLI flags (`ram_cache_gb` -> `--ram-cache-gb`). Neither imports torch, so
+the command line refuses a bad flag before torch loads.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+# other tools' names for a flag, accepted too (llama.cpp's --ctx-size)
+ALIASES = {"max_model_len": ("--ctx-size",)}
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = field(default="", metadata={"help": "working directory made by `expertstream setup`"})
+    model: str = field(
+        default="",
+        metadata={"help": "working directory made by `expertstream setup` (default: the bundled demo model)"},
+    )
     device: str = field(default="auto", metadata={"help": "cuda, cpu or auto (cuda when available)"})
     dtype: str = field(
         default="auto",
@@ -21,11 +33,17 @@ class EngineConfig:
     )
     gpu_memory_gb: float | None = field(
         default=None,
-        metadata={"help": "VRAM budget the engine enforces on itself (default: what is free at start)"},
+        metadata={
+            "help": "VRAM budget the engine enforces on itself, GiB "
+            "(default: --gpu-memory-utilization of the total)"
+        },
     )
     gpu_memory_utilization: float = field(
         default=0.9,
-        metadata={"help": "fraction of the free GPU memory (or of --gpu-memory-gb) the engine may use"},
+        metadata={
+            "help": "fraction of the GPU's total memory the engine may use, as in vLLM; refused when other "
+            "processes hold more than the rest (with --gpu-memory-gb: the fraction of that budget)"
+        },
     )
     ram_cache_gb: float = field(
         default=4.0,
@@ -37,7 +55,9 @@ class EngineConfig:
     kernels: str = field(
         default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"}
     )
-    seed: int | None = field(default=None, metadata={"help": "default sampling seed"})
+    seed: int | None = field(
+        default=None, metadata={"help": "sampling seed of every reply (default: random)"}
+    )
     no_speculation: bool = field(
         default=False,
         metadata={"help": "do not guess layer L+1's experts from layer L's input (no early disk reads)"},
@@ -134,27 +154,93 @@ class EngineConfig:
             )
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
-        """Add one flag per field (the model path is positional)."""
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, positional_model: bool = True, model_help: str | None = None
+    ) -> None:
+        """Add one flag per field (the model path is positional; `model_help` replaces its help)."""
         for f in dataclasses.fields(cls):
             help_text = f.metadata.get("help", "")
             if f.name == "model":
+                help_text = model_help or help_text
                 if positional_model:
                     parser.add_argument("model", nargs="?", default="", help=help_text)
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())]
             if isinstance(f.default, bool):
-                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                parser.add_argument(*flags, action="store_true", default=f.default, help=help_text)
                 continue
             # field types are strings under `from __future__ import annotations`
             typ = float if "float" in f.type else int if "int" in f.type else str
-            parser.add_argument(flag, type=typ, default=f.default, help=f"{help_text} (default: {f.default})")
-        parser.add_argument("--ctx-size", dest="max_model_len", type=int, help=argparse.SUPPRESS)
+            if "default" not in help_text and f.default is not None:  # each default said once
+                help_text += f" (default: {f.default})"
+            parser.add_argument(*flags, type=typ, default=f.default, help=help_text)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Args:
+        max_tokens: most tokens to generate (also clamped to the context left).
+        temperature: 0 picks the argmax (greedy); above 0 samples.
+        top_k: keep the k most likely tokens (0: all).
+        top_p: keep the smallest set of tokens whose probability reaches top_p (1: all).
+        min_p: keep tokens at least min_p times as likely as the most likely one (0: all).
+        seed: seed of this request's generator (None: random).
+        stop: strings that end generation; they are not part of the output.
+        logprobs: report the chosen token's log-probability.
+        top_logprobs: also report this many most likely (token, logprob) pairs.
+        repetition_penalty: a token of the prompt or the reply has its logit divided by this when positive,
+            multiplied when negative (transformers' and vLLM's rule; 1: off; llama.cpp's --repeat-penalty).
+        frequency_penalty: subtracted from a token's logit once per time the reply already holds it (OpenAI).
+        presence_penalty: subtracted once from the logit of every token the reply already holds (OpenAI).
+        logits_processors: `(generated_ids, logits [V]) -> logits` callables applied before each draw, after
+            the penalties (for example a grammar's mask); logprobs stay those of the model's own distribution.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logits_processors: list[Callable] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
 def parse_cpu_list(spec: str) -> set[int]:

@@ -6,19 +6,19 @@ strings are matched on text, held back while they could still match, and never e
 
 from __future__ import annotations
 
-import math
 import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from expertstream.config import SamplingParams  # noqa: F401 (re-exported: its home is torch-free)
 from expertstream.log import get_logger
 from expertstream.sampling import (
-    LogitsProcessor,
     apply_logits_processors,
+    apply_penalties,
     make_generator,
     sample,
     token_logprobs,
@@ -29,52 +29,6 @@ log = get_logger(__name__)
 # prompt pieces between two on_progress calls (and should_stop checks) during prefill, in tokens, for an
 # engine without spans; an engine's prefill span is its unit (a shorter call would fetch every expert again)
 PREFILL_CHUNK = 512
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    """How to pick tokens and when to stop.
-
-    Args:
-        max_tokens: most tokens to generate (also clamped to the context left).
-        temperature: 0 picks the argmax (greedy); above 0 samples.
-        top_k: keep the k most likely tokens (0: all).
-        top_p: keep the smallest set of tokens whose probability reaches top_p (1: all).
-        min_p: keep tokens at least min_p times as likely as the most likely one (0: all).
-        seed: seed of this request's generator (None: random).
-        stop: strings that end generation; they are not part of the output.
-        logprobs: report the chosen token's log-probability.
-        top_logprobs: also report this many most likely (token, logprob) pairs.
-        logits_processors: applied to the logits before each draw, with the ids generated so far (for
-            example a grammar's mask); logprobs stay those of the model's own distribution.
-    """
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: bool = False
-    top_logprobs: int = 0
-    logits_processors: list[LogitsProcessor] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.top_logprobs < 0:
-            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
 
 
 @dataclass(slots=True)
@@ -213,10 +167,23 @@ def stream_generate(
     detok = tokenizer.detokenizer()
     matcher = StopStringMatcher(params.stop)
     generated: list[int] = []
+    p, seen, counts = params, None, None  # seen, counts [V]: the penalties' token sets (sampling.py)
+    if p.penalized:
+        seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        seen[torch.tensor(ids, device=logits.device)] = True
+        counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
     for n in range(1, max_tokens + 1):
-        masked = apply_logits_processors(params.logits_processors, generated, logits)
-        token = sample(masked, params.temperature, params.top_k, params.top_p, params.min_p, generator)
+        scores = logits
+        if seen is not None:
+            scores = apply_penalties(
+                logits, seen, counts, p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+            )
+        scores = apply_logits_processors(p.logits_processors, generated, scores)
+        token = sample(scores, p.temperature, p.top_k, p.top_p, p.min_p, generator)
         generated.append(token)
+        if seen is not None:
+            seen[token] = True
+            counts[token] += 1
         lp, top = token_logprobs(logits, token, params.top_logprobs) if params.logprobs else (None, None)
         finish = None
         if token in stop_ids:

@@ -104,16 +104,17 @@ def _fp8_bytes(shape: tuple[int, ...]) -> int:
 
 
 def gpu_budget(gpu_memory_gb: float | None, utilization: float, free: int, total: int) -> int:
-    """Bytes the engine may use: `--gpu-memory-gb` (default: what is free now, so another process's share
-    is left alone) times `--gpu-memory-utilization`. A budget the GPU cannot give is refused."""
-    budget = int((gpu_memory_gb * GiB if gpu_memory_gb else free) * utilization)
+    """Bytes the engine may use: `--gpu-memory-utilization` of the GPU's total memory, as in vLLM, or of
+    `--gpu-memory-gb` when given. A budget the GPU cannot give (more than is free now) is refused."""
+    budget = int((gpu_memory_gb * GiB if gpu_memory_gb else total) * utilization)
     if budget > total:
         raise ValueError(f"--gpu-memory-gb {gpu_memory_gb} exceeds the GPU's {total / GiB:.1f} GiB")
     if budget > free:
+        asked = f"--gpu-memory-gb {gpu_memory_gb} x {utilization}" if gpu_memory_gb else (
+            f"--gpu-memory-utilization {utilization} of {total / GiB:.1f} GiB")  # fmt: skip
         raise ValueError(
-            f"--gpu-memory-gb {gpu_memory_gb} x {utilization} = {budget / GiB:.1f} GiB, but only "
-            f"{free / GiB:.1f} GiB of the GPU's {total / GiB:.1f} GiB are free "
-            "(other processes hold the rest)"
+            f"{asked} = {budget / GiB:.1f} GiB, but only {free / GiB:.1f} GiB of the GPU's "
+            f"{total / GiB:.1f} GiB are free (other processes hold the rest): lower it"
         )
     return budget
 

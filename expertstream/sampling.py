@@ -1,5 +1,6 @@
-"""Next-token choice: greedy, or temperature + top-k + top-p + min-p sampling with a seeded generator,
-after the request's logits processors (constrained decoding masks the logits there)."""
+"""Next-token choice: greedy, or temperature + top-k + top-p + min-p sampling with a seeded generator, after
+the repetition, frequency and presence penalties and the request's logits processors (constrained decoding
+masks the logits there)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,27 @@ def apply_logits_processors(
     """Logits [V] after each processor in turn; call once per sampled position, before `sample`."""
     for processor in processors:
         logits = processor(generated, logits)
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    seen: torch.Tensor,
+    counts: torch.Tensor,
+    repetition: float = 1.0,
+    frequency: float = 0.0,
+    presence: float = 0.0,
+) -> torch.Tensor:
+    """Logits [V] in float32 with the penalties of `SamplingParams`: `seen` [V] bool marks the prompt's and
+    the reply's tokens (repetition), `counts` [V] float32 how often each token is in the reply (OpenAI's
+    frequency and presence)."""
+    logits = logits.float()
+    if repetition != 1.0:
+        # dividing a positive logit and multiplying a negative one both make the token less likely
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalized, logits)
+    if frequency or presence:
+        logits = logits - frequency * counts - presence * (counts > 0).float()
     return logits
 
 

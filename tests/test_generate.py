@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from expertstream.generate import SamplingParams, StopStringMatcher, stream_generate
-from expertstream.sampling import filter_logits, make_generator, sample, token_logprobs
+from expertstream.sampling import apply_penalties, filter_logits, make_generator, sample, token_logprobs
 from expertstream.tokenizer import Tokenizer
 
 
@@ -351,6 +351,29 @@ def test_generate_cli_json_and_text(capsys, tiny_workdir):
     assert "tok/s" in captured.err and "finish:" in captured.err
 
 
+def test_generate_reads_the_prompt_from_a_file_or_stdin(tiny_workdir, tmp_path, capsys, monkeypatch):
+    import io
+    import sys
+
+    from expertstream.cli import main as cli
+
+    (tmp_path / "prompt.txt").write_text("Hello")
+    base = ["generate", str(tiny_workdir), "--max-tokens", "2", "--json"]
+    runs = []
+    for source in (
+        ["--prompt", "Hello"],
+        ["-f", str(tmp_path / "prompt.txt")],
+        ["--prompt", "-"],
+        ["-f", "-"],
+    ):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Hello"))
+        assert cli(base + source) == 0
+        runs.append(
+            [(r["token"], r["prompt_tokens"]) for r in map(json.loads, capsys.readouterr().out.splitlines())]
+        )
+    assert runs[0] and all(run == runs[0] for run in runs)
+
+
 def test_chat_loop_reuses_state_between_turns(engine):
     import argparse
     import io
@@ -365,12 +388,13 @@ def test_chat_loop_reuses_state_between_turns(engine):
         top_p=1.0,
         top_k=0,
         min_p=0.0,
+        repetition_penalty=1.0,
         seed=None,
         stats=True,
     )
-    out = io.StringIO()
-    chat_loop(engine, args, iter(["Hi", "And then?", "/exit", "never read"]), out=out)
-    stats = [line for line in out.getvalue().splitlines() if line.startswith("prompt:")]
+    out, err = io.StringIO(), io.StringIO()
+    chat_loop(engine, args, iter(["Hi", "And then?", "/exit", "never read"]), out=out, err=err)
+    stats = [line for line in err.getvalue().splitlines() if line.startswith("prompt:")]
     assert len(stats) == 2 and "(0 cached)" in stats[0] and "(0 cached)" not in stats[1]
 
 
@@ -423,3 +447,55 @@ def test_shipped_demo_is_set_up_and_refreshed_when_it_changes(tmp_path, monkeypa
 
     assert dm.resolve_model("") == workdir
     assert Workdir(workdir).ple["shards"][0]["path"].startswith(str(other))
+
+
+def test_penalties_follow_vllm_and_openai():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    seen = torch.tensor([True, True, False, False])  # prompt or reply tokens
+    counts = torch.tensor([2.0, 0.0, 0.0, 1.0])  # times in the reply
+    # repetition: a seen token's positive logit divided, its negative one multiplied
+    assert apply_penalties(logits, seen, counts, repetition=2.0).tolist() == [1.0, -2.0, 0.5, 3.0]
+    # frequency per occurrence in the reply, presence once
+    assert apply_penalties(logits, seen, counts, frequency=0.5, presence=1.0).tolist() == [
+        0.0,
+        -1.0,
+        0.5,
+        1.5,
+    ]
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0)
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=2.5)
+
+
+class FixedLogits:
+    """The engine with every forward's logits replaced by one fixed row: the sampler's choices alone."""
+
+    def __init__(self, engine, row: dict[int, float]):
+        self.engine = engine
+        self.logits = torch.full((engine.args.vocab_size,), -10.0)
+        for token, value in row.items():
+            self.logits[token] = value
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def forward(self, state, ids, all_logits=False):
+        return self.logits.clone()
+
+
+@pytest.mark.parametrize(
+    "penalty, prompt, expected",
+    [
+        ({}, [1, 2], [7, 7, 7, 7, 7]),
+        # 7 (3) / 2 = 1.5 once seen, below 9's 2.5; 9 / 2 = 1.25 then leaves 7 on top for good
+        ({"repetition_penalty": 2.0}, [1, 2], [7, 9, 7, 7, 7]),
+        ({"repetition_penalty": 2.0}, [1, 7], [9, 7, 7, 7, 7]),  # the prompt's tokens count too
+        ({"frequency_penalty": 1.0}, [1, 7], [7, 9, 7, 9, 11]),  # ... but not for frequency: the reply's
+        ({"presence_penalty": 1.0}, [1, 2], [7, 9, 7, 7, 7]),
+    ],
+)
+def test_stream_generate_applies_the_penalties(engine, penalty, prompt, expected):
+    fixed = FixedLogits(engine, {7: 3.0, 9: 2.5, 11: 1.2})
+    tokens = [r.token for r in stream_generate(fixed, prompt, SamplingParams(max_tokens=5, **penalty))]
+    assert tokens == expected

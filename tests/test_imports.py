@@ -15,7 +15,7 @@ ROOT = Path(next(iter(expertstream.__path__)))  # a namespace package: no __init
 # lowest first
 LAYERS = [
     {"log"},
-    {"config", "sampling", "tokenizer", "memory_plan"},  # leaves every layer may use
+    {"config", "sampling", "tokenizer", "memory_plan", "usage"},  # leaves every layer may use
     {"generate"},  # the generator API: SamplingParams and stream_generate over any engine
     {"formats"},  # the on-disk tensor formats
     {"kernels"},  # Triton kernels and their PyTorch twins

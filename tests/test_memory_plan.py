@@ -116,10 +116,12 @@ def test_budget_too_small_names_what_is_needed():
         plan_memory(real_text_config(), real_resident(), BLOCK, 5 * GiB, 1024)
 
 
-def test_gpu_budget_is_the_flag_or_what_is_free_and_refuses_what_the_gpu_cannot_give():
+def test_gpu_budget_is_the_flag_or_a_share_of_the_total_and_refuses_what_the_gpu_cannot_give():
     free, total = 20 * GiB, 24 * GiB
     assert gpu_budget(8, 0.9, free, total) == int(8 * GiB * 0.9)
-    assert gpu_budget(None, 0.9, free, total) == int(free * 0.9)  # another process's share is left alone
+    assert gpu_budget(None, 0.8, free, total) == int(total * 0.8)  # vLLM's meaning: of the total
+    with pytest.raises(ValueError, match=r"utilization 0.9 of 24.0 GiB = 21.6 GiB, but only 20.0 GiB"):
+        gpu_budget(None, 0.9, free, total)  # another process holds more than the 10 % left
     with pytest.raises(ValueError, match="exceeds the GPU's 24.0 GiB"):
         gpu_budget(32, 0.9, free, total)
     with pytest.raises(ValueError, match=r"22.8 GiB, but only 20.0 GiB of the GPU's 24.0 GiB are free"):

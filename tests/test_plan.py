@@ -63,8 +63,13 @@ def test_the_bound_is_the_slower_of_drive_and_bus(tiny_workdir):
     assert "4,096 tokens, 3 spans" in out and "at least 3.0 s" in out
     # a slow bus bounds it instead: 1.5 GB at 1 GB/s
     assert "at most 0.7 tok/s" in report(plan, tb, disk=2.0, pcie=1.0, ram_gb=0)
-    # without a GPU the bus is not counted
-    assert "over PCIe" not in report(plan, tb, disk=2.0, pcie=None, ram_gb=0)
+    # without a GPU or --pcie-gbps the bus rate is unknown: the drive's share alone is a bound, said so
+    out = report(plan, tb, disk=2.0, pcie=None, ram_gb=0)
+    assert "over PCIe, rate unknown (--pcie-gbps)" in out and "unknown: the bus rate" in out
+    assert "at most 2.0 tok/s from the known rates" in out
+    # nothing known, and bytes to move: no bound at all, and never "no expert bytes move"
+    out = report(plan, tb, disk=None, pcie=None, ram_gb=0, prompts={4096: (3, int(6e9), int(9e9))})
+    assert "tok/s" not in out and "no expert bytes move" not in out and "time unknown" in out
 
 
 def test_the_ram_cache_size_is_weighed_against_the_machines_ram(tiny_workdir, monkeypatch):
@@ -97,6 +102,36 @@ def test_plan_refuses_a_budget_below_the_minimum(tiny_workdir, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="plans for the visible GPU when there is one")
-def test_plan_without_a_gpu_asks_for_a_budget(tiny_workdir):
-    with pytest.raises(SystemExit, match="--gpu-memory-gb"):
-        cli_main(["plan", str(tiny_workdir), "--disk-gbps", "1"])
+def test_plan_without_a_gpu_asks_for_a_budget(tiny_workdir, capsys):
+    assert cli_main(["plan", str(tiny_workdir), "--disk-gbps", "1"]) == 1
+    assert "give --gpu-memory-gb" in capsys.readouterr().err
+
+
+def test_plan_from_a_snapshot_or_its_config_before_setup_is_the_workdirs_plan(
+    tiny_snapshot, tiny_workdir, capsys
+):
+    flags = ["--gpu-memory-gb", "4", "--ram-cache-gb", "0", "--disk-gbps", "2", "--pcie-gbps", "25"]
+    assert cli_main(["plan", str(tiny_workdir), *flags]) == 0
+    from_workdir = capsys.readouterr().out
+    for source in (tiny_snapshot, tiny_snapshot / "config.json"):
+        assert cli_main(["plan", str(source), *flags]) == 0
+        out = capsys.readouterr().out
+        # the same plan and bounds, after what setup will write
+        assert out.startswith("setup writes about") and out.endswith(from_workdir)
+    # before setup the drive's rate cannot be measured: unknown, not guessed
+    assert cli_main(["plan", str(tiny_snapshot / "config.json"), "--gpu-memory-gb", "4"]) == 0
+    assert "from the drive, rate unknown (--disk-gbps)" in capsys.readouterr().out
+
+
+def test_plan_of_a_model_id_offline_says_how_to_pass_its_config(monkeypatch, capsys):
+    import socket
+
+    def offline(*a, **k):
+        raise OSError(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "create_connection", offline)
+    assert cli_main(["plan", "nvidia/Qwen3.8-Flash-Next-NVFP4", "--gpu-memory-gb", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach huggingface.co (Name or service not known)" in err
+    assert "huggingface-cli download nvidia/Qwen3.8-Flash-Next-NVFP4 config.json --local-dir DIR" in err
+    assert len(err.strip().splitlines()) == 1

@@ -635,3 +635,20 @@ def test_tool_choice_required_and_named_force_a_call(fake, thinking):
             tools=TOOLS,
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
+
+
+def test_penalties_are_request_fields_over_the_flag():
+    from expertstream.config import SamplingParams
+    from expertstream.server.protocol import ChatCompletionRequest
+    from expertstream.server.request import sampling_params
+    from expertstream.server.settings import ServerSettings
+
+    settings = ServerSettings("m", 256, defaults=SamplingParams(repetition_penalty=1.1))
+    req = ChatCompletionRequest(messages=USER, frequency_penalty=0.5, presence_penalty=-0.25)
+    p = sampling_params(settings, req, 10, None, False, 0)
+    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (1.1, 0.5, -0.25)
+    req = ChatCompletionRequest(messages=USER, repetition_penalty=1.3)
+    p = sampling_params(settings, req, 10, None, False, 0)
+    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (1.3, 0.0, 0.0)
+    with pytest.raises(ValueError):  # OpenAI's range, a 400 through the app
+        ChatCompletionRequest(messages=USER, frequency_penalty=3)

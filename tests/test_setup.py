@@ -406,3 +406,33 @@ def test_refused_snapshot_leaves_nothing_to_resume(tiny_snapshot, tmp_path):
     with pytest.raises(SetupError):
         setup_workdir(snap, wd, progress=False)
     assert not (wd / repack.PROGRESS).exists()
+
+
+def test_setup_leaves_a_finished_workdir_alone_unless_forced(tiny_snapshot, tmp_path, capsys):
+    wd = tmp_path / "wd"
+    assert cli_main(["setup", str(tiny_snapshot), str(wd), "--no-progress"]) == 0
+    stamp = (wd / "manifest.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert cli_main(["setup", str(tiny_snapshot), str(wd), "--no-progress"]) == 1
+    err = capsys.readouterr().out
+    assert "is a finished working directory" in err and "--force rewrites it" in err
+    assert (wd / "manifest.json").stat().st_mtime_ns == stamp  # not even the manifest was touched
+    assert cli_main(["setup", str(tiny_snapshot), str(wd), "--no-progress", "--force"]) == 0
+    assert (wd / "manifest.json").stat().st_mtime_ns != stamp
+    Workdir(wd)
+
+
+def test_setup_refuses_a_directory_holding_other_files(tiny_snapshot, tmp_path, capsys):
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "holiday.jpg").write_bytes(b"\xff\xd8")
+    for flags in ([], ["--force"]):  # --force rewrites a workdir, never someone else's directory
+        assert cli_main(["setup", str(tiny_snapshot), str(foreign), "--no-progress", *flags]) == 1
+        assert "holds files setup does not write (holiday.jpg)" in capsys.readouterr().out
+    assert sorted(p.name for p in foreign.iterdir()) == ["holiday.jpg"]
+    # an empty directory, or one holding only what an interrupted setup wrote, is set up
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli_main(["setup", str(tiny_snapshot), str(empty), "--no-progress"]) == 0
+    (empty / "manifest.json").unlink()  # as if interrupted before the manifest
+    assert cli_main(["setup", str(tiny_snapshot), str(empty), "--no-progress"]) == 0

@@ -1,34 +1,51 @@
-"""`expertstream plan [WORKDIR] [engine flags]`: what a configuration gets, before anything loads.
+"""`expertstream plan [MODEL] [engine flags]`: what a configuration gets, before anything loads.
 
-Prints the VRAM plan the engine would make (the same `plan_memory` call and text as at start), where a
-token's routed experts come from with the given caches, and the decode time those bytes alone take at the
-drive's and the bus's rates, and the same for a 2,048-token and a full-context prompt run in the plan's
-spans: lower bounds, the answer to "which flags for this box". Reads the manifest and the resident file's
-header only; needs no GPU when `--gpu-memory-gb` is given.
+MODEL is a working directory, a Hugging Face snapshot or its config.json, or a Hub model id (its config.json,
+a few KB, is fetched with huggingface_hub): so a box can be weighed before the download. Prints the VRAM plan
+the engine would make (the same `plan_memory` call and text as at start), where a token's routed experts
+come from with the given caches, and the decode time those bytes alone take at the drive's and the bus's
+rates, and the same for a 2,048-token and a full-context prompt run in the plan's spans: lower bounds, the
+answer to "which flags for this box". From a workdir it reads the manifest and the resident file's header
+only; from a config the resident tensors are the ones setup keeps, in BF16. Needs no GPU when
+`--gpu-memory-gb` is given; a rate neither given nor measurable (no GPU, no workdir) is said to be unknown.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+import re
+import socket
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
 
 from expertstream.config import EngineConfig
-from expertstream.memory_plan import GiB, MemoryPlan, MemoryPlanError, bank_slots, gpu_budget
+from expertstream.memory_plan import GiB, MemoryPlan, MemoryPlanError, bank_slots, gpu_budget, plan_memory
+from expertstream.usage import CLIError, check_workdir
+
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    EngineConfig.add_cli_args(p)  # WORKDIR (default: the bundled model) and every engine flag, as `serve`
+    # MODEL (default: the bundled model) and every engine flag, as `serve`
+    EngineConfig.add_cli_args(
+        p,
+        model_help="working directory, Hugging Face snapshot, its config.json, or a Hub model id such as "
+        "nvidia/Qwen3.8-Flash-Next-NVFP4 (default: the bundled demo model)",
+    )
     p.add_argument(
         "--disk-gbps",
         type=float,
         help="the drive's O_DIRECT rate for expert blocks (default: measured now, ~1 s of random block reads "
-        "of the working directory's experts.bin at --io-threads)",
+        "of the working directory's experts.bin at --io-threads; unknown before setup)",
     )
     p.add_argument(
         "--pcie-gbps",
         type=float,
-        help="pinned host->device rate (default: measured now when a GPU is visible, else not used)",
+        help="pinned host->device rate (default: measured now when a GPU is visible, else unknown)",
     )
 
 
@@ -94,35 +111,117 @@ def _budget(cfg: EngineConfig) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            raise SystemExit("no GPU is visible: give --gpu-memory-gb to plan for a card (e.g. 8)")
+            raise CLIError("no GPU is visible: give --gpu-memory-gb to plan for a card (e.g. 8)")
         free, total = torch.cuda.mem_get_info()
         return gpu_budget(None, cfg.gpu_memory_utilization, free, total)
     return int(cfg.gpu_memory_gb * GiB * cfg.gpu_memory_utilization)
 
 
-def _rates(args, wd, cfg: EngineConfig) -> tuple[float, float | None]:
-    """(disk GB/s, PCIe GB/s or None): as given, else measured here."""
-    from expertstream.runtime.probes import disk_rate, pcie_rate
+@dataclass
+class ConfigModel:
+    """What `plan` needs of a model, read from a config.json alone (a `Workdir` has the same attributes)."""
 
-    disk = args.disk_gbps or disk_rate(wd.experts_path, wd.layout.block_bytes, cfg.io_threads, n=256)
-    if args.pcie_gbps:
-        return disk, args.pcie_gbps
-    import torch
+    text_config: dict
+    block_bytes: int
+    num_layers: int
+    num_experts: int
+    experts_path: Path | None = None  # none before setup: the drive's rate cannot be measured
 
-    return disk, pcie_rate(256 << 20) if torch.cuda.is_available() else None
+    @classmethod
+    def from_config(cls, config: dict) -> ConfigModel:
+        from expertstream.formats.expert_block import ExpertLayout
+
+        tc = config.get("text_config", config)
+        layout = ExpertLayout.for_dims(tc["hidden_size"], tc["moe_intermediate_size"])
+        return cls(tc, layout.block_bytes, tc["num_hidden_layers"], tc["num_experts"])
+
+    def memory_plan(self, budget_bytes: int, max_model_len: int, act_bytes: int = 2) -> MemoryPlan:
+        from expertstream.workdir.inventory import resident_spec
+
+        inventory = {name: (shape, dtype) for name, (dtype, shape) in resident_spec(self.text_config).items()}
+        return plan_memory(
+            self.text_config, inventory, self.block_bytes, budget_bytes, max_model_len, act_bytes
+        )
+
+
+def _fetch_config(model_id: str) -> dict:
+    """config.json of a Hub model id, through huggingface_hub (a few KB)."""
+    how = (
+        f"download it elsewhere (`huggingface-cli download {model_id} config.json --local-dir DIR`) "
+        "and give DIR/config.json"
+    )
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        missing = "but huggingface_hub is not installed"
+        raise CLIError(f"{model_id} looks like a Hub model id, {missing}: {how}") from None
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
+    try:  # a second's probe: offline, huggingface_hub retries for half a minute
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as e:
+        raise CLIError(
+            f"cannot reach {host} ({e.strerror or e}) to fetch config.json of {model_id}: {how}"
+        ) from None
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    try:
+        return json.loads(Path(hf_hub_download(model_id, "config.json")).read_text())
+    except Exception as e:  # unknown repo, gated, network: the library's own errors vary by version
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CLIError(f"could not fetch config.json of {model_id} ({reason}): {how}") from None
+
+
+def load_model(source: str):
+    """(the model, whether it is a finished workdir) for `plan`'s MODEL argument."""
+    path = Path(source)
+    if path.is_file():
+        try:
+            return ConfigModel.from_config(json.loads(path.read_text())), False
+        except (ValueError, KeyError) as e:
+            raise CLIError(f"{path} is not a qwen4_exp config.json ({type(e).__name__}: {e})") from None
+    if path.is_dir() and not (path / "manifest.json").is_file() and (path / "config.json").is_file():
+        return load_model(str(path / "config.json"))  # a snapshot, not set up yet
+    if not path.exists() and HUB_ID.fullmatch(source):
+        try:
+            return ConfigModel.from_config(_fetch_config(source)), False
+        except KeyError as e:
+            raise CLIError(f"the config.json of {source} lacks {e}: not a qwen4_exp model") from None
+    check_workdir(source)
+    from expertstream.workdir.workdir import Workdir
+
+    wd = Workdir(source)
+    wd.block_bytes = wd.layout.block_bytes
+    return wd, True
+
+
+def _rates(args, model, cfg: EngineConfig) -> tuple[float | None, float | None]:
+    """(disk GB/s, PCIe GB/s): as given, else measured here, else None (unknown)."""
+    disk, pcie = args.disk_gbps, args.pcie_gbps
+    if not disk and model.experts_path is not None:
+        from expertstream.runtime.probes import disk_rate
+
+        disk = disk_rate(model.experts_path, model.block_bytes, cfg.io_threads, n=256)
+    if not pcie:
+        import torch
+
+        if torch.cuda.is_available():
+            from expertstream.runtime.probes import pcie_rate
+
+            pcie = pcie_rate(256 << 20)
+    return disk, pcie
 
 
 def report(
     plan: MemoryPlan,
     tb: TokenBytes,
-    disk: float,
+    disk: float | None,
     pcie: float | None,
     ram_gb: float,
     prompts: dict | None = None,
 ) -> str:
     """The plan's text, then where a token's experts come from and the decode time they alone take, and
-    the same for prompts {tokens: prompt_bytes(...)}."""
+    the same for prompts {tokens: prompt_bytes(...)}. A rate of None is unknown: its share is not timed."""
     mb = 1e6
+    unknown = []  # what a bound lacks
 
     def row(what: str, nbytes: float, rate: float | None = None) -> str:
         time = f" = {nbytes / rate / mb:.1f} ms" if rate else ""
@@ -132,14 +231,27 @@ def report(
     lines.append(row("routed experts", tb.routed))
     lines.append(row(f"in the VRAM cache ({tb.vram_share:.1%} of the blocks)", tb.routed * tb.vram_share))
     lines.append(row(f"in the RAM cache ({tb.ram_share:.1%} of the blocks)", tb.routed * tb.ram_share))
-    lines.append(row(f"from the drive, at {disk:.2f} GB/s", tb.from_disk, disk))
-    bound = tb.from_disk / disk / 1e9
+    bound = 0.0
+    if disk:
+        rate = f"{disk:.2f}" if disk >= 0.01 else f"{disk:.1e}"  # a tiny model's few blocks read slowly
+        lines.append(row(f"from the drive, at {rate} GB/s", tb.from_disk, disk))
+        bound = tb.from_disk / disk / 1e9
+    else:
+        lines.append(row("from the drive, rate unknown (--disk-gbps)", tb.from_disk))
+        unknown += ["the drive's rate (--disk-gbps; measured from a workdir)"] if tb.from_disk else []
     if pcie:
         lines.append(row(f"over PCIe, at {pcie:.1f} GB/s", tb.over_bus, pcie))
         bound = max(bound, tb.over_bus / pcie / 1e9)
-    lines.append(
-        f"  at most {1 / bound:.1f} tok/s from these bytes alone" if bound else "  no expert bytes move"
-    )
+    else:
+        lines.append(row("over PCIe, rate unknown (--pcie-gbps)", tb.over_bus))
+        unknown += ["the bus rate (--pcie-gbps; measured when a GPU is visible)"] if tb.over_bus else []
+    if unknown:
+        known = f"at most {1 / bound:.1f} tok/s from the known rates; " if bound else ""
+        lines.append(f"  {known}unknown: {' and '.join(unknown)}")
+    else:
+        lines.append(
+            f"  at most {1 / bound:.1f} tok/s from these bytes alone" if bound else "  no expert bytes move"
+        )
     lines.append(
         "  (a bound: compute and the dense part add to it; skewed real routing hits the caches more)"
     )
@@ -161,36 +273,59 @@ def report(
     if prompts:
         lines += ["", "Prompts (each span fetches the experts its tokens route to once per layer; uniform):"]
     for tokens, (spans, far, bus) in (prompts or {}).items():
-        t = max(far / disk, bus / pcie if pcie else 0.0) / 1e9
+        t = max(far / disk if disk else 0.0, bus / pcie if pcie else 0.0) / 1e9
         what = f"{tokens:,} tokens, {spans} span{'s' * (spans > 1)} of {plan.prefill_span:,}"
         moved = f"{far / 1e9:6.1f} GB from the drive, {bus / 1e9:6.1f} GB over PCIe"
-        lines.append(f"  {what:<40} {moved}: at least {t:.1f} s")
+        least = f"at least {t:.1f} s" + (" from the known rates" if unknown else "") if t else "time unknown"
+        lines.append(f"  {what:<40} {moved}: {least}")
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    from expertstream.default_model import resolve_model
-    from expertstream.workdir.workdir import Workdir
+def disk_report(model: ConfigModel) -> str:
+    """What `setup` will write for a model known by its config alone (about; the resident part in BF16)."""
+    from expertstream.memory_plan import ELEM_BYTES
+    from expertstream.workdir.inventory import resident_spec
 
-    args.model = resolve_model(args.model)
-    cfg = EngineConfig.from_args(args)
-    wd = Workdir(cfg.model)
-    max_len = min(cfg.max_model_len, wd.text_config.get("max_position_embeddings", cfg.max_model_len))
+    experts = model.num_layers * model.num_experts * model.block_bytes
+    resident = 0
+    for dtype, shape in resident_spec(model.text_config).values():
+        n = ELEM_BYTES[dtype]
+        for d in shape:
+            n *= d
+        resident += n
+    return (
+        f"setup writes about {(experts + resident) / 1e9:.1f} GB: experts.bin {experts / 1e9:.1f} GB "
+        f"({model.num_layers} layers x {model.num_experts} experts x {model.block_bytes:,} B), resident "
+        f"weights {resident / 1e9:.1f} GB in BF16 (the PLE table is read from the snapshot in place)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = EngineConfig.from_args(args)  # the flags, checked before torch loads
+    if not args.model:
+        from expertstream.default_model import resolve_model
+
+        args.model = resolve_model(args.model)
+    model, is_workdir = load_model(args.model)
+    tc = model.text_config
+    max_len = min(cfg.max_model_len, tc.get("max_position_embeddings", cfg.max_model_len))
     try:
         act = 4 if cfg.dtype == "float32" else 2  # the engine's activations: bf16 on a GPU unless asked
-        plan = wd.memory_plan(_budget(cfg), max_len, act)
+        plan = model.memory_plan(_budget(cfg), max_len, act)
     except MemoryPlanError as e:
         print(e)
         return 1
-    k = wd.text_config["num_experts_per_tok"]
+    k = tc["num_experts_per_tok"]
+    L, E, block = model.num_layers, model.num_experts, model.block_bytes
     # the bank's cache slots as the engine sizes them: the plan's three banks and its cache, less staging
-    n_slots = plan.slots // wd.layout.block_bytes + plan.vram_cache_blocks
+    n_slots = plan.slots // block + plan.vram_cache_blocks
     width = 0 if cfg.no_speculation else cfg.speculation_width
-    hot = bank_slots(cfg.stage_guesses, k, n_slots, width, wd.num_experts, wd.num_layers)[2] * wd.num_layers
-    tb = token_bytes(wd.num_layers, wd.num_experts, k, wd.layout.block_bytes, plan.vram_cache_blocks,
-                     cfg.ram_cache_gb, hot)  # fmt: skip
-    disk, pcie = _rates(args, wd, cfg)
-    shape = (plan.prefill_span, wd.num_layers, wd.num_experts, k, wd.layout.block_bytes, tb)
+    hot = bank_slots(cfg.stage_guesses, k, n_slots, width, E, L)[2] * L
+    tb = token_bytes(L, E, k, block, plan.vram_cache_blocks, cfg.ram_cache_gb, hot)
+    disk, pcie = _rates(args, model, cfg)
+    shape = (plan.prefill_span, L, E, k, block, tb)
     prompts = {n: prompt_bytes(n, *shape) for n in sorted({min(2048, max_len), max_len})}
+    if not is_workdir:
+        print(disk_report(model), end="\n\n")
     print(report(plan, tb, disk, pcie, cfg.ram_cache_gb, prompts))
     return 0

@@ -65,7 +65,7 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
     else:
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {config.device!r} was asked for but CUDA is not available")
+            raise ValueError(f"--device {config.device} was asked for, but torch sees no CUDA GPU here")
     if config.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:

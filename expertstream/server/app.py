@@ -9,7 +9,10 @@ This module holds the CLI and the routes; the code map and wire format are in do
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import errno
 import json
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +43,7 @@ from expertstream.server.protocol import (
 )
 from expertstream.server.request import Prompts, sampling_params
 from expertstream.server.settings import REASONING_FIELDS, THINKING_SUFFIX, ServerSettings
+from expertstream.usage import CLIError, check_workdir
 
 log = get_logger(__name__)
 
@@ -177,7 +181,7 @@ def sampling_defaults(args: argparse.Namespace, workdir: Path) -> SamplingParams
         gen["temperature"] = 0.0  # transformers' meaning: greedy whatever the temperature says
     base = SamplingParams()
     picked = {}
-    for key in ("temperature", "top_p", "top_k", "min_p"):
+    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         flag = getattr(args, key)
         picked[key] = flag if flag is not None else gen.get(key, getattr(base, key))
     return SamplingParams(seed=args.seed, **picked)
@@ -239,19 +243,44 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: off)")
     s.add_argument("--min-p", type=float, default=None, help="probability floor relative to the top token")
     s.add_argument(
+        "--repetition-penalty", type=float, default=None, help="over the prompt's and reply's tokens (1: off)"
+    )
+    s.add_argument(
         "--max-tokens", type=int, default=None, help="most tokens per reply (default: the context left)"
     )
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the engine starts loading: a port in use is one sentence, not a
+    uvicorn error racing a loading thread at exit."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "is in use (another server?): pick another" if e.errno == errno.EADDRINUSE else (
+            f"cannot be bound ({e.strerror})")  # fmt: skip
+        raise CLIError(f"port {port} on {host} {why}") from None
+    sock.listen(2048)
+    return sock
+
+
 def main(args: argparse.Namespace) -> int:
+    config = EngineConfig.from_args(args)
+    if config.model:
+        check_workdir(config.model)
     import uvicorn
 
     from expertstream.default_model import resolve_model
-    from expertstream.runtime.engine import Engine
+    from expertstream.runtime.engine import Engine, resolve_device_dtype
     from expertstream.tokenizer import Tokenizer
+    from expertstream.workdir.workdir import read_manifest
 
-    args.model = resolve_model(args.model)
-    config = EngineConfig.from_args(args)
+    config = dataclasses.replace(config, model=resolve_model(config.model))
+    read_manifest(Path(config.model))  # a partial or foreign manifest: refused before the port is taken
+    resolve_device_dtype(config)  # --device cuda without a GPU, likewise
     settings = ServerSettings(
         served_model_name=args.served_model_name or Path(config.model).resolve().name,
         max_model_len=config.max_model_len,
@@ -265,12 +294,12 @@ def main(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         keepalive_s=args.keepalive_interval,
     )
+    tokenizer = Tokenizer.from_dir(config.model)
     if not is_loopback(host_name(args.host)) and args.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", args.host)
-    app = create_app(settings, Tokenizer.from_dir(config.model), lambda: Engine(config))
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())
-    )
+    sock = bind(args.host, args.port)
+    app = create_app(settings, tokenizer, lambda: Engine(config))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower()))
     loaded = app.state.backend.loaded
 
     def stop_if_failed(fut) -> None:
@@ -280,11 +309,13 @@ def main(args: argparse.Namespace) -> int:
 
     loaded.add_done_callback(stop_if_failed)
     log.info(
-        "serving %s as %s and %s%s",
+        "serving %s as %s and %s%s on http://%s:%d/v1",
         config.model,
         settings.served_model_name,
         settings.served_model_name,
         THINKING_SUFFIX,
+        args.host,
+        args.port,
     )
-    server.run()
+    server.run(sockets=[sock])
     return 1 if loaded.done() and loaded.exception() is not None else 0

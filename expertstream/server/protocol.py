@@ -95,6 +95,9 @@ class SamplingRequest(OpenAIRequest):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: no top-k filter")
     min_p: float | None = Field(None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(None, gt=0, description="1: off (vLLM's extension)")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
     # torch generators take seeds in [-2**63, 2**64)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: StopString | list[StopString] | None = None

@@ -460,10 +460,31 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="redo everything instead of resuming an interrupted setup of the same snapshot",
     )
+    p.add_argument("--force", action="store_true", help="rewrite a finished working directory")
+
+
+def check_target(workdir: Path, force: bool) -> None:
+    """Refuse to overwrite a finished working directory without --force, or write into a directory that
+    holds anything setup does not write (an interrupted setup's files are resumed)."""
+    if not workdir.is_dir():
+        return
+    ours = {*COPY_FILES, *REPLACED, MANIFEST, MANIFEST + ".tmp", PROGRESS, "ple", "demo.sha256"}
+    foreign = sorted(p.name for p in workdir.iterdir() if p.name not in ours)
+    if foreign:
+        raise SetupError(
+            f"{workdir} holds files setup does not write ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}): give a new or empty directory"
+        )
+    if (workdir / MANIFEST).is_file() and not force:
+        raise SetupError(
+            f"{workdir} is a finished working directory: `expertstream verify {workdir}` checks it, "
+            "--force rewrites it"
+        )
 
 
 def main(args: argparse.Namespace) -> int:
     try:
+        check_target(Path(args.workdir), args.force)
         wd = setup_workdir(
             args.snapshot,
             args.workdir,
