@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from expertstream import cpu_threads
 from expertstream.config import EngineConfig
-from expertstream.cpu_threads import CpuThreads
+from expertstream.runtime import cpu_threads
+from expertstream.runtime.cpu_threads import CpuThreads
 
 
 @pytest.fixture
