@@ -87,3 +87,13 @@ def test_the_cpu_bank_decodes_through_the_kernel_as_its_twin_does(tiny_workdir, 
         )
     finally:
         eng.close()
+
+
+def test_a_first_call_on_many_threads_returns():
+    # a worker made for a call must take that call's job (it once waited for the next one, forever)
+    import subprocess
+    import sys
+
+    code = "from expertstream.kernels import cpu_moe; print(cpu_moe.read_rate(1 << 22, threads=8, repeats=1))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and float(r.stdout) > 0

@@ -160,9 +160,11 @@ static inline void relax(void) {
 #endif
 }
 
+static unsigned long born[MAXTH];  // gen when worker i was made: a job published before it runs is its first
+
 static void *worker(void *arg) {
   int id = (int)(intptr_t)arg;
-  unsigned long seen = atomic_load(&gen);
+  unsigned long seen = born[id];
   for (;;) {
     for (int spin = 0; spin < 20000 && atomic_load(&gen) == seen; spin++) relax();
     pthread_mutex_lock(&mu);
@@ -188,6 +190,7 @@ static void run(void (*fn)(Job *), Job *j, int threads) {
   if (extra > MAXTH) extra = MAXTH;
   while (workers < extra) {
     pthread_t t;
+    born[workers] = atomic_load(&gen);
     if (pthread_create(&t, NULL, worker, (void *)(intptr_t)workers)) break;
     pthread_detach(t);
     workers++;
