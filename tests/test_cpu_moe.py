@@ -97,3 +97,12 @@ def test_a_first_call_on_many_threads_returns():
     code = "from expertstream.kernels import cpu_moe; print(cpu_moe.read_rate(1 << 22, threads=8, repeats=1))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and float(r.stdout) > 0
+
+
+def test_bench_cpu_times_a_full_shape_layer(monkeypatch):
+    from expertstream.bench import cli, cpu
+
+    assert cli.MODES["cpu"] == "expertstream.bench.cpu"
+    monkeypatch.setattr(cpu, "SPREAD", 1)  # one layer's blocks: CI has no GB to spare
+    ms, gbps = cpu.kernel_rate(threads=2, tokens=1, rounds=1)
+    assert ms > 0 and gbps > 0
