@@ -112,6 +112,13 @@ class EngineConfig:
             "BF16 working directory then runs in the formats of the 8 GiB plan"
         },
     )
+    threads: int = field(
+        default=0,
+        metadata={
+            "help": "CPU compute threads (torch's and the CPU expert kernel's); 0: the cores other processes "
+            "leave free, re-measured while running (llama.cpp's name)"
+        },
+    )
     cpu_affinity: str | None = field(
         default=None,
         metadata={
@@ -131,6 +138,8 @@ class EngineConfig:
             raise ValueError(f"ram_cache_gb must be >= 0, got {self.ram_cache_gb}")
         if self.io_threads <= 0:
             raise ValueError(f"io_threads must be positive, got {self.io_threads}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: the free cores), got {self.threads}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):

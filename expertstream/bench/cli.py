@@ -21,9 +21,10 @@ MODES: dict[str, str] = {
     "decode": "expertstream.bench.runtime",
     "prefill": "expertstream.bench.prefill",
     "routing": "expertstream.bench.routing",
+    "cpu": "expertstream.bench.cpu",
 }
 # --tokens when not given: decode times a few tokens per regime; routing needs a long trace for cache locality
-TOKENS = {"decode": 32, "routing": 1024}
+TOKENS = {"decode": 32, "routing": 1024, "cpu": 48}
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -51,7 +52,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "up to the real 48, or a larger model already in --workdir)",
     )
     p.add_argument(
-        "--tokens", type=int, help="decode: tokens timed per regime (32); routing: tokens traced (1024)"
+        "--tokens",
+        type=int,
+        help="decode: tokens timed per regime (32); routing: tokens traced (1024); cpu: demo tokens (48)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=0, help="cpu: kernel threads (0: the cores other processes leave free)"
     )
     p.add_argument(
         "--text", type=Path, help="routing: text to teacher-force (default: the snapshot's heldout.txt)"

@@ -5,7 +5,8 @@ span then holds no second copy of them).
 Only the routed sum lives here (the router and shared expert stay in the model). Each expert is SwiGLU:
 down(silu(gate x) * up x), scaled by its routing weight. `DenseExperts` holds dense weights (tests,
 reference); `StreamedExperts` fetches the layer's distinct experts from the `ExpertStore` once per call
-and decodes them; in decode it also queues the next layer's guessed experts to the store's low-priority
+and, for a few tokens on the CPU, runs the C kernel on the blocks in place (kernels/cpu_moe.py), else
+decodes them; in decode it also queues the next layer's guessed experts to the store's low-priority
 disk reader (expertstream/experts/speculation.py).
 """
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from expertstream.experts.speculation import Speculator
 from expertstream.formats.expert_block import PROJ
+from expertstream.kernels import cpu_moe
 from expertstream.log import get_logger
 
 log = get_logger(__name__)
@@ -81,6 +83,7 @@ class StreamedExperts:
             "no-experts" returns a zero routed sum. Both controls must visibly break the model.
         speculate: in decode, queue disk reads of the next layer's guessed experts (needs the routers from
             `set_router_weights` and a store with `prefetch`).
+        threads: callable -> the threads the CPU kernel may use now (`CpuThreads`); None: one.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class StreamedExperts:
         control: str = "none",
         speculate: bool = True,
         speculation_width: float = 1.0,
+        threads: Callable[[], int] | None = None,
     ):
         if control not in CONTROLS:
             raise ValueError(f"expert control {control!r} is not one of {CONTROLS}")
@@ -103,6 +107,9 @@ class StreamedExperts:
         spec = speculate and hasattr(store, "prefetch")
         self.spec = Speculator(self.layout.block_bytes, speculation_width) if spec else None
         self.host_syncs = 0  # `.tolist()` reads of the routing (device syncs when it runs on a GPU)
+        self.threads = threads or (lambda: 1)
+        # the C kernel where it builds; the controls keep the torch form (swap-nibbles edits decoded copies)
+        self.kernel = control == "none" and cpu_moe.library() is not None
 
     def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:
         """Routers {layer: W [E, H]} on the compute device in the activation dtype, for speculation."""
@@ -146,6 +153,8 @@ class StreamedExperts:
         if guess is not None:  # after the demand request: its reads are queued ahead of the guesses
             self.spec.issue(layer + 1, guessed, self.store.prefetch([(layer + 1, e) for e in guessed]))
         try:
+            if self.kernel and x.device.type == "cpu" and x.shape[0] <= cpu_moe.TMAX:
+                return self._kernel_sum(layer, x, expert_ids, weights, uniq, experts, by_expert)
             return routed_sum(
                 x,
                 expert_ids,
@@ -156,3 +165,11 @@ class StreamedExperts:
         finally:
             for h in handles:
                 h.release()
+
+    def _kernel_sum(self, layer, x, expert_ids, weights, uniq, experts, by_expert) -> torch.Tensor:
+        t = x.shape[0]
+        blocks = [self._wait(by_expert[e]) for e in experts]
+        wt = torch.zeros(len(experts), t)  # [n, T] routing weight of expert row j for token t
+        wt[torch.searchsorted(uniq, expert_ids), torch.arange(t)[:, None]] = weights.float()
+        ws2 = self.weight_scale_2[layer, experts]  # [n, 3]
+        return cpu_moe.moe(blocks, ws2, wt, x, self.layout, self.threads()).to(x.dtype)

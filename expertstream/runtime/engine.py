@@ -20,6 +20,7 @@ from expertstream.models import base
 from expertstream.models.base import ModelArgs
 from expertstream.models.qwen4_exp import Qwen4ExpModel
 from expertstream.models.state import State
+from expertstream.runtime.cpu_threads import CpuThreads
 from expertstream.store import ExpertStore
 from expertstream.store.ple import PleTable
 from expertstream.workdir.repack import FP8_DENSE
@@ -116,6 +117,7 @@ class Engine:
                 log.warning("cpu_affinity %s also confines torch's CPU compute threads", config.cpu_affinity)
             os.sched_setaffinity(0, parse_cpu_list(config.cpu_affinity))
         speculate = not config.no_speculation
+        self.cpu_threads = CpuThreads(config.threads)  # after cpu_affinity: it counts those cores
         if gpu:
             k = self.args.num_experts_per_tok
             # vram_cache_blocks overrides the plan's cache (the bench emulates the 48-layer model's share)
@@ -136,7 +138,13 @@ class Engine:
             log.info("expert kernels ready in %.1f s", time.perf_counter() - t1)
         else:
             self.bank = StreamedExperts(
-                self.workdir, self.store, self.dtype, control, speculate, config.speculation_width
+                self.workdir,
+                self.store,
+                self.dtype,
+                control,
+                speculate,
+                config.speculation_width,
+                self.cpu_threads,
             )
             if config.stage_guesses > 0:
                 log.warning("--stage-guesses ignored: it stages blocks into VRAM for the CUDA expert bank")

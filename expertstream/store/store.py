@@ -252,7 +252,8 @@ class ExpertStore:
             for key in keys:
                 if self._cache.lookup(key) is None and key not in self._transient:
                     self._prefetch_queue.append(key)
-            self._start_prefetcher()
+            if self._prefetch_queue:  # waking the prefetcher for nothing costs a thread switch per layer
+                self._start_prefetcher()
             return len(self._prefetch_queue)
 
     def preload(self, keys: Iterable[Key]) -> int:

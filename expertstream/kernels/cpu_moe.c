@@ -1,0 +1,258 @@
+// NVFP4 SwiGLU experts on the CPU for a few tokens, read in place from expert blocks (RAM cache rows).
+// out[t] = sum_e w[e, t] * down_e(silu(gate_e x[t]) * up_e x[t]); codes and E4M3 block scales are decoded in
+// registers (16 weights = 8 bytes + 1 scale byte per vector), never into a dequantized copy.
+// Built at first use by kernels/cpu_moe.py with the machine's C compiler (-O3 -march=native).
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TMAX 8
+#define MAXTH 256
+#define ROWS_UP 16    // gate/up rows per work item
+#define ROWS_DOWN 32  // output rows per work item
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16fu __attribute__((vector_size(64), aligned(4)));  // unaligned loads
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+
+// E2M1 code -> value; codes 8..15 are the negatives of 0..7
+static const v16f E2M1 = {0, .5f, 1, 1.5f, 2, 3, 4, 6, -0.f, -.5f, -1, -1.5f, -2, -3, -4, -6};
+static float E4M3[256];
+
+static void init_e4m3(void) {
+  for (int b = 0; b < 256; b++) {
+    int e = (b >> 3) & 15, m = b & 7;
+    float v = e ? ldexpf(1.f + m / 8.f, e - 7) : ldexpf((float)m, -9);
+    if ((b & 0x7f) == 0x7f) v = NAN;
+    E4M3[b] = (b & 0x80) ? -v : v;
+  }
+}
+
+// 16 weights of one group: lanes 0-7 the low nibbles (even elements), 8-15 the high ones (odd elements)
+#if defined(__AVX512F__) && !defined(CPU_MOE_PORTABLE)
+#include <immintrin.h>
+static inline v16f decode16(const uint8_t *p) {
+  // vpermps reads the low 4 bits of each index: the neighbouring nibble above them needs no masking
+  __m128i b = _mm_loadl_epi64((const __m128i *)p);
+  __m128i c = _mm_unpacklo_epi64(b, _mm_srli_epi16(b, 4));
+  return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), E2M1);
+}
+#else
+// portable form (GCC vector extensions; compilers scalarise the widening, so it is several times slower)
+static inline v16f decode16(const uint8_t *p) {
+  uint64_t b, nib[2];
+  memcpy(&b, p, 8);
+  nib[0] = b & 0x0F0F0F0F0F0F0F0FULL;
+  nib[1] = (b >> 4) & 0x0F0F0F0F0F0F0F0FULL;
+  v16b c;
+  memcpy(&c, nib, 16);
+  return __builtin_shuffle(E2M1, __builtin_convertvector(c, v16i));
+}
+#endif
+
+static inline float hsum(v16f v) {
+  float s = 0;
+  for (int i = 0; i < 16; i++) s += v[i];
+  return s;
+}
+
+// res[t] = row . xp[t] over G groups; xp holds each group's even elements then its odd ones (permute_x)
+static inline __attribute__((always_inline)) void dot_row(const uint8_t *w, const uint8_t *s, int G,
+                                                         const float *xp, int stride, int T, float *res) {
+  v16f acc[TMAX][2];
+  for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = (v16f){0};
+  int g = 0;
+  for (; g + 2 <= G; g += 2) {
+    v16f w0 = decode16(w + 8 * g) * E4M3[s[g]];
+    v16f w1 = decode16(w + 8 * g + 8) * E4M3[s[g + 1]];
+    for (int t = 0; t < T; t++) {
+      const float *x = xp + (size_t)t * stride + 16 * g;
+      acc[t][0] += w0 * *(const v16fu *)x;
+      acc[t][1] += w1 * *(const v16fu *)(x + 16);
+    }
+  }
+  if (g < G) {
+    v16f w0 = decode16(w + 8 * g) * E4M3[s[g]];
+    for (int t = 0; t < T; t++) acc[t][0] += w0 * *(const v16fu *)(xp + (size_t)t * stride + 16 * g);
+  }
+  for (int t = 0; t < T; t++) res[t] = hsum(acc[t][0] + acc[t][1]);
+}
+
+// position of element k of a row in its permuted form
+static inline int perm(int k) { return (k & ~15) | ((k & 1) << 3) | ((k & 15) >> 1); }
+
+typedef struct {
+  const uint8_t *const *blocks;  // [n] expert blocks
+  const float *ws2;              // [n, 3] global scales (gate, up, down)
+  const float *wt;               // [n, T] routing weight of expert e for token t (0: not routed)
+  const float *xp;               // [T, H] permuted input
+  float *hp;                     // [n, T, I] permuted SwiGLU activations
+  float *out;                    // [T, H]
+  int n, T, H, I;
+  long off[6];  // gate, up, down codes; gate, up, down scales (bytes from block start)
+  atomic_int next;
+  int items;
+} Job;
+
+static inline __attribute__((always_inline)) void up_item(Job *j, int item, int T) {
+  int per = (j->I + ROWS_UP - 1) / ROWS_UP, e = item / per, r0 = (item % per) * ROWS_UP;
+  int r1 = r0 + ROWS_UP < j->I ? r0 + ROWS_UP : j->I, H = j->H, I = j->I, G = H / 16;
+  const uint8_t *b = j->blocks[e];
+  float sg = j->ws2[3 * e], su = j->ws2[3 * e + 1], g[TMAX], u[TMAX];
+  for (int r = r0; r < r1; r++) {
+    dot_row(b + j->off[0] + (size_t)r * H / 2, b + j->off[3] + (size_t)r * G, G, j->xp, H, T, g);
+    dot_row(b + j->off[1] + (size_t)r * H / 2, b + j->off[4] + (size_t)r * G, G, j->xp, H, T, u);
+    for (int t = 0; t < T; t++) {
+      float gg = g[t] * sg;
+      j->hp[((size_t)e * T + t) * I + perm(r)] = gg / (1.f + expf(-gg)) * (u[t] * su);
+    }
+  }
+}
+
+static inline __attribute__((always_inline)) void down_item(Job *j, int item, int T) {
+  int r0 = item * ROWS_DOWN, r1 = r0 + ROWS_DOWN < j->H ? r0 + ROWS_DOWN : j->H, I = j->I, G = I / 16;
+  float d[TMAX];
+  for (int r = r0; r < r1; r++) {
+    float acc[TMAX] = {0};
+    for (int e = 0; e < j->n; e++) {
+      const uint8_t *b = j->blocks[e];
+      dot_row(b + j->off[2] + (size_t)r * I / 2, b + j->off[5] + (size_t)r * G, G, j->hp + (size_t)e * T * I,
+              I, T, d);
+      float sd = j->ws2[3 * e + 2];
+      for (int t = 0; t < T; t++) acc[t] += j->wt[e * T + t] * sd * d[t];
+    }
+    for (int t = 0; t < T; t++) j->out[(size_t)t * j->H + r] = acc[t];
+  }
+}
+
+// one phase's items, taken one at a time so a thread the scheduler parks holds up at most one item; T = 1, 2
+// and 4 get their own copies (accumulators in registers)
+#define LOOP(fn, T) \
+  while ((i = atomic_fetch_add(&j->next, 1)) < j->items) fn(j, i, T)
+#define PHASE(name, fn)                  \
+  static void name(Job *j) {             \
+    int i;                               \
+    switch (j->T) {                      \
+      case 1: LOOP(fn, 1); break;        \
+      case 2: LOOP(fn, 2); break;        \
+      case 4: LOOP(fn, 4); break;        \
+      default: LOOP(fn, j->T);           \
+    }                                    \
+  }
+PHASE(up_phase, up_item)
+PHASE(down_phase, down_item)
+
+// A persistent pool: the caller plus workers 0..active-1 run `fn`; idle workers spin briefly, then sleep.
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t go = PTHREAD_COND_INITIALIZER, done = PTHREAD_COND_INITIALIZER;
+static atomic_ulong gen;
+static atomic_int running;
+static int active, workers;
+static void (*job_fn)(Job *);
+static Job *job_arg;
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+static unsigned long born[MAXTH];  // gen when worker i was made: a job published before it runs is its first
+
+static void *worker(void *arg) {
+  int id = (int)(intptr_t)arg;
+  unsigned long seen = born[id];
+  for (;;) {
+    for (int spin = 0; spin < 20000 && atomic_load(&gen) == seen; spin++) relax();
+    pthread_mutex_lock(&mu);
+    while (atomic_load(&gen) == seen) pthread_cond_wait(&go, &mu);
+    seen = atomic_load(&gen);
+    int mine = id < active;
+    void (*fn)(Job *) = job_fn;
+    Job *j = job_arg;
+    pthread_mutex_unlock(&mu);
+    if (!mine) continue;
+    fn(j);
+    if (atomic_fetch_sub(&running, 1) == 1) {
+      pthread_mutex_lock(&mu);
+      pthread_cond_signal(&done);
+      pthread_mutex_unlock(&mu);
+    }
+  }
+  return NULL;
+}
+
+static void run(void (*fn)(Job *), Job *j, int threads) {
+  int extra = threads - 1;
+  if (extra > MAXTH) extra = MAXTH;
+  while (workers < extra) {
+    pthread_t t;
+    born[workers] = atomic_load(&gen);
+    if (pthread_create(&t, NULL, worker, (void *)(intptr_t)workers)) break;
+    pthread_detach(t);
+    workers++;
+  }
+  if (extra > workers) extra = workers;
+  if (extra > 0) {
+    pthread_mutex_lock(&mu);
+    job_fn = fn, job_arg = j, active = extra;
+    atomic_store(&running, extra);
+    atomic_fetch_add(&gen, 1);
+    pthread_cond_broadcast(&go);
+    pthread_mutex_unlock(&mu);
+  }
+  fn(j);
+  if (extra > 0) {
+    for (int spin = 0; spin < 20000 && atomic_load(&running); spin++) relax();
+    pthread_mutex_lock(&mu);
+    while (atomic_load(&running)) pthread_cond_wait(&done, &mu);
+    pthread_mutex_unlock(&mu);
+  }
+}
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+// x [T, H] -> out [T, H]; hp: scratch [n, T, I] + [T, H] floats; one caller at a time (the Python side locks)
+int nvfp4_moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *wt, const float *x,
+                  float *out, float *scratch, int n, int T, int H, int I, const long *off, int threads) {
+  if (T < 1 || T > TMAX || H % 16 || I % 16) return 1;
+  pthread_once(&once, init_e4m3);
+  float *xp = scratch + (size_t)n * T * I;
+  for (int t = 0; t < T; t++)
+    for (int k = 0; k < H; k++) xp[(size_t)t * H + perm(k)] = x[(size_t)t * H + k];
+  Job j = {blocks, ws2, wt, xp, scratch, out, n, T, H, I, {0}, 0, 0};
+  memcpy(j.off, off, sizeof j.off);
+  j.items = n * ((I + ROWS_UP - 1) / ROWS_UP);
+  run(up_phase, &j, threads);
+  atomic_store(&j.next, 0);
+  j.items = (H + ROWS_DOWN - 1) / ROWS_DOWN;
+  run(down_phase, &j, threads);
+  return 0;
+}
+
+// bytes/s of a read-only sweep over buf ([n] floats) on `threads` threads: the memory rate the kernel meets
+static const float *bw_buf;
+static long bw_n;
+static float bw_sink[MAXTH + 1];
+static atomic_int bw_next;
+static void bw_phase(Job *unused) {
+  (void)unused;
+  int i;
+  long chunk = 1 << 16;
+  v16f acc = {0};
+  while ((i = atomic_fetch_add(&bw_next, 1)) * chunk < bw_n) {
+    long a = i * chunk, b = a + chunk < bw_n ? a + chunk : bw_n;
+    for (long k = a; k + 16 <= b; k += 16) acc += *(const v16fu *)(bw_buf + k);
+  }
+  bw_sink[0] += hsum(acc);
+}
+
+float read_sweep(const float *buf, long n, int threads) {
+  bw_buf = buf, bw_n = n;
+  atomic_store(&bw_next, 0);
+  run(bw_phase, NULL, threads);
+  return bw_sink[0];
+}

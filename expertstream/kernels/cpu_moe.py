@@ -1,0 +1,182 @@
+"""The CPU expert kernel (cpu_moe.c) and its plain-torch twin: a few tokens' routed NVFP4 SwiGLU sum, with
+codes and block scales read in place from expert blocks ([block_bytes] uint8, RAM cache rows).
+
+The C source is compiled once per machine at first use with the machine's C compiler (`cc -O3
+-march=native`, under ~1 s) into ~/.cache/expertstream/kernels/ and loaded through ctypes, which releases
+the GIL while it runs. Without a compiler the twin runs instead (one warning).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from expertstream.formats.expert_block import PROJ, ExpertLayout
+from expertstream.log import get_logger
+
+log = get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_moe.c")
+TMAX = 8  # most tokens one kernel call takes (cpu_moe.c's TMAX); more go to the twin
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=gnu11")
+_PARTS = tuple(f"{p}.weight" for p in PROJ) + tuple(f"{p}.weight_scale" for p in PROJ)
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+_lock = threading.Lock()  # the C side keeps one thread pool: one call at a time
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "expertstream" / "kernels"
+
+
+def _cpu_signature() -> str:
+    # -march=native code runs only on CPUs with the same features: they are part of the file name
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler (cc) found: CPU experts use the slower torch form; install gcc")
+        return None
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                src,
+                cc.encode(),
+                " ".join(FLAGS).encode(),
+                _cpu_signature().encode(),
+                platform.machine().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    so = cache_dir() / f"cpu_moe-{key}.so"
+    if not so.exists():
+        so.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
+        os.close(fd)
+        cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode and "-march=native" in cmd:  # a compiler without -march=native (e.g. Apple clang)
+            cmd.remove("-march=native")
+            r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            os.unlink(tmp)
+            log.warning("compiling the CPU expert kernel failed (%s): using the torch form", r.stderr.strip())
+            return None
+        os.replace(tmp, so)  # atomic: another process may be building the same file
+    lib = ctypes.CDLL(str(so))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.nvfp4_moe_cpu.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i]
+    lib.nvfp4_moe_cpu.restype = i
+    lib.read_sweep.argtypes = [p, ctypes.c_long, i]
+    lib.read_sweep.restype = ctypes.c_float
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None when it cannot be built."""
+    global _lib, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            _lib = _build()
+    return _lib
+
+
+def _offsets(layout: ExpertLayout) -> torch.Tensor:
+    return torch.tensor([layout.part(n).offset for n in _PARTS], dtype=torch.long)
+
+
+def moe(
+    blocks: list[torch.Tensor],
+    ws2: torch.Tensor,
+    wt: torch.Tensor,
+    x: torch.Tensor,
+    layout: ExpertLayout,
+    threads: int = 1,
+) -> torch.Tensor:
+    """The routed sum of n experts over T <= TMAX tokens with the C kernel.
+
+    Args:
+        blocks: n expert blocks, each [block_bytes] uint8 on the CPU (read in place, not copied).
+        ws2: [n, 3] FP32 global scales (gate, up, down) of those experts.
+        wt: [n, T] FP32 routing weight of expert j for token t, 0 where t does not route to j.
+        x: [T, H] FP32.
+        threads: threads the call may use (the caller's included).
+
+    Returns:
+        [T, H] FP32.
+    """
+    lib = library()
+    n, (t, h) = len(blocks), x.shape
+    i = layout.intermediate_size
+    if lib is None or not 1 <= t <= TMAX or h != layout.hidden_size:
+        raise ValueError(f"the CPU expert kernel takes 1..{TMAX} tokens of width {layout.hidden_size}")
+    for b in blocks:
+        if b.dtype != torch.uint8 or b.device.type != "cpu" or b.numel() < layout.payload_bytes:
+            raise ValueError("expert blocks must be uint8 CPU tensors of the layout's size")
+    ptrs = torch.tensor([b.data_ptr() for b in blocks], dtype=torch.long)
+    ws2, wt, x = (a.float().contiguous() for a in (ws2, wt, x))
+    out = torch.empty(t, h)
+    scratch = torch.empty(n * t * i + t * h)
+    off = _offsets(layout)
+    with _lock:
+        rc = lib.nvfp4_moe_cpu(
+            ptrs.data_ptr(), ws2.data_ptr(), wt.data_ptr(), x.data_ptr(), out.data_ptr(),
+            scratch.data_ptr(), n, t, h, i, off.data_ptr(), max(1, threads),
+        )  # fmt: skip
+    if rc:
+        raise ValueError(f"the CPU expert kernel refused its shapes (T {t}, H {h}, I {i})")
+    return out
+
+
+def moe_twin(
+    blocks: list[torch.Tensor], ws2: torch.Tensor, wt: torch.Tensor, x: torch.Tensor, layout: ExpertLayout
+) -> torch.Tensor:
+    """Plain-torch twin of `moe` (same arguments but threads): decode each block, then SwiGLU in FP32."""
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    for j, block in enumerate(blocks):
+        gate, up, down = layout.dequantize(block, ws2[j].float(), torch.float32)
+        y = F.linear(F.silu(F.linear(xf, gate)) * F.linear(xf, up), down)  # [T, H]
+        out += wt[j, :, None].float() * y
+    return out
+
+
+def read_rate(nbytes: int = 1 << 30, threads: int = 1, repeats: int = 3) -> float:
+    """Best GB/s of `repeats` read sweeps over `nbytes` of RAM on `threads` threads (the kernel's pool): the
+    memory rate the expert kernel is measured against."""
+    import time
+
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the CPU expert kernel could not be built")
+    buf = torch.ones(nbytes // 4)
+    best = float("inf")
+    with _lock:
+        lib.read_sweep(buf.data_ptr(), buf.numel(), max(1, threads))  # warm: pages faulted in, pool up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            lib.read_sweep(buf.data_ptr(), buf.numel(), max(1, threads))
+            best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9

@@ -1,0 +1,108 @@
+"""The CPU expert kernel (kernels/cpu_moe.c) against its plain-torch twin, on random NVFP4 expert blocks."""
+
+import pytest
+import torch
+
+from expertstream.formats import nvfp4
+from expertstream.formats.expert_block import PROJ, ExpertLayout
+from expertstream.kernels import cpu_moe
+
+pytestmark = pytest.mark.skipif(cpu_moe.library() is None, reason="no C compiler to build the CPU kernel")
+
+
+def random_blocks(layout: ExpertLayout, n: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """n random expert blocks (every E2M1 code and many E4M3 scales, subnormals included) and their [n, 3]
+    global scales."""
+    g = torch.Generator().manual_seed(seed)
+    h, i = layout.hidden_size, layout.intermediate_size
+    blocks, ws2 = [], torch.empty(n, 3)
+    for e in range(n):
+        tensors = {}
+        for j, (proj, shape) in enumerate(zip(PROJ, ((i, h), (i, h), (h, i)))):
+            w = torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g).pow(3)
+            q, s, s2 = nvfp4.quantize(w)
+            tensors[f"{proj}.weight"], tensors[f"{proj}.weight_scale"] = q, s
+            ws2[e, j] = s2
+        blocks.append(torch.frombuffer(bytearray(layout.pack(tensors)), dtype=torch.uint8))
+    return blocks, ws2
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_kernel_matches_twin(t, threads):
+    layout = ExpertLayout.for_dims(96, 48)  # odd group counts (6 and 3): the unrolled loops' tails run
+    blocks, ws2 = random_blocks(layout, 5, seed=t)
+    g = torch.Generator().manual_seed(100 + t)
+    x = torch.randn(t, 96, generator=g)
+    wt = torch.rand(5, t, generator=g) * (torch.rand(5, t, generator=g) < 0.6)  # some tokens skip experts
+    got = cpu_moe.moe(blocks, ws2, wt, x, layout, threads)
+    want = cpu_moe.moe_twin(blocks, ws2, wt, x, layout)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_kernel_reads_every_code_and_the_nibble_order():
+    # a one-hot input picks single columns: any swap of the two nibbles of a byte changes the result
+    layout = ExpertLayout.for_dims(32, 16)
+    blocks, ws2 = random_blocks(layout, 2, seed=7)
+    wt = torch.ones(2, 8)
+    for cols in (range(0, 8), range(8, 16), range(16, 24), range(24, 32)):
+        x = torch.zeros(8, 32)
+        x[torch.arange(8), torch.tensor(list(cols))] = 1.0
+        torch.testing.assert_close(
+            cpu_moe.moe(blocks, ws2, wt, x, layout), cpu_moe.moe_twin(blocks, ws2, wt, x, layout)
+        )
+
+
+def test_kernel_refuses_what_it_cannot_take():
+    layout = ExpertLayout.for_dims(32, 16)
+    blocks, ws2 = random_blocks(layout, 1, seed=0)
+    with pytest.raises(ValueError, match="tokens"):
+        cpu_moe.moe(blocks, ws2, torch.ones(1, 9), torch.zeros(9, 32), layout)
+    with pytest.raises(ValueError, match="uint8"):
+        cpu_moe.moe([blocks[0][:100]], ws2, torch.ones(1, 1), torch.zeros(1, 32), layout)
+
+
+def test_read_rate_is_positive():
+    assert cpu_moe.read_rate(1 << 22, threads=2, repeats=1) > 0
+
+
+def test_the_cpu_bank_decodes_through_the_kernel_as_its_twin_does(tiny_workdir, monkeypatch):
+    from test_engine import engine_for, prompt
+
+    calls = []
+    kernel = cpu_moe.moe
+    monkeypatch.setattr(cpu_moe, "moe", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    eng = engine_for(tiny_workdir)
+    try:
+        ids = prompt(eng)[: cpu_moe.TMAX + 5].tolist()
+        rows = {}
+        for use in (True, False):
+            eng.bank.kernel = use
+            st = eng.new_state()
+            eng.forward(st, ids[: cpu_moe.TMAX + 1])  # a prompt longer than TMAX keeps the torch form
+            rows[use] = torch.stack([eng.forward(st, [t]) for t in ids[cpu_moe.TMAX + 1 :]])
+        assert len(calls) == 4 * eng.args.num_hidden_layers  # 4 decode tokens, the kernel on every layer
+        torch.testing.assert_close(
+            rows[True], rows[False], rtol=0, atol=1e-5 * rows[False].abs().max().item()
+        )
+    finally:
+        eng.close()
+
+
+def test_a_first_call_on_many_threads_returns():
+    # a worker made for a call must take that call's job (it once waited for the next one, forever)
+    import subprocess
+    import sys
+
+    code = "from expertstream.kernels import cpu_moe; print(cpu_moe.read_rate(1 << 22, threads=8, repeats=1))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and float(r.stdout) > 0
+
+
+def test_bench_cpu_times_a_full_shape_layer(monkeypatch):
+    from expertstream.bench import cli, cpu
+
+    assert cli.MODES["cpu"] == "expertstream.bench.cpu"
+    monkeypatch.setattr(cpu, "SPREAD", 1)  # one layer's blocks: CI has no GB to spare
+    ms, gbps = cpu.kernel_rate(threads=2, tokens=1, rounds=1)
+    assert ms > 0 and gbps > 0
