@@ -218,8 +218,11 @@ def expert_tensors(snap: Snapshot, layout: ExpertLayout) -> dict[str, tuple[int,
     return experts
 
 
-def plan_ple(snap: Snapshot, tc: dict) -> tuple[dict | None, list[TensorInfo]]:
-    """Check the PLE table; returns (manifest `ple` block pointing into the snapshot, shards in row order)."""
+def plan_ple(snap: Snapshot, tc: dict, read_data: bool = True) -> tuple[dict | None, list[TensorInfo]]:
+    """Check the PLE table; returns (manifest `ple` block pointing into the snapshot, shards in row order).
+
+    With read_data=False (setup --dry-run) only headers are checked: the scale value (`scale` None) and the
+    row count the n-gram heads address are left to the real setup."""
     layer = ple_layer(tc)
     if layer is None:
         return None, []
@@ -240,17 +243,23 @@ def plan_ple(snap: Snapshot, tc: dict) -> tuple[dict | None, list[TensorInfo]]:
                 f"expected F8_E4M3 [rows, {width}]"
             )
     rows = sum(i.shape[0] for i in infos)
-    sizes = read_tensor(snap.info(f"{PREFIX}layers.{layer}.ple.ple_embedding.ngram_heads_vocab_sizes"))
-    if rows < int(sizes.sum()):
+    sizes_info = snap.info(f"{PREFIX}layers.{layer}.ple.ple_embedding.ngram_heads_vocab_sizes")
+    sizes = read_tensor(sizes_info) if read_data else None
+    if sizes is not None and rows < int(sizes.sum()):
         raise SetupError(
             f"{snap.path}: the PLE table {base} has {rows} rows, the n-gram heads address {int(sizes.sum())}"
         )
     scale_info = snap.info(f"{base}.weight_scale")
-    if scale_info.shape != () or not DTYPES[scale_info.dtype][0].is_floating_point:
-        raise SetupError(f"{scale_info.path.name}: {scale_info.name} should be a floating 0-d scalar")
+    # the published export stores BF16 [1]; our older writer stored a 0-d scalar: both are one value
+    if scale_info.shape not in ((), (1,)) or not DTYPES[scale_info.dtype][0].is_floating_point:
+        got = f"{scale_info.dtype} {list(scale_info.shape)}"
+        raise SetupError(
+            f"{scale_info.path.name}: tensor {scale_info.name} is {got}, "
+            "expected one floating value of shape [] or [1]"
+        )
     # the dtype comes from the header: the NVIDIA export stores a 2-byte BF16 here, not an F32
-    scale = float(read_tensor(scale_info).float())
-    if not math.isfinite(scale) or scale <= 0:
+    scale = float(read_tensor(scale_info).float().reshape(())) if read_data else None
+    if scale is not None and (not math.isfinite(scale) or scale <= 0):
         raise SetupError(
             f"{scale_info.path.name}: {scale_info.name} = {scale} is not a positive finite scale"
         )
