@@ -90,19 +90,35 @@ class Plan:
     ple_infos: list[TensorInfo]  # table shards in row order
 
 
-def plan_setup(snapshot: str | os.PathLike, fp8_dense: bool) -> Plan:
-    """Read and check everything a setup needs; raises SetupError/SnapshotError before any write."""
+def plan_setup(
+    snapshot: str | os.PathLike, fp8_dense: bool, read_data: bool = True, checked: list[str] | None = None
+) -> Plan:
+    """Read and check everything a setup needs; raises SetupError/SnapshotError before any write.
+
+    read_data=False (setup --dry-run) reads config.json and the safetensors headers only; `checked` collects
+    one line per check passed."""
+    done = checked if checked is not None else []
     snap = Snapshot(snapshot)
+    shards = sorted({i.path for i in snap.tensors.values()})
+    done.append(
+        f"{len(shards)} safetensors headers read: {len(snap.tensors):,} tensors, each inside its file "
+        f"({sum(p.stat().st_size for p in shards) / 1e9:.2f} GB)"
+    )
     check_model_type(snap)
     tc = snap.text_config
     L, E = config_value(tc, "num_hidden_layers"), config_value(tc, "num_experts")
     check_quant_config(snap, L)
+    done.append(
+        f"config.json: model_type {snap.config['model_type']}; experts of all {L} layers NVFP4, group 16"
+    )
     layout = ExpertLayout.for_dims(config_value(tc, "hidden_size"), config_value(tc, "moe_intermediate_size"))
     experts = expert_tensors(snap, layout)
+    done.append(f"{len(experts):,} routed-expert tensors ({L} layers x {E} experts): dtypes and shapes")
 
     spec = resident_spec(tc)
     for name, (dtype, shape) in spec.items():
         check_tensor(snap.tensors.get(snapshot_name(name)), snapshot_name(name), dtype, shape, snap)
+    done.append(f"{len(spec):,} resident tensors the model needs: dtypes and shapes from text_config")
     # every text tensor except experts and the PLE table; vision (model.visual.*) and MTP (mtp.*) are dropped
     resident = [
         info
@@ -120,7 +136,11 @@ def plan_setup(snapshot: str | os.PathLike, fp8_dense: bool) -> Plan:
     fp8 = bf16 - sum(
         i.nbytes - math.prod(i.shape) - 4 * i.shape[0] for i in resident if FP8_DENSE.fullmatch(_rname(i))
     )
-    ple, ple_infos = plan_ple(snap, tc)
+    ple, ple_infos = plan_ple(snap, tc, read_data)
+    if ple is not None:
+        done.append(
+            f"PLE table: {len(ple_infos)} F8_E4M3 shards, {ple['rows']:,} rows x {ple['width']} and its scale"
+        )
     return Plan(
         snap=snap,
         layout=layout,
@@ -148,15 +168,24 @@ def _existing_dir(p: Path) -> Path:
     return p
 
 
-def check_disk(plan: Plan, workdir: Path, copy_ple: bool) -> None:
+def disk_needed(plan: Plan, copy_ple: bool) -> int:
+    """Bytes the working directory takes: experts, scales, resident, copied files (+ the PLE table)."""
     L, E = plan.num_layers, plan.num_experts
     need = L * E * plan.layout.block_bytes + plan.resident_bytes + L * E * 3 * 4 * 2
     need += sum((plan.snap.path / f).stat().st_size for f in COPY_FILES if (plan.snap.path / f).is_file())
     if copy_ple:
         need += sum(i.nbytes for i in plan.ple_infos)
+    return need
+
+
+def disk_free(workdir: Path) -> int:
     # files a rerun replaces give their space back
     free = shutil.disk_usage(_existing_dir(workdir)).free
-    free += sum(f.stat().st_size for f in map(workdir.joinpath, REPLACED) if f.is_file())
+    return free + sum(f.stat().st_size for f in map(workdir.joinpath, REPLACED) if f.is_file())
+
+
+def check_disk(plan: Plan, workdir: Path, copy_ple: bool) -> None:
+    need, free = disk_needed(plan, copy_ple), disk_free(workdir)
     if need > free:
         raise SetupError(
             f"not enough free disk for {workdir}: setup needs {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free"
@@ -458,9 +487,34 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="redo everything instead of resuming an interrupted setup of the same snapshot",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check from the safetensors headers alone (no tensor data read), print the inventory, the disk "
+        "needed and the VRAM plan, and write nothing",
+    )
+    p.add_argument(
+        "--gpu-memory-gb", type=float, help="--dry-run: the VRAM budget to plan for (default: free)"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=32768, help="--dry-run: context to plan for (default: 32768)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        from expertstream.dry_run import dry_run
+
+        ok, report = dry_run(
+            args.snapshot,
+            args.workdir,
+            fp8_dense=args.fp8_dense,
+            copy_ple=args.copy_ple,
+            gpu_memory_gb=args.gpu_memory_gb,
+            max_model_len=args.max_model_len,
+        )
+        print(report, flush=True)
+        return 0 if ok else 1
     try:
         wd = setup_workdir(
             args.snapshot,
