@@ -12,8 +12,8 @@ import shutil
 import pytest
 
 from expertstream.cli import main as cli_main
-from expertstream.dry_run import dry_run
 from expertstream.formats.snapshot import header_bytes
+from expertstream.workdir.dry_run import dry_run
 
 P = "model.language_model."
 L, E, V, H, HC = 48, 512, 248320, 2560, 10240

@@ -10,9 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from expertstream.default_model import DEMO_SNAPSHOT
 from expertstream.formats.snapshot import Snapshot
-from expertstream.inventory import PREFIX, SetupError
-from expertstream.repack import plan_setup
-from expertstream.synth import write_synthetic
+from expertstream.synth.synth import write_synthetic
+from expertstream.workdir.inventory import PREFIX, SetupError
+from expertstream.workdir.repack import plan_setup
 
 PLE_SCALE = PREFIX + "layers.1.ple.ple_embedding.ngram_embedding.weight_scale"
 FP8_FILE = "model-fp8-mtp-ple.safetensors"
