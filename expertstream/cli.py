@@ -56,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     from expertstream.log import setup_logging
 
     setup_logging(getattr(args, "log_level", "INFO"))
-    return int(module.main(args) or 0)
+    from expertstream.errors import UserError
+
+    try:
+        return int(module.main(args) or 0)
+    except UserError as e:  # a bad snapshot or workdir, a damaged block: its one sentence, no traceback
+        print(f"expertstream {name}: error: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import os
 import shutil
 
 import pytest
+import tokenizers
 
 from expertstream.cli import main as cli_main
 from expertstream.formats.snapshot import header_bytes
@@ -234,7 +235,7 @@ def replica(tmp_path_factory):
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     (out / "config.json").write_text(json.dumps(_config()))
-    (out / "tokenizer.json").write_text("{}")
+    (out / "tokenizer.json").write_text(tokenizers.Tokenizer(tokenizers.models.BPE()).to_str())
     return out, total
 
 

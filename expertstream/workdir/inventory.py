@@ -11,6 +11,7 @@ import json
 import math
 import re
 
+from expertstream.errors import UserError
 from expertstream.formats import nvfp4
 from expertstream.formats.expert_block import PROJ, ExpertLayout
 from expertstream.formats.snapshot import DTYPES, Snapshot, TensorInfo, read_tensor
@@ -23,7 +24,7 @@ SCALARS = ("weight_scale_2", "input_scale")
 EXPERT_TENSOR = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)")
 
 
-class SetupError(ValueError):
+class SetupError(UserError, ValueError):
     """The snapshot or the target cannot make a working directory; the message names the file or tensor."""
 
 
@@ -179,6 +180,33 @@ def check_quant_config(snap: Snapshot, num_layers: int) -> None:
                 f"{snap.path / 'config.json'}: {module} is quantized as {fmt} with group size {group}, "
                 f"the engine reads NVFP4 with group size {nvfp4.GROUP}"
             )
+
+
+def check_side_files(snap: Snapshot) -> list[str]:
+    """The JSON files and the tokenizer setup copies must parse (a broken one would fail every load later);
+    returns the names checked."""
+    checked = []
+    for name in ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json"):
+        path = snap.path / name
+        if path.is_file():
+            try:
+                json.loads(path.read_bytes())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise SetupError(f"{path} is not valid JSON ({e}): download it again") from e
+            checked.append(name)
+    path = snap.path / "tokenizer.json"
+    if not path.is_file():
+        raise SetupError(f"{path} not found: the engine needs the snapshot's tokenizer")
+    import tokenizers
+
+    try:
+        tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception for a file it cannot read
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SetupError(
+            f"{path} is not a tokenizer the `tokenizers` library reads ({first}): download it again"
+        ) from e
+    return [*checked, "tokenizer.json"]
 
 
 def check_tensor(info: TensorInfo | None, name: str, dtype: str, shape: tuple, snap: Snapshot) -> TensorInfo:
