@@ -14,6 +14,7 @@ import os
 import re
 import sys
 
+from expertstream.errors import UserError
 from expertstream.usage import CLIError
 
 # name -> (module, one-line help)
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): nothing left to tell it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except UserError as e:  # a bad snapshot or workdir, a damaged block: its one sentence, no traceback
+        print(f"expertstream {name}: error: {e}", file=sys.stderr, flush=True)
         return 1
     except (ValueError, OSError, CLIError) as e:
         if os.environ.get("EXPERTSTREAM_TRACEBACK"):

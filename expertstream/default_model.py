@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from expertstream.log import get_logger
-from expertstream.workdir.workdir import MANIFEST
+from expertstream.workdir.workdir import MANIFEST, is_current
 
 log = get_logger(__name__)
 
@@ -41,7 +41,7 @@ def _stale(workdir: Path) -> bool:
     workdir was set up from the demo of another install (another venv or checkout): it reads the PLE table
     in place there, which may be gone."""
     mark = workdir / FINGERPRINT
-    if not mark.is_file() or mark.read_text().strip() != demo_fingerprint():
+    if not mark.is_file() or mark.read_text().strip() != demo_fingerprint() or not is_current(workdir):
         return True
     source = json.loads((workdir / MANIFEST).read_text())["source"]["snapshot"]
     return Path(source).resolve() != DEMO_SNAPSHOT.resolve()

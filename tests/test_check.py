@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import zlib
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from expertstream.cli import main as cli
 from expertstream.commands.check import PromptResult, distances, summarize_ratio
 from expertstream.commands.check_reference import build_reference, reference_logits, text_config_of
 from expertstream.experts.cpu_bank import swap_nibbles
+from expertstream.workdir.checksum import checksum
 from expertstream.workdir.workdir import Workdir, write_manifest
 
 
@@ -79,8 +79,7 @@ def test_physically_corrupted_workdir_fails(capsys, tiny_workdir, tiny_snapshot,
     # keep the workdir self-consistent so the engine loads it and only the numbers can tell
     manifest = wd.manifest
     manifest["experts"]["checksums"] = [
-        zlib.crc32(blob[b * bb : (b + 1) * bb].numpy().tobytes())
-        for b in range(wd.num_layers * wd.num_experts)
+        checksum(blob[b * bb : (b + 1) * bb].numpy().tobytes()) for b in range(wd.num_layers * wd.num_experts)
     ]
     write_manifest(bad, manifest)
     rc, report = run_check(capsys, bad, tiny_snapshot, "--prompts", "1", "--continuation", "4")

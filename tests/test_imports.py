@@ -14,7 +14,7 @@ import expertstream
 ROOT = Path(next(iter(expertstream.__path__)))  # a namespace package: no __init__.py
 # lowest first
 LAYERS = [
-    {"log"},
+    {"log", "errors"},
     {"config", "sampling", "tokenizer", "memory_plan", "usage"},  # leaves every layer may use
     {"generate"},  # the generator API: SamplingParams and stream_generate over any engine
     {"formats"},  # the on-disk tensor formats

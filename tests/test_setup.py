@@ -4,7 +4,6 @@ import json
 import logging
 import os
 import shutil
-import zlib
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from expertstream.cli import main as cli_main
 from expertstream.formats.expert_block import PROJ
 from expertstream.formats.fp8 import dequantize_fp8_rows
 from expertstream.formats.snapshot import Snapshot, SnapshotError, read_header
+from expertstream.workdir.checksum import checksum
 from expertstream.workdir.inventory import PREFIX, SetupError, resident_spec
 from expertstream.workdir.repack import plan_setup, setup_workdir
 from expertstream.workdir.verify import verify_workdir
@@ -60,12 +60,12 @@ def test_workdir_contents_match_snapshot(tiny_snapshot, tiny_workdir):
     tc = snap.text_config
     L, E, H = tc["num_hidden_layers"], tc["num_experts"], tc["hidden_size"]
     m = wd.manifest
-    assert (m["format"], m["version"], m["model_type"]) == ("expertstream-workdir", 1, "qwen4_exp")
+    assert (m["format"], m["version"], m["model_type"]) == ("expertstream-workdir", 2, "qwen4_exp")
     assert m["source"] == {"snapshot": str(tiny_snapshot.resolve()), "config_sha256": snap.config_sha256}
     assert (wd.num_layers, wd.num_experts) == (L, E)
     assert wd.layout.hidden_size == H and wd.layout.intermediate_size == tc["moe_intermediate_size"]
 
-    # every block: the snapshot's six tensors at the layout's offsets, zero padding, crc32 in the manifest
+    # every block: the snapshot's six tensors at the layout's offsets, zero padding, CRC32C in the manifest
     data = wd.experts_path.read_bytes()
     assert len(data) == L * E * wd.layout.block_bytes
     for l in range(L):
@@ -73,7 +73,7 @@ def test_workdir_contents_match_snapshot(tiny_snapshot, tiny_workdir):
             off = wd.block_offset(l, e)
             block = data[off : off + wd.layout.block_bytes]
             assert block == _expected_block(snap, wd.layout, l, e), (l, e)
-            assert zlib.crc32(block) == m["experts"]["checksums"][l * E + e]
+            assert checksum(block) == m["experts"]["checksums"][l * E + e]
     ws2, inp = wd.expert_scales()
     for l, e, j in [(0, 0, 0), (L - 1, E - 1, 2), (1, 5, 1)]:
         assert ws2[l, e, j] == snap.read(E_NAME.format(l=l, e=e, sub=f"{PROJ[j]}.weight_scale_2"))
@@ -209,7 +209,7 @@ def test_workdir_refuses_unfinished(tiny_workdir, tmp_path):
     wd_dir = _copy(tiny_workdir, tmp_path / "wd")
     manifest = json.loads((wd_dir / "manifest.json").read_text())
     for edit, fragment in [
-        (lambda m: m.update(version=2), "version 2"),
+        (lambda m: m.update(version=1), "version 1, this engine reads version 2"),
         (lambda m: m["experts"].pop("checksums"), "checksums"),
         (lambda m: m.update(format="other"), "not an expertstream workdir"),
     ]:

@@ -79,7 +79,9 @@ def ensure_model(root: Path, layers: int) -> Path:
     from expertstream.workdir.repack import setup_workdir
 
     snap, work = root / f"full-{layers}", root / f"full-{layers}-wd"
-    if not (work / "manifest.json").exists():
+    from expertstream.workdir.workdir import is_current
+
+    if not is_current(work):  # none yet, or of an older format version
         if not (snap / "config.json").exists():
             write_synthetic(snap, preset="full-shape", layers=layers, progress=True)
         setup_workdir(snap, work, fp8_dense=True)

@@ -142,7 +142,7 @@ def decode_regime(
     tok = step(list(range(1, 17)))
     for _ in range(4):  # warm-up: kernels compiled, caches in their steady state
         tok = step([tok])
-    s0, c0 = eng.stats(), dataclasses.replace(eng.bank.cache.stats)
+    s0, c0, k0 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.store.stats
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(tokens):
@@ -150,7 +150,7 @@ def decode_regime(
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / tokens
     # a copy: the sync count and the profile below add to the live counters (they inflated PCIe bytes)
-    s1, c1 = eng.stats(), dataclasses.replace(eng.bank.cache.stats)
+    s1, c1, k1 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.store.stats
     last = generated[-1]
     stall_ms = (s1.stall_seconds - s0.stall_seconds) / tokens * 1e3
     resident, resident_ram = (
@@ -192,6 +192,9 @@ def decode_regime(
         "syncs_per_token": (s1.host_syncs - s0.host_syncs) / tokens,
         "all_syncs_per_token": all_syncs,
         "peak_gib": torch.cuda.max_memory_allocated() / GiB,  # against --gpu-memory-gb (x utilization)
+        # the CRC32C of each block read from disk, on the reader thread that read it
+        "blocks_checked": k1.blocks_checked - k0.blocks_checked,
+        "checksum_seconds": k1.checksum_seconds - k0.checksum_seconds,
         "profiled": profiled,
     }
     if s1.staged_blocks > s0.staged_blocks:  # RAM-resident decode acts on guesses only by staging them
@@ -221,6 +224,24 @@ def engine_disk_note(rates: dict[str, float], probe_gbps: float) -> str:
         else ""
     )
     return f"\nDisk rate the engine reached (disk bytes / wall time, GB/s): {', '.join(parts)}{flag}.\n"
+
+
+def checksum_note(results: dict[str, dict], disk_gbps: float, block: int, io_threads: int) -> str:
+    """A line with the CRC32C cost per block read from disk, and its share of a disk-bound token: a token
+    reading n blocks at the drive's rate takes n x block / rate, the checks n x c / io_threads of reader
+    time (readers check in parallel, each its own block; c x rate / block with one thread: the worst case)."""
+    n = sum(r.get("blocks_checked", 0) for r in results.values())
+    if not n:
+        return ""
+    c = sum(r.get("checksum_seconds", 0.0) for r in results.values()) / n  # seconds per block
+    per_block_disk = block / (disk_gbps * 1e9)
+    return (
+        f"\nBlock checksums (CRC32C, every block read from disk, {n} blocks over the regimes): "
+        f"{c * 1e3:.3f} ms per {block:,} B block ({block / c / 1e9:.1f} GB/s per reader thread); "
+        f"of a disk-bound token at {disk_gbps:.2f} GB/s: {c / io_threads / per_block_disk:.2%} with the "
+        f"{io_threads} readers checking in parallel, {c / per_block_disk:.2%} if one thread checked them "
+        "all.\n"
+    )
 
 
 def same_tokens(r: dict, first: dict, first_name: str) -> str:
@@ -430,7 +451,9 @@ def run(args) -> int:
         results[name] = decode_regime(cfg, blocks, args.tokens, where)
         log.info("%s: %s", name, results[name])
     disk, disk_note = disk_rates(wd.experts_path, block, base.io_threads, disk)
-    table = decode_table(results, disk, pcie, wd.num_layers)
+    table = decode_table(results, disk, pcie, wd.num_layers) + checksum_note(
+        results, disk, block, base.io_threads
+    )
     head = (
         f"Full-shape synthetic model, {wd.num_layers} layers x {wd.num_experts} experts "
         f"({block:,} B blocks, top-{wd.text_config['num_experts_per_tok']}, random routing), "

@@ -61,21 +61,25 @@ def dequantize_fp8_rows(
     return (e4m3_to_float(q) * scale.float()[:, None]).to(dtype)
 
 
-def quantize_fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blocks(
+    w: torch.Tensor, block: int = 128, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """128x128 block-scaled FP8 as in the MTP experts (`FP8_PB_WO`): w ~= q * scale_inv per block.
 
     Args:
         w: [N, K] with N and K multiples of `block`.
+        scale_dtype: dtype of the stored scales (the NVIDIA export stores BF16); values are encoded with the
+            rounded scale, so the stored one is exactly the one used.
 
     Returns:
-        (q [N, K] float8_e4m3fn, weight_scale_inv [N/block, K/block] float32).
+        (q [N, K] float8_e4m3fn, weight_scale_inv [N/block, K/block] scale_dtype).
     """
     n, k = w.shape
     if n % block or k % block:
         raise ValueError(f"block FP8 needs dims divisible by {block}, got {tuple(w.shape)}")
     tiles = w.float().reshape(n // block, block, k // block, block)
-    scale = (tiles.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(1e-12)
-    q = float_to_e4m3(tiles / scale[:, None, :, None]).reshape(n, k)
+    scale = (tiles.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(1e-12).to(scale_dtype)
+    q = float_to_e4m3(tiles / scale.float()[:, None, :, None]).reshape(n, k)
     return q, scale
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from expertstream.errors import UserError
+
 # safetensors dtype code -> (torch dtype, bytes per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "BOOL": (torch.bool, 1),
@@ -40,7 +42,7 @@ GAP = 1 << 20
 READ_CHUNK = 64 << 20
 
 
-class SnapshotError(ValueError):
+class SnapshotError(UserError, ValueError):
     """A snapshot file is missing, truncated, or not what the engine expects."""
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from expertstream.errors import UserError
 from expertstream.log import get_logger
 
 log = get_logger(__name__)
@@ -21,7 +22,7 @@ log = get_logger(__name__)
 PAGE = mmap.PAGESIZE
 
 
-class StoreError(RuntimeError):
+class StoreError(UserError, RuntimeError):
     """An expert block could not be read; the message names the block (layer, expert) or the file."""
 
 

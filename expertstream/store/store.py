@@ -24,6 +24,7 @@ import torch
 
 from expertstream.store.cache import BlockCache, Entry, Key
 from expertstream.store.reader import PAGE, BlockReader, StoreError, alloc_aligned
+from expertstream.workdir.checksum import ALGORITHM, checksum
 from expertstream.workdir.workdir import Workdir
 
 
@@ -44,6 +45,8 @@ class StoreStats:
     prefetch_dropped: int = 0  # queued prefetches never read (superseded, already cached, no free slot)
     evict_wait_seconds: float = 0.0  # request() waiting for a landing read to free a full cache's slot
     preloads: int = 0  # blocks read by preload() (also in bytes_read; not guesses: not in prefetches)
+    checksum_seconds: float = 0.0  # CRC32C of blocks as they land, summed over reader threads
+    blocks_checked: int = 0
 
 
 class ExpertHandle:
@@ -114,6 +117,7 @@ class ExpertStore:
             self._reader = BlockReader(self.workdir.experts_path)
         except OSError as e:
             raise StoreError(f"cannot open expert file {self.workdir.experts_path}: {e}") from e
+        self._checksums: list[int] = self.workdir.manifest["experts"]["checksums"]  # [L * E], index l * E + e
         self._transient: dict[Key, Entry] = {}  # bypass reads in flight or pinned
         self._spare: list[torch.Tensor] = []  # recycled transient buffers
         self._max_spare = io_threads
@@ -316,22 +320,36 @@ class ExpertStore:
         (l, e), path = entry.key, self.workdir.experts_path
         offset, n, error = self.workdir.block_offset(l, e), 0, None
         t0 = time.perf_counter()
+        t1 = t0
         try:
             n = self._reader.read_into(entry.buf, offset)
+            t1 = time.perf_counter()
             if n != self.block_bytes:
                 error = StoreError(
                     f"short read of expert block (layer {l}, expert {e}) from {path}: {n} of "
                     f"{self.block_bytes} bytes at offset {offset}; was experts.bin truncated after setup?"
                 )
+            elif (got := checksum(entry.buf.numpy())) != (
+                want := self._checksums[l * self.workdir.num_experts + e]
+            ):
+                # never computed on: a changed block fails its request, the next read tries the disk again
+                error = StoreError(
+                    f"expert block (layer {l}, expert {e}) read from {path} does not match its {ALGORITHM} "
+                    f"({got:#010x}, setup recorded {want:#010x}): experts.bin changed after setup; "
+                    "run `expertstream verify --all` and set up again"
+                )
         except Exception as exc:  # surfaces in wait(); the reader thread must not die silently
             error = StoreError(f"reading expert block (layer {l}, expert {e}) from {path} failed: {exc}")
             error.__cause__ = exc
-        dt = time.perf_counter() - t0
+        t2 = time.perf_counter()
         with self._lock:
             s = self._stats
             s.queue_depth -= 1
             s.bytes_read += n
-            s.read_seconds += dt
+            s.read_seconds += t1 - t0
+            if n == self.block_bytes:
+                s.checksum_seconds += t2 - t1
+                s.blocks_checked += 1
             if error is not None:
                 entry.error = error
                 self._cache.forget(entry)

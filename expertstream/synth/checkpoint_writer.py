@@ -5,7 +5,8 @@ per-expert `...mlp.experts.E.{gate,up,down}_proj.weight`, and the whole PLE tabl
 `...ple_embedding.ngram_embedding.weight` [padded_rows, width] (transformers' runtime name).
 With quantize="nvfp4" (ModelOpt MIXED_PRECISION, as the NVIDIA export):
   - routed experts -> NVFP4 (gate and up share one weight_scale_2 from their joint amax),
-  - the PLE table -> FP8 E4M3 shards plus one BF16 scalar, MTP experts -> FP8 128x128 block-scaled,
+  - the PLE table -> FP8 E4M3 shards plus one BF16 scale of shape [1], MTP experts -> FP8 128x128
+    block-scaled with BF16 `weight_scale_inv`,
   - already-quantized tensors (uint8 expert codes, e4m3 scales, F32 scalars) pass through unchanged,
   - everything else -> BF16 (integer buffers keep their dtype).
 With quantize="bf16" the same names are written unquantized (PLE split into BF16 shards), no quant config.
@@ -32,6 +33,9 @@ log = get_logger(__name__)
 PREFIX = "model.language_model."
 FP8_FILE = "model-fp8-mtp-ple.safetensors"
 MODELOPT_VERSION = "0.47.0"
+# as the published export stores them (docs/synth.md lists the sources)
+PLE_SCALE_SHAPE = (1,)
+MTP_SCALE_DTYPE = torch.bfloat16
 _ST_DTYPES = {
     torch.bfloat16: "BF16",
     torch.float16: "F16",
@@ -290,14 +294,14 @@ def write_checkpoint(
         for i, shard in enumerate(table.chunk(parts, dim=0)):
             sharder.add(f"{module}.shard_{i}.weight", shard)
         if quantize == "nvfp4":
-            sharder.add(f"{module}.weight_scale", scale)
+            sharder.add(f"{module}.weight_scale", scale.reshape(PLE_SCALE_SHAPE))
 
     def emit_expert(module: str, expert: str, proj: str, w: torch.Tensor) -> None:
         key = (module, expert)
         if quantize == "bf16":
             sharder.add(f"{module}.{expert}.{proj}.weight", w.to(torch.bfloat16))
         elif module.startswith("mtp."):
-            q, scale_inv = quantize_fp8_blocks(w)
+            q, scale_inv = quantize_fp8_blocks(w, scale_dtype=MTP_SCALE_DTYPE)
             sharder.add(f"{module}.{expert}.{proj}.weight", q)
             sharder.add(f"{module}.{expert}.{proj}.weight_scale_inv", scale_inv)
             quantized_layers[module] = {"quant_algo": "FP8_PB_WO", "group_size": 128}
@@ -319,7 +323,7 @@ def write_checkpoint(
             emit_expert(m_expert["module"], m_expert["expert"], m_expert["proj"], tensor)
         elif m_ple and tensor.is_floating_point():
             emit_ple(m_ple["module"], tensor)
-        elif tensor.dtype in (torch.uint8, torch.float8_e4m3fn) or (tensor.dim() == 0 and "_scale" in name):
+        elif tensor.dtype in (torch.uint8, torch.float8_e4m3fn) or (tensor.numel() == 1 and "_scale" in name):
             # already quantized (codes, block scales, FP32/BF16 scalars): keep bytes as they are
             if quantize == "bf16":
                 raise CheckpointWriteError(
@@ -341,7 +345,8 @@ def write_checkpoint(
     weight_map, total = sharder.close()
     config = dict(config)
     if quantize == "nvfp4":
-        experts = sorted((k for k in quantized_layers if k.startswith(PREFIX)), key=_natural)
+        # the 4-bit group targets the routed experts only: the FP8 PLE table is in quantized_layers alone
+        experts = sorted((k for k, v in quantized_layers.items() if v["quant_algo"] == "NVFP4"), key=_natural)
         quantized_layers = {k: quantized_layers[k] for k in sorted(quantized_layers, key=_natural)}
         config["quantization_config"] = _quantization_config(quantized_layers, experts)
         _write_json(out / "hf_quant_config.json", _hf_quant_config(config["quantization_config"]))

@@ -415,7 +415,10 @@ def _mtp(rng: _Rng, tc: dict, twin: bool) -> Iterator[tuple[str, torch.Tensor]]:
     for e in range(tc["num_experts"]):
         for p, w in _dense_expert(rng, f"mtp.layers.0.mlp.experts.{e}", tc, e).items():
             if twin:  # BF16 twin of the FP8 128x128 block export
-                w = dequantize_fp8_blocks(*quantize_fp8_blocks(w)).to(torch.bfloat16)
+                w = dequantize_fp8_blocks(
+                    *quantize_fp8_blocks(w, scale_dtype=checkpoint_writer.MTP_SCALE_DTYPE)
+                )
+                w = w.to(torch.bfloat16)
             yield f"mtp.layers.0.mlp.experts.{e}.{p}.weight", w
 
 

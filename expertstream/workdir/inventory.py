@@ -11,6 +11,7 @@ import json
 import math
 import re
 
+from expertstream.errors import UserError
 from expertstream.formats import nvfp4
 from expertstream.formats.expert_block import PROJ, ExpertLayout
 from expertstream.formats.snapshot import DTYPES, Snapshot, TensorInfo, read_tensor
@@ -23,7 +24,7 @@ SCALARS = ("weight_scale_2", "input_scale")
 EXPERT_TENSOR = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)")
 
 
-class SetupError(ValueError):
+class SetupError(UserError, ValueError):
     """The snapshot or the target cannot make a working directory; the message names the file or tensor."""
 
 
@@ -181,6 +182,33 @@ def check_quant_config(snap: Snapshot, num_layers: int) -> None:
             )
 
 
+def check_side_files(snap: Snapshot) -> list[str]:
+    """The JSON files and the tokenizer setup copies must parse (a broken one would fail every load later);
+    returns the names checked."""
+    checked = []
+    for name in ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json"):
+        path = snap.path / name
+        if path.is_file():
+            try:
+                json.loads(path.read_bytes())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise SetupError(f"{path} is not valid JSON ({e}): download it again") from e
+            checked.append(name)
+    path = snap.path / "tokenizer.json"
+    if not path.is_file():
+        raise SetupError(f"{path} not found: the engine needs the snapshot's tokenizer")
+    import tokenizers
+
+    try:
+        tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception for a file it cannot read
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SetupError(
+            f"{path} is not a tokenizer the `tokenizers` library reads ({first}): download it again"
+        ) from e
+    return [*checked, "tokenizer.json"]
+
+
 def check_tensor(info: TensorInfo | None, name: str, dtype: str, shape: tuple, snap: Snapshot) -> TensorInfo:
     if info is None:
         raise SetupError(f"{snap.path}: tensor {name} is missing from the snapshot")
@@ -218,8 +246,11 @@ def expert_tensors(snap: Snapshot, layout: ExpertLayout) -> dict[str, tuple[int,
     return experts
 
 
-def plan_ple(snap: Snapshot, tc: dict) -> tuple[dict | None, list[TensorInfo]]:
-    """Check the PLE table; returns (manifest `ple` block pointing into the snapshot, shards in row order)."""
+def plan_ple(snap: Snapshot, tc: dict, read_data: bool = True) -> tuple[dict | None, list[TensorInfo]]:
+    """Check the PLE table; returns (manifest `ple` block pointing into the snapshot, shards in row order).
+
+    With read_data=False (setup --dry-run) only headers are checked: the scale value (`scale` None) and the
+    row count the n-gram heads address are left to the real setup."""
     layer = ple_layer(tc)
     if layer is None:
         return None, []
@@ -240,17 +271,23 @@ def plan_ple(snap: Snapshot, tc: dict) -> tuple[dict | None, list[TensorInfo]]:
                 f"expected F8_E4M3 [rows, {width}]"
             )
     rows = sum(i.shape[0] for i in infos)
-    sizes = read_tensor(snap.info(f"{PREFIX}layers.{layer}.ple.ple_embedding.ngram_heads_vocab_sizes"))
-    if rows < int(sizes.sum()):
+    sizes_info = snap.info(f"{PREFIX}layers.{layer}.ple.ple_embedding.ngram_heads_vocab_sizes")
+    sizes = read_tensor(sizes_info) if read_data else None
+    if sizes is not None and rows < int(sizes.sum()):
         raise SetupError(
             f"{snap.path}: the PLE table {base} has {rows} rows, the n-gram heads address {int(sizes.sum())}"
         )
     scale_info = snap.info(f"{base}.weight_scale")
-    if scale_info.shape != () or not DTYPES[scale_info.dtype][0].is_floating_point:
-        raise SetupError(f"{scale_info.path.name}: {scale_info.name} should be a floating 0-d scalar")
+    # the published export stores BF16 [1]; our older writer stored a 0-d scalar: both are one value
+    if scale_info.shape not in ((), (1,)) or not DTYPES[scale_info.dtype][0].is_floating_point:
+        got = f"{scale_info.dtype} {list(scale_info.shape)}"
+        raise SetupError(
+            f"{scale_info.path.name}: tensor {scale_info.name} is {got}, "
+            "expected one floating value of shape [] or [1]"
+        )
     # the dtype comes from the header: the NVIDIA export stores a 2-byte BF16 here, not an F32
-    scale = float(read_tensor(scale_info).float())
-    if not math.isfinite(scale) or scale <= 0:
+    scale = float(read_tensor(scale_info).float().reshape(())) if read_data else None
+    if scale is not None and (not math.isfinite(scale) or scale <= 0):
         raise SetupError(
             f"{scale_info.path.name}: {scale_info.name} = {scale} is not a positive finite scale"
         )

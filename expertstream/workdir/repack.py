@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import struct
-import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from expertstream.formats.snapshot import (
 )
 from expertstream.formats.text_config import check_config
 from expertstream.log import get_logger
+from expertstream.workdir.checksum import ALGORITHM, checksum, file_checksum
 from expertstream.workdir.inventory import (
     EXPERT_TENSOR,
     PLE_TABLE,
@@ -44,6 +44,7 @@ from expertstream.workdir.inventory import (
     SetupError,
     check_model_type,
     check_quant_config,
+    check_side_files,
     check_tensor,
     config_value,
     expert_tensors,
@@ -52,7 +53,7 @@ from expertstream.workdir.inventory import (
     resident_spec,
     snapshot_name,
 )
-from expertstream.workdir.workdir import EXPERT_SCALES, FORMAT, MANIFEST, VERSION, write_manifest
+from expertstream.workdir.workdir import EXPERT_SCALES, FORMAT, MANIFEST, PLE_COPY, VERSION, write_manifest
 
 log = get_logger(__name__)
 
@@ -68,7 +69,7 @@ COPY_FILES = (
 )
 # the big GDN matrices that --fp8-dense stores as E4M3 with one FP32 scale per output row
 FP8_DENSE = re.compile(r"layers\.\d+\.linear_attn\.(in_proj_qkv|in_proj_z|out_proj)\.weight")
-REPLACED = ("experts.bin", "resident.safetensors", EXPERT_SCALES, "ple/ngram_embedding.bin")
+REPLACED = ("experts.bin", "resident.safetensors", EXPERT_SCALES, PLE_COPY)
 WRITES_IN_FLIGHT = 8  # blocks queued to the writer thread (bounds RAM to ~8 blocks)
 PROGRESS = "setup.progress.json"  # blocks durably written so far: a rerun after an interruption skips them
 PROGRESS_EVERY = 256  # blocks between journal updates (~700 MB for the real model)
@@ -91,20 +92,37 @@ class Plan:
     ple_infos: list[TensorInfo]  # table shards in row order
 
 
-def plan_setup(snapshot: str | os.PathLike, fp8_dense: bool) -> Plan:
-    """Read and check everything a setup needs; raises SetupError/SnapshotError before any write."""
+def plan_setup(
+    snapshot: str | os.PathLike, fp8_dense: bool, read_data: bool = True, checked: list[str] | None = None
+) -> Plan:
+    """Read and check everything a setup needs; raises SetupError/SnapshotError before any write.
+
+    read_data=False (setup --dry-run) reads config.json and the safetensors headers only; `checked` collects
+    one line per check passed."""
+    done = checked if checked is not None else []
     snap = Snapshot(snapshot)
+    shards = sorted({i.path for i in snap.tensors.values()})
+    done.append(
+        f"{len(shards)} safetensors headers read: {len(snap.tensors):,} tensors, each inside its file "
+        f"({sum(p.stat().st_size for p in shards) / 1e9:.2f} GB)"
+    )
     check_model_type(snap)
     check_config(snap.config, snap.path / "config.json", SetupError)
+    done.append(f"{', '.join(check_side_files(snap))}: parse")
     tc = snap.text_config
     L, E = config_value(tc, "num_hidden_layers"), config_value(tc, "num_experts")
     check_quant_config(snap, L)
+    done.append(
+        f"config.json: model_type {snap.config['model_type']}; experts of all {L} layers NVFP4, group 16"
+    )
     layout = ExpertLayout.for_dims(config_value(tc, "hidden_size"), config_value(tc, "moe_intermediate_size"))
     experts = expert_tensors(snap, layout)
+    done.append(f"{len(experts):,} routed-expert tensors ({L} layers x {E} experts): dtypes and shapes")
 
     spec = resident_spec(tc)
     for name, (dtype, shape) in spec.items():
         check_tensor(snap.tensors.get(snapshot_name(name)), snapshot_name(name), dtype, shape, snap)
+    done.append(f"{len(spec):,} resident tensors the model needs: dtypes and shapes from text_config")
     # every text tensor except experts and the PLE table; vision (model.visual.*) and MTP (mtp.*) are dropped
     resident = [
         info
@@ -122,7 +140,11 @@ def plan_setup(snapshot: str | os.PathLike, fp8_dense: bool) -> Plan:
     fp8 = bf16 - sum(
         i.nbytes - math.prod(i.shape) - 4 * i.shape[0] for i in resident if FP8_DENSE.fullmatch(_rname(i))
     )
-    ple, ple_infos = plan_ple(snap, tc)
+    ple, ple_infos = plan_ple(snap, tc, read_data)
+    if ple is not None:
+        done.append(
+            f"PLE table: {len(ple_infos)} F8_E4M3 shards, {ple['rows']:,} rows x {ple['width']} and its scale"
+        )
     return Plan(
         snap=snap,
         layout=layout,
@@ -150,15 +172,24 @@ def _existing_dir(p: Path) -> Path:
     return p
 
 
-def check_disk(plan: Plan, workdir: Path, copy_ple: bool) -> None:
+def disk_needed(plan: Plan, copy_ple: bool) -> int:
+    """Bytes the working directory takes: experts, scales, resident, copied files (+ the PLE table)."""
     L, E = plan.num_layers, plan.num_experts
     need = L * E * plan.layout.block_bytes + plan.resident_bytes + L * E * 3 * 4 * 2
     need += sum((plan.snap.path / f).stat().st_size for f in COPY_FILES if (plan.snap.path / f).is_file())
     if copy_ple:
         need += sum(i.nbytes for i in plan.ple_infos)
+    return need
+
+
+def disk_free(workdir: Path) -> int:
     # files a rerun replaces give their space back
     free = shutil.disk_usage(_existing_dir(workdir)).free
-    free += sum(f.stat().st_size for f in map(workdir.joinpath, REPLACED) if f.is_file())
+    return free + sum(f.stat().st_size for f in map(workdir.joinpath, REPLACED) if f.is_file())
+
+
+def check_disk(plan: Plan, workdir: Path, copy_ple: bool) -> None:
+    need, free = disk_needed(plan, copy_ple), disk_free(workdir)
     if need > free:
         raise SetupError(
             f"not enough free disk for {workdir}: setup needs {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free"
@@ -176,11 +207,12 @@ def _progress_key(plan: Plan) -> dict:
         "layout": plan.layout.to_json(),
         "num_layers": plan.num_layers,
         "num_experts": plan.num_experts,
+        "checksum": ALGORITHM,  # a journal of another algorithm's block checksums is not resumed
     }
 
 
 def _resumable(plan: Plan, workdir: Path) -> dict[int, int]:
-    """{block index: crc32} of blocks an interrupted setup of the same snapshot wrote durably, else {}."""
+    """{block index: CRC32C} of blocks an interrupted setup of the same snapshot wrote durably, else {}."""
     journal, experts = workdir / PROGRESS, workdir / "experts.bin"
     if not journal.is_file() or not experts.is_file():
         return {}
@@ -199,7 +231,7 @@ def _write_experts(
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """Read each shard's expert tensors in file order; pwrite each finished block at its offset.
 
-    Blocks in `done` (index -> crc32, from an interrupted run) are kept: their codes are not read again, only
+    Blocks in `done` (index -> CRC32C, from an interrupted run) are kept: their codes are not read again, only
     their scalars. Every PROGRESS_EVERY blocks the file is synced and the journal rewritten, so it never lists
     a block that is not on disk."""
     L, E, layout = plan.num_layers, plan.num_experts, plan.layout
@@ -216,7 +248,7 @@ def _write_experts(
         n = os.pwrite(fd, block, idx * bb)
         if n != bb:
             raise OSError(f"{path}: short write of block {idx} ({n} / {bb} bytes): disk full?")
-        checksums[idx] = zlib.crc32(block)
+        checksums[idx] = checksum(block)
 
     def checkpoint() -> None:
         os.fsync(fd)
@@ -289,8 +321,9 @@ def _check_scales(ws2: torch.Tensor, plan: Plan, l: int, e: int) -> None:
         )
 
 
-def _write_resident(plan: Plan, path: Path, progress: bool) -> list[str]:
-    """Stream resident tensors into one safetensors file one by one; returns the FP8 row-scaled names."""
+def _write_resident(plan: Plan, path: Path, progress: bool) -> tuple[list[str], int]:
+    """Stream resident tensors into one safetensors file one by one; returns (the FP8 row-scaled names, the
+    file's CRC32C, taken as it is written)."""
     entries, fp8 = [], []
     for info in plan.resident:
         name = _rname(info)
@@ -304,6 +337,7 @@ def _write_resident(plan: Plan, path: Path, progress: bool) -> list[str]:
     bar = tqdm(total=plan.resident_bytes, unit="B", unit_scale=True, desc="resident", disable=not progress)
     with open(path, "wb") as f, bar:
         f.write(head)
+        crc = checksum(head)
         for info, data in iter_tensor_bytes(plan.resident):
             if _rname(info) in fp8_set:
                 q, scale = quantize_fp8_rows(bytes_to_tensor(info, data))
@@ -312,30 +346,37 @@ def _write_resident(plan: Plan, path: Path, progress: bool) -> list[str]:
                 chunks = [data]
             for c in chunks:
                 f.write(c)
+                crc = checksum(c, crc)
                 bar.update(memoryview(c).nbytes)
         f.flush()
         os.fsync(f.fileno())
     assert path.stat().st_size == len(head) + plan.resident_bytes, "resident size matches the plan"
-    return fp8
+    return fp8, crc
 
 
-def _copy_ple(plan: Plan, workdir: Path, progress: bool) -> dict:
-    """Concatenate the PLE shards (row order) into ple/ngram_embedding.bin; the manifest then points there."""
-    out = workdir / "ple" / "ngram_embedding.bin"
+def _copy_ple(plan: Plan, workdir: Path, progress: bool) -> tuple[dict, int]:
+    """Concatenate the PLE shards (row order) into ple/ngram_embedding.bin; returns (the manifest's `ple`
+    block pointing there, the file's CRC32C)."""
+    out = workdir / PLE_COPY
     out.parent.mkdir(exist_ok=True)
     total = sum(i.nbytes for i in plan.ple_infos)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="PLE copy", disable=not progress)
+    crc = 0
     with open(out, "wb") as f, bar:
         for info in plan.ple_infos:
             for _, data in iter_tensor_bytes([info]):
                 f.write(data)
+                crc = checksum(data, crc)
                 bar.update(info.nbytes)
         f.flush()
         os.fsync(f.fileno())
-    return {
-        **plan.ple,
-        "shards": [{"path": "ple/ngram_embedding.bin", "offset": 0, "rows": plan.ple["rows"]}],
-    }
+    ple = {**plan.ple, "shards": [{"path": PLE_COPY, "offset": 0, "rows": plan.ple["rows"]}]}
+    return ple, crc
+
+
+def _entry(path: Path, crc: int | None = None) -> dict:
+    size, crc = (path.stat().st_size, crc) if crc is not None else file_checksum(path)
+    return {"bytes": size, ALGORITHM: crc}
 
 
 def budget(plan: Plan) -> dict:
@@ -408,15 +449,21 @@ def setup_workdir(
     try:
         checksums, ws2, input_scale = _write_experts(plan, workdir / "experts.bin", progress, done)
         save_file({"weight_scale_2": ws2, "input_scale": input_scale}, workdir / EXPERT_SCALES)
-        fp8 = _write_resident(plan, workdir / "resident.safetensors", progress)
+        fp8, resident_crc = _write_resident(plan, workdir / "resident.safetensors", progress)
+        # every file but experts.bin (checked block by block) and the manifest: relative path -> size, CRC32C
+        files = {"resident.safetensors": _entry(workdir / "resident.safetensors", resident_crc)}
         if copy_ple and plan.ple:
-            ple = _copy_ple(plan, workdir, progress)
+            ple, ple_crc = _copy_ple(plan, workdir, progress)
+            files[PLE_COPY] = _entry(workdir / PLE_COPY, ple_crc)
         else:
             shutil.rmtree(workdir / "ple", ignore_errors=True)
             ple = plan.ple
         for name in COPY_FILES:
             if (plan.snap.path / name).is_file():
                 shutil.copyfile(plan.snap.path / name, workdir / name)
+        for name in (EXPERT_SCALES, *COPY_FILES):
+            if (workdir / name).is_file():
+                files[name] = _entry(workdir / name)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -427,9 +474,10 @@ def setup_workdir(
                 "num_layers": plan.num_layers,
                 "num_experts": plan.num_experts,
                 "layout": plan.layout.to_json(),
-                "checksum": "crc32",
+                "checksum": ALGORITHM,
                 "checksums": checksums,
             },
+            "files": dict(sorted(files.items())),
             "resident": {"file": "resident.safetensors", "fp8_row_scaled": fp8, "bytes": plan.resident_bytes},
             "ple": ple,
             "budget": budget(plan),
@@ -460,6 +508,18 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="redo everything instead of resuming an interrupted setup of the same snapshot",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check from the safetensors headers alone (no tensor data read), print the inventory, the disk "
+        "needed and the VRAM plan, and write nothing",
+    )
+    p.add_argument(
+        "--gpu-memory-gb", type=float, help="--dry-run: the VRAM budget to plan for (default: free)"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=32768, help="--dry-run: context to plan for (default: 32768)"
+    )
     p.add_argument("--force", action="store_true", help="rewrite a finished working directory")
 
 
@@ -483,6 +543,19 @@ def check_target(workdir: Path, force: bool) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        from expertstream.workdir.dry_run import dry_run
+
+        ok, report = dry_run(
+            args.snapshot,
+            args.workdir,
+            fp8_dense=args.fp8_dense,
+            copy_ple=args.copy_ple,
+            gpu_memory_gb=args.gpu_memory_gb,
+            max_model_len=args.max_model_len,
+        )
+        print(report, flush=True)
+        return 0 if ok else 1
     try:
         check_target(Path(args.workdir), args.force)
         wd = setup_workdir(

@@ -1,8 +1,9 @@
 """`expertstream verify WORKDIR [--snapshot SNAPSHOT] [--all]`: check a working directory; exit 1 on mismatch.
 
-Always: manifest, resident tensor names/dtypes/shapes against config.json, expert scalars, and a sample of
-expert blocks (the four corners plus random ones) byte-compared with the snapshot and checked against their
-crc32. With --all: every block's crc32, so a flipped byte anywhere in experts.bin is named (layer, expert).
+Always: manifest, every file's presence and size and the small files' CRC32C, resident tensor
+names/dtypes/shapes against config.json, expert scalars, and a sample of expert blocks (the four corners plus
+random ones) byte-compared with the snapshot and checked against their CRC32C. With --all: every file's and
+every block's CRC32C, so a changed byte anywhere is named (the file, or the block's layer and expert).
 """
 
 from __future__ import annotations
@@ -10,43 +11,21 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import zlib
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from expertstream.formats.expert_block import PROJ
-from expertstream.formats.snapshot import Snapshot, SnapshotError, read_header, read_tensor
+from expertstream.formats.snapshot import Snapshot, SnapshotError, read_tensor
 from expertstream.log import get_logger
-from expertstream.workdir.inventory import PREFIX, SCALARS, plan_ple, resident_spec
+from expertstream.workdir.checksum import ALGORITHM, checksum
+from expertstream.workdir.inventory import PREFIX, SCALARS, plan_ple
 from expertstream.workdir.workdir import Workdir, WorkdirError
 
 log = get_logger(__name__)
 
 CHUNK = 64 << 20  # --all reads experts.bin in pieces of about this many bytes
-
-
-def _check_resident(wd: Workdir) -> list[str]:
-    try:
-        stored = read_header(wd.resident_path)
-    except SnapshotError as e:
-        return [str(e)]
-    problems = []
-    for name, (dtype, shape) in resident_spec(wd.text_config).items():
-        info = stored.get(name)
-        if name in wd.fp8_row_scaled:
-            dtype, scale = "F8_E4M3", stored.get(f"{name}_scale")
-            if scale is None or scale.dtype != "F32" or scale.shape != shape[:1]:
-                problems.append(f"{wd.resident_path.name}: {name}_scale missing or not F32 [{shape[0]}]")
-        if info is None:
-            problems.append(f"{wd.resident_path.name}: tensor {name} is missing")
-        elif info.dtype != dtype or info.shape != shape:
-            problems.append(
-                f"{wd.resident_path.name}: tensor {name} is {info.dtype} {list(info.shape)}, "
-                f"expected {dtype} {list(shape)}"
-            )
-    return problems
 
 
 def _check_scales(wd: Workdir, snap: Snapshot | None, blocks: list[tuple[int, int]]) -> list[str]:
@@ -98,12 +77,12 @@ def _check_all_checksums(wd: Workdir, progress: bool) -> list[str]:
                 data = memoryview(os.pread(fd, count * bb, first * bb))
                 for k in range(count):
                     idx = first + k
-                    got = zlib.crc32(data[k * bb : (k + 1) * bb])
+                    got = checksum(data[k * bb : (k + 1) * bb])
                     if len(data) < (k + 1) * bb or got != checksums[idx]:
                         l, e = divmod(idx, wd.num_experts)
                         problems.append(
-                            f"experts.bin block (layer {l}, expert {e}) at byte {idx * bb}: crc32 {got} != "
-                            f"manifest {checksums[idx]}"
+                            f"experts.bin block (layer {l}, expert {e}) at byte {idx * bb}: "
+                            f"{ALGORITHM} {got} != manifest {checksums[idx]}"
                         )
                 bar.update(count * bb)
     finally:
@@ -160,16 +139,16 @@ def verify_workdir(
     Args:
         workdir: the directory `expertstream setup` wrote.
         snapshot: snapshot to byte-compare against (default: the one the manifest names, if it still exists).
-        check_all: verify every expert block's crc32, not just the sample.
+        check_all: verify every file's and every expert block's CRC32C, not just the sample.
         samples: random blocks to byte-compare besides the four corners.
         seed: seed of the random sample.
         progress: show a progress bar for --all.
     """
     try:
-        wd = Workdir(workdir)
+        wd = Workdir(workdir, check=False)  # every problem is reported below, not just the first
     except WorkdirError as e:
         return [str(e)]
-    problems = _check_resident(wd)
+    problems = wd.file_problems(full=check_all) + wd.resident_problems()
     snap = None
     source = Path(snapshot) if snapshot else Path(wd.manifest["source"]["snapshot"])
     try:
@@ -195,8 +174,10 @@ def verify_workdir(
         for l, e in blocks:
             f.seek(wd.block_offset(l, e))
             block = f.read(wd.layout.block_bytes)
-            if zlib.crc32(block) != checksums[l * E + e] and not check_all:
-                problems.append(f"experts.bin block (layer {l}, expert {e}): crc32 differs from the manifest")
+            if checksum(block) != checksums[l * E + e] and not check_all:
+                problems.append(
+                    f"experts.bin block (layer {l}, expert {e}): {ALGORITHM} differs from the manifest"
+                )
             if snap is not None:
                 problems += _compare_block(wd, snap, l, e, block)
     if check_all:
@@ -208,7 +189,7 @@ def verify_workdir(
 def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("workdir", help="working directory made by `expertstream setup`")
     p.add_argument("--snapshot", help="snapshot to compare with (default: the one recorded in the manifest)")
-    p.add_argument("--all", action="store_true", help="check the crc32 of every expert block")
+    p.add_argument("--all", action="store_true", help="check the CRC32C of every file and every expert block")
     p.add_argument(
         "--samples", type=int, default=16, help="random expert blocks to byte-compare (default: 16)"
     )

@@ -1,4 +1,4 @@
-"""The working directory of `expertstream setup`: manifest (schema v1, docs/workdir.md) and `Workdir`."""
+"""The working directory of `expertstream setup`: manifest (schema v2, docs/workdir.md) and `Workdir`."""
 
 from __future__ import annotations
 
@@ -10,14 +10,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from expertstream.errors import UserError
 from expertstream.formats.expert_block import ExpertLayout
-from expertstream.formats.snapshot import read_header
+from expertstream.formats.snapshot import SnapshotError, read_header
 from expertstream.memory_plan import MemoryPlan, plan_memory
+from expertstream.workdir.checksum import ALGORITHM, file_checksum
+from expertstream.workdir.inventory import SetupError, resident_spec
 
 FORMAT = "expertstream-workdir"
-VERSION = 1
+VERSION = 2  # 2: CRC32C of every block and every file (1: crc32 of the blocks only)
 MANIFEST = "manifest.json"
 EXPERT_SCALES = "expert_scales.safetensors"
+PLE_COPY = "ple/ngram_embedding.bin"
+# files up to this size are checksummed each time a Workdir opens (config, tokenizer, template, scales);
+# bigger ones (resident weights, a copied PLE table) by `verify --all`
+CHECK_AT_OPEN = 64 << 20
+AGAIN = "run `expertstream setup` again"
 # section -> keys it must hold (a manifest missing any of them is partial or from another writer)
 REQUIRED = {
     "source": ("snapshot", "config_sha256"),
@@ -28,7 +36,7 @@ REQUIRED = {
 PLE_KEYS = ("layer", "dtype", "width", "scale", "rows", "shards")
 
 
-class WorkdirError(ValueError):
+class WorkdirError(UserError, ValueError):
     """A working directory is missing, unfinished, or of a format version this engine does not read."""
 
 
@@ -47,6 +55,14 @@ def write_manifest(workdir: Path, manifest: dict) -> Path:
     finally:
         os.close(dfd)
     return path
+
+
+def is_current(workdir: Path) -> bool:
+    """A finished working directory of this format version (else a cached one is to be set up again)."""
+    try:
+        return json.loads((workdir / MANIFEST).read_text()).get("version") == VERSION
+    except (OSError, ValueError):
+        return False
 
 
 def read_manifest(workdir: Path) -> dict:
@@ -69,8 +85,8 @@ def validate_manifest(m: dict, path: Path) -> None:
         raise WorkdirError(f"{path} is not an expertstream workdir manifest (format {m.get('format')!r})")
     if m.get("version") != VERSION:
         raise WorkdirError(
-            f"{path} has format version {m.get('version')!r}; this engine reads version {VERSION}: "
-            "rerun `expertstream setup`"
+            f"{path} has format version {m.get('version')!r}, this engine reads version {VERSION} (with a "
+            f"checksum of every file): {AGAIN}"
         )
     for section, keys in REQUIRED.items():
         missing = [k for k in keys if k not in m.get(section, {})]
@@ -80,7 +96,13 @@ def validate_manifest(m: dict, path: Path) -> None:
         raise WorkdirError(f"{path} lacks 'model_type' or 'ple': rerun `expertstream setup`")
     if m["ple"] is not None and any(k not in m["ple"] for k in PLE_KEYS):
         raise WorkdirError(f"{path}: section 'ple' lacks one of {list(PLE_KEYS)}")
+    files = m.get("files")
+    if not isinstance(files, dict) or any(not isinstance(v, dict) or {"bytes", ALGORITHM} - set(v)
+                                          for v in files.values()):  # fmt: skip
+        raise WorkdirError(f"{path} lacks the size and {ALGORITHM} of its files: {AGAIN}")
     e = m["experts"]
+    if e["checksum"] != ALGORITHM:
+        raise WorkdirError(f"{path}: block checksums are {e['checksum']!r}, this engine checks {ALGORITHM}")
     if len(e["checksums"]) != e["num_layers"] * e["num_experts"]:
         raise WorkdirError(
             f"{path}: {len(e['checksums'])} block checksums for {e['num_layers']} x {e['num_experts']}"
@@ -88,9 +110,11 @@ def validate_manifest(m: dict, path: Path) -> None:
 
 
 class Workdir:
-    """A finished working directory: see docs/design.md "Workdir format, version 1"."""
+    """A finished working directory (docs/workdir.md). Opening one checks that every file is there with its
+    size, the small files' checksums and the resident tensors' names, dtypes and shapes (check=False skips
+    these, for `verify`, which reports every problem instead of the first)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, check: bool = True):
         self.path = Path(path).resolve()
         self.manifest = read_manifest(self.path)
         experts = self.manifest["experts"]
@@ -114,9 +138,53 @@ class Workdir:
         have = self.experts_path.stat().st_size
         if have != want:
             raise WorkdirError(f"{self.experts_path} has {have} bytes, the manifest says {want}: truncated?")
-        self.config: dict = json.loads((self.path / "config.json").read_text())
-        self.text_config: dict = self.config.get("text_config", self.config)
         self.fp8_row_scaled: set[str] = set(self.manifest["resident"]["fp8_row_scaled"])
+        problems = self.file_problems(full=False) if check else []
+        if problems:
+            raise WorkdirError(f"{problems[0]}: {AGAIN}")
+        try:
+            self.config: dict = json.loads((self.path / "config.json").read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WorkdirError(f"{self.path / 'config.json'} is not valid JSON ({e}): {AGAIN}") from e
+        self.text_config: dict = self.config.get("text_config", self.config)
+        if check and (problems := self.resident_problems()):
+            raise WorkdirError(f"{problems[0]}: {AGAIN}")
+
+    def file_problems(self, full: bool) -> list[str]:
+        """Files missing, of another size, or (small ones; all with full=True) whose CRC32C differs from the
+        manifest's, one line each."""
+        problems = []
+        for name, want in self.manifest["files"].items():
+            f = self.path / name
+            if not f.is_file():
+                problems.append(f"{f} is missing from the working directory")
+            elif f.stat().st_size != want["bytes"]:
+                problems.append(
+                    f"{f} has {f.stat().st_size} bytes, setup wrote {want['bytes']}: it changed after setup"
+                )
+            elif (full or want["bytes"] <= CHECK_AT_OPEN) and file_checksum(f)[1] != want[ALGORITHM]:
+                problems.append(f"{f} does not match the {ALGORITHM} setup recorded: it changed after setup")
+        return problems
+
+    def resident_problems(self) -> list[str]:
+        """Resident tensors missing or of another dtype or shape than config.json asks, one line each."""
+        try:
+            stored, spec = read_header(self.resident_path), resident_spec(self.text_config)
+        except (SnapshotError, SetupError) as e:
+            return [str(e)]
+        name_of, problems = self.resident_path.name, []
+        for name, (dtype, shape) in spec.items():
+            info = stored.get(name)
+            if name in self.fp8_row_scaled:
+                dtype, scale = "F8_E4M3", stored.get(f"{name}_scale")
+                if scale is None or scale.dtype != "F32" or scale.shape != shape[:1]:
+                    problems.append(f"{name_of}: {name}_scale missing or not F32 [{shape[0]}]")
+            if info is None:
+                problems.append(f"{name_of}: tensor {name} is missing")
+            elif info.dtype != dtype or info.shape != shape:
+                got = f"{info.dtype} {list(info.shape)}"
+                problems.append(f"{name_of}: tensor {name} is {got}, expected {dtype} {list(shape)}")
+        return problems
 
     def block_offset(self, layer: int, expert: int) -> int:
         if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
