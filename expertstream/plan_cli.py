@@ -178,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
     max_len = min(cfg.max_model_len, wd.text_config.get("max_position_embeddings", cfg.max_model_len))
     try:
         act = 4 if cfg.dtype == "float32" else 2  # the engine's activations: bf16 on a GPU unless asked
-        plan = wd.memory_plan(_budget(cfg), max_len, act)
+        plan = wd.memory_plan(_budget(cfg), max_len, act, cfg.max_num_seqs)
     except MemoryPlanError as e:
         print(e)
         return 1
