@@ -12,16 +12,19 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "synth": ("expertstream.synth", "write a synthetic checkpoint in NVIDIA's NVFP4 export layout"),
-    "setup": ("expertstream.repack", "turn a Hugging Face snapshot into a verified working directory"),
-    "verify": ("expertstream.verify", "check a working directory against its manifest and snapshot"),
-    "generate": ("expertstream.generate_cli", "generate text from a working directory"),
-    "chat": ("expertstream.chat", "interactive chat in the terminal"),
-    "check": ("expertstream.check", "compare the engine's logits with transformers' qwen4_exp"),
-    "ppl": ("expertstream.ppl", "perplexity of the engine on a text, with must-break controls"),
-    "serve": ("expertstream.server", "OpenAI-compatible streaming HTTP server"),
-    "bench": ("expertstream.bench", "measure speed against the machine's physical limits"),
-    "plan": ("expertstream.plan_cli", "a configuration's VRAM plan and bytes per token, before loading"),
+    "synth": ("expertstream.synth.synth", "write a synthetic checkpoint in NVIDIA's NVFP4 export layout"),
+    "setup": (
+        "expertstream.workdir.repack",
+        "turn a Hugging Face snapshot into a verified working directory",
+    ),
+    "verify": ("expertstream.workdir.verify", "check a working directory against its manifest and snapshot"),
+    "generate": ("expertstream.commands.generate", "generate text from a working directory"),
+    "chat": ("expertstream.commands.chat", "interactive chat in the terminal"),
+    "check": ("expertstream.commands.check", "compare the engine's logits with transformers' qwen4_exp"),
+    "ppl": ("expertstream.commands.ppl", "perplexity of the engine on a text, with must-break controls"),
+    "serve": ("expertstream.server.app", "OpenAI-compatible streaming HTTP server"),
+    "bench": ("expertstream.bench.cli", "measure speed against the machine's physical limits"),
+    "plan": ("expertstream.commands.plan", "a configuration's VRAM plan and bytes per token, before loading"),
 }
 
 

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from expertstream.log import get_logger
-from expertstream.workdir import MANIFEST
+from expertstream.workdir.workdir import MANIFEST
 
 log = get_logger(__name__)
 
@@ -49,7 +49,7 @@ def _stale(workdir: Path) -> bool:
 
 def default_workdir() -> Path:
     """Path of the default model's workdir, building it on first use (safe against concurrent callers)."""
-    from expertstream.repack import setup_workdir
+    from expertstream.workdir.repack import setup_workdir
 
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)

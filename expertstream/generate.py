@@ -297,7 +297,7 @@ def stream_generate(
     """Generate from a prompt, one record per token.
 
     Args:
-        engine: an `expertstream.engine.Engine`.
+        engine: an `expertstream.runtime.engine.Engine`.
         prompt: text (tokenized as is, no special tokens added) or token ids.
         params: sampling and stopping; defaults to greedy with 256 tokens.
         state: a state from `engine.new_state()` to continue; when it already consumed a prefix of the prompt,

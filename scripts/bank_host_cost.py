@@ -16,10 +16,10 @@ import time
 
 import torch
 
-import expertstream.runtime.gpu_experts as ge
-from expertstream.runtime.gpu_experts import GpuExperts
+import expertstream.experts.gpu_bank as ge
+from expertstream.experts.gpu_bank import GpuExperts
 from expertstream.store import ExpertStore
-from expertstream.workdir import Workdir
+from expertstream.workdir.workdir import Workdir
 
 
 def main(workdir: str, mode: str = "spec", profile: bool = False, ram: bool = False, quarter: bool = False):

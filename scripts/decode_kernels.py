@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from expertstream.bench_runtime import decoding_engine, script_regimes
+from expertstream.bench.runtime import decoding_engine, script_regimes
 
 p = argparse.ArgumentParser()
 p.add_argument("regimes", nargs="*", default=["vram"], help="as `bench decode --regimes` names them")

@@ -10,8 +10,8 @@ import argparse
 
 import torch
 
-from expertstream.bench_runtime import script_regimes, warm_caches
-from expertstream.engine import Engine
+from expertstream.bench.runtime import script_regimes, warm_caches
+from expertstream.runtime.engine import Engine
 
 p = argparse.ArgumentParser()
 p.add_argument("regimes", nargs="*", default=["vram", "ram", "ram_unstaged"])

@@ -11,9 +11,9 @@ from collections import defaultdict
 
 import torch
 
-from expertstream.bench_runtime import decoding_engine, script_regimes
+from expertstream.bench.runtime import decoding_engine, script_regimes
+from expertstream.experts.host_mirror import PackedUpload
 from expertstream.runtime import decode_graphs
-from expertstream.runtime.host_mirror import PackedUpload
 
 p = argparse.ArgumentParser()
 p.add_argument("regimes", nargs="*", default=["vram", "ram"], help="as `bench decode --regimes` names them")

@@ -21,7 +21,7 @@ timeout ${TINY_S:-150} python3 -m expertstream check /tmp/tiny-wd --snapshot /tm
 timeout ${TINY_S:-150} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda \
   --long --prefill-piece 8 --prefill-span 32 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_tiny_spans_cuda.txt
 W=/tmp/expertstream-bench
-python3 -c "from pathlib import Path; from expertstream.bench_runtime import ensure_model; ensure_model(Path('$W'), 4)" \
+python3 -c "from pathlib import Path; from expertstream.bench.model import ensure_model; ensure_model(Path('$W'), 4)" \
   >/dev/null 2>&1
 wait  # the 4-layer reference needs ~20 GiB of GPU memory, which the tests may be holding (it ran out beside them)
 cat $OUT/gpu_tests.txt

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from expertstream.bench_kernels import (  # noqa: E402
+from expertstream.bench.kernels import (  # noqa: E402
     EXPERTS,
     FP8_M,
     FP8_SHAPES,

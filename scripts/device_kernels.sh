@@ -9,13 +9,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 timeout ${KERNELS_S:-90} python3 scripts/device_kernel_check.py 2>&1 | tail -24 | tee $OUT/kernel_check.txt
 if [ -n "${BASE:-}" ]; then
-  mkdir -p /tmp/base && tar -xf "$BASE" -C /tmp/base && cp expertstream/bench_kernels.py /tmp/base/expertstream/
+  mkdir -p /tmp/base && tar -xf "$BASE" -C /tmp/base && cp expertstream/bench/kernels.py /tmp/base/expertstream/
   (cd /tmp/base && PYTHONPATH=/tmp/site:/tmp/base timeout 150 python3 $OLDPWD/scripts/decode_ab.py 2>&1 \
     | grep -v INFO | sed 's/^/base /') | tee $OUT/ab.txt
 fi
 timeout 150 python3 scripts/decode_ab.py 2>&1 | grep -v INFO | sed 's/^/this /' | tee -a $OUT/ab.txt
 if [ -n "${SWEEP-nvfp4_decode}" ]; then
-  timeout ${SWEEP_S:-240} python3 -c "from expertstream.bench_kernels import sweep_configs; \
+  timeout ${SWEEP_S:-240} python3 -c "from expertstream.bench.kernels import sweep_configs; \
 sweep_configs('expertstream/kernels/tuned_configs.json', tuple('${SWEEP-nvfp4_decode}'.split()))" 2>&1 \
     | grep -v INFO | grep -v "^{" | tee $OUT/sweep.txt
   cp expertstream/kernels/tuned_configs.json $OUT/tuned_configs.json

@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 timeout ${TESTS_S:-100} python3 -m pytest -p no:cacheprovider -rf ${TESTS:-tests/test_speculation.py} 2>&1 \
   | tail -12 | tee $OUT/gpu_tests.txt
 if [ "${SWEEP:-0}" = 1 ]; then
-  timeout ${SWEEP_S:-90} python3 -c "from expertstream.bench_kernels import sweep_configs; \
+  timeout ${SWEEP_S:-90} python3 -c "from expertstream.bench.kernels import sweep_configs; \
 sweep_configs('expertstream/kernels/tuned_configs.json', ('nvfp4_decode',))" 2>&1 | grep -v INFO | grep -v "^{" \
     | tee $OUT/sweep.txt
   cp expertstream/kernels/tuned_configs.json $OUT/tuned_configs.json

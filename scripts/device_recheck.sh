@@ -6,7 +6,7 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/expertstream-bench
-python3 -c "from pathlib import Path; from expertstream.bench_runtime import ensure_model; ensure_model(Path('$W'), 4)" \
+python3 -c "from pathlib import Path; from expertstream.bench.model import ensure_model; ensure_model(Path('$W'), 4)" \
   >/dev/null 2>&1
 timeout ${CHECK_S:-200} python3 -m expertstream check $W/full-4-wd --snapshot $W/full-4 --dtype bfloat16 --device cuda \
   --prompts 2 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_full4_cuda.txt

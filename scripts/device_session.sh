@@ -18,7 +18,7 @@ timeout ${DECODE_S:-200} python3 -m expertstream bench decode --layers 4 --token
 tar -C /tmp -czf $OUT/prof.tgz prof
 tail -c 2500 $OUT/benchmarks.md
 cp expertstream/kernels/tuned_configs.json /tmp/tuned.json
-timeout ${SWEEP_S:-70} python3 -c "from expertstream.bench_kernels import sweep_configs; sweep_configs('/tmp/tuned.json', ('nvfp4_decode',))" \
+timeout ${SWEEP_S:-70} python3 -c "from expertstream.bench.kernels import sweep_configs; sweep_configs('/tmp/tuned.json', ('nvfp4_decode',))" \
   2>&1 | grep -v INFO | tail -14 | tee $OUT/sweep.txt
 cp /tmp/tuned.json $OUT/tuned_configs.json
 ls -la $OUT

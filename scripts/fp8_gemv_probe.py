@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from expertstream.bench_kernels import FP8_SHAPES, graph_ms, measure_ceilings
+from expertstream.bench.kernels import FP8_SHAPES, graph_ms, measure_ceilings
 from expertstream.kernels import fp8_gemv, fp8_rows_matmul
 from expertstream.kernels.fp8_gemv import fp8_rows_matmul_ref
 

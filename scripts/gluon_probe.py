@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from expertstream.bench_kernels import EXPERTS, TOPK, _prompt, graph_ms, random_bank
+from expertstream.bench.kernels import EXPERTS, TOPK, _prompt, graph_ms, random_bank
 from expertstream.kernels import nvfp4_moe as nm
 
 # the names of Triton 3.9 or of the lent 3.6: a CTA-wide thread barrier, and cp.async into shared memory

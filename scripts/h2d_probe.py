@@ -16,7 +16,7 @@ import weakref
 import torch
 import triton
 
-from expertstream.runtime.gpu_experts import pinned_alloc
+from expertstream.experts.gpu_bank import pinned_alloc
 from scripts.zero_copy_probe import _sum_kernel, timed
 
 

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from expertstream.bench import BENCH_WORKDIR
-from expertstream.bench_runtime import REAL_LAYERS, ensure_model, real_model_plan, warm_caches
+from expertstream.bench.cli import BENCH_WORKDIR
+from expertstream.bench.model import REAL_LAYERS, ensure_model
+from expertstream.bench.runtime import real_model_plan, warm_caches
 from expertstream.config import EngineConfig
-from expertstream.engine import Engine
-from expertstream.workdir import Workdir
+from expertstream.runtime.engine import Engine
+from expertstream.workdir.workdir import Workdir
 
 p = argparse.ArgumentParser()
 p.add_argument("--prompt", type=int, default=2451)
@@ -33,7 +34,7 @@ p.add_argument("--sections", action="store_true")
 p.add_argument("--mirror-depth", type=int, default=None)
 args = p.parse_args()
 if args.mirror_depth:
-    from expertstream.runtime.host_mirror import HostMirror
+    from expertstream.experts.host_mirror import HostMirror
 
     HostMirror.__init__.__defaults__ = (args.mirror_depth,)
 
@@ -60,7 +61,7 @@ def report(what: str, prof: cProfile.Profile, seconds: float) -> None:
 
 def sections_report(eng, prompt, wall: float) -> None:
     """One more prompt with the bank's steps wrapped in perf_counter timers: ms per pass of each."""
-    from expertstream.runtime import gpu_experts
+    from expertstream.experts import gpu_bank as gpu_experts
 
     bank = eng.bank
     spent: dict[str, float] = {}

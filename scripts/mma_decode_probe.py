@@ -32,7 +32,7 @@ Usage: python3 scripts/mma_decode_probe.py"""
 
 import torch
 
-from expertstream.bench_kernels import EXPERTS, decode_calls, graph_ms, launch_us, random_bank, route
+from expertstream.bench.kernels import EXPERTS, decode_calls, graph_ms, launch_us, random_bank, route
 from expertstream.formats.expert_block import ExpertLayout
 from expertstream.kernels import nvfp4_moe
 from expertstream.kernels.codec import (

@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from expertstream.bench_kernels import (
+from expertstream.bench.kernels import (
     EXPERTS,
     FP8_SHAPES,
     decode_calls,

@@ -21,7 +21,7 @@ Usage: python3 scripts/read_probe.py"""
 
 import torch
 
-from expertstream.bench_kernels import (
+from expertstream.bench.kernels import (
     DECODE_SWEEP,
     EXPERTS,
     ROTATE,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from expertstream.bench_kernels import EXPERTS, TOPK, graph_ms, random_bank
+from expertstream.bench.kernels import EXPERTS, TOPK, graph_ms, random_bank
 from expertstream.kernels import nvfp4_moe as nm
 from expertstream.kernels.codec import e4m3_f16
 
@@ -133,7 +133,7 @@ def compare(layout, slots, ws2, ids, x, cfg: dict, name: str, launch, prep=None)
 
 def main(tokens: int, shapes: list[tuple], name: str, launch, prep=None) -> None:
     """compare() for each (block_m, block_n, block_k, num_warps, num_stages) of `shapes`."""
-    from expertstream.bench_kernels import _prompt
+    from expertstream.bench.kernels import _prompt
 
     layout, slots, ws2 = random_bank(EXPERTS)
     ids, _, x = _prompt(layout, EXPERTS, tokens, tokens, slots.device)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from expertstream.checkpoint_writer import PREFIX
+from expertstream.synth.checkpoint_writer import PREFIX
 
 HELD_OUT_VERSES = 404  # Revelation: the last 404 verses of the KJV (the test text)
 VALIDATION_VERSES = 404  # the verses before it (Hebrews..Jude): early stopping, never trained on
@@ -113,9 +113,9 @@ def main() -> None:
 
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-    from expertstream.checkpoint_writer import write_checkpoint
-    from expertstream.synth import VOCAB_MULTIPLE, build_config
-    from expertstream.synth_tokenizer import build_tokenizer, tokenizer_files
+    from expertstream.synth.checkpoint_writer import write_checkpoint
+    from expertstream.synth.synth import VOCAB_MULTIPLE, build_config
+    from expertstream.synth.tokenizer import build_tokenizer, tokenizer_files
 
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"

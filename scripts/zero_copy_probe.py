@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from expertstream.runtime.gpu_experts import pinned_alloc
+from expertstream.experts.gpu_bank import pinned_alloc
 
 
 @triton.jit

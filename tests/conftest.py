@@ -20,7 +20,7 @@ def kernel_device():
 def host_alloc(kernel_device):
     """The RAM cache's allocator as the engine picks it: pinned (readable by kernels) on CUDA."""
     if kernel_device == "cuda":
-        from expertstream.runtime.gpu_experts import pinned_alloc
+        from expertstream.experts.gpu_bank import pinned_alloc
 
         return {"alloc": pinned_alloc}
     return {}
@@ -28,7 +28,7 @@ def host_alloc(kernel_device):
 
 @pytest.fixture(scope="session")
 def tiny_snapshot(tmp_path_factory):
-    from expertstream.synth import write_synthetic
+    from expertstream.synth.synth import write_synthetic
 
     out = tmp_path_factory.mktemp("snap") / "tiny"
     write_synthetic(out, preset="tiny", seed=0)
@@ -37,7 +37,7 @@ def tiny_snapshot(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_workdir(tiny_snapshot, tmp_path_factory):
-    from expertstream.repack import setup_workdir
+    from expertstream.workdir.repack import setup_workdir
 
     out = tmp_path_factory.mktemp("work") / "tiny"
     setup_workdir(tiny_snapshot, out)

@@ -9,19 +9,15 @@ import types
 import pytest
 import torch
 
-from expertstream import bench, bench_runtime
-from expertstream.bench_baseline import baseline_disk_needed, baseline_table, max_memory
-from expertstream.bench_prefill import plan_prefill, prefill_table
-from expertstream.bench_runtime import (
-    bench_layers,
-    busy_ms,
-    decode_regimes,
-    decode_table,
-    layers_that_fit,
-    profile_tokens,
-)
+from expertstream.bench import cli as bench
+from expertstream.bench import model as full_model
+from expertstream.bench import runtime as bench_runtime
+from expertstream.bench.baseline import baseline_disk_needed, baseline_table, max_memory
+from expertstream.bench.model import bench_layers, layers_that_fit
+from expertstream.bench.prefill import plan_prefill, prefill_table
+from expertstream.bench.runtime import busy_ms, decode_regimes, decode_table, profile_tokens
 from expertstream.config import EngineConfig
-from expertstream.workdir import Workdir
+from expertstream.workdir.workdir import Workdir
 
 
 def parse(argv):
@@ -50,11 +46,11 @@ def test_layers_as_many_as_the_disk_and_ram_allow(tmp_path, monkeypatch):
     assert layers_that_fit(100 * gb, 20 * gb, int(1.4 * gb)) == (28, 7)  # half of 20 GB of RAM pinned
     assert layers_that_fit(gb, gb, int(1.4 * gb)) == (0, 0)
     # the refusal's figure is the same arithmetic: 28 layers need at most 100 GB, 29 more
-    need = [bench_runtime.disk_needed(n, int(1.4 * gb)) for n in (28, 29)]
+    need = [full_model.disk_needed(n, int(1.4 * gb)) for n in (28, 29)]
     assert need[0] <= 100 * gb < need[1]
     disk = [10**6 * gb]  # what shutil.disk_usage says is free
     monkeypatch.setattr(shutil, "disk_usage", lambda p: types.SimpleNamespace(free=disk[0]))
-    monkeypatch.setattr(bench_runtime, "host_ram_bytes", lambda: 10**6 * gb)
+    monkeypatch.setattr(full_model, "host_ram_bytes", lambda: 10**6 * gb)
     assert bench_layers(tmp_path, 0) == 48  # never more than the real model
     assert bench_layers(tmp_path, 3) == 3  # an explicit --layers is taken as it is
     disk[0] = 10 * gb  # room for 2 layers
@@ -76,7 +72,7 @@ def test_layers_as_many_as_the_disk_and_ram_allow(tmp_path, monkeypatch):
 
 def test_the_baseline_keeps_its_disk_room_and_is_refused_before_the_regimes(tmp_path, monkeypatch):
     gb = 10**9
-    layer = bench_runtime.full_shape_layer_bytes()  # 1.42 GB
+    layer = full_model.full_shape_layer_bytes()  # 1.42 GB
     need = baseline_disk_needed(tmp_path, 2)
     # its snapshot and its whole bf16 twin, 10 % more for dense weights, 2 GB spare: ~16 GB for 2 layers
     assert need == pytest.approx(2 * layer * (1 + 32 / 9) * 1.1 + 2 * gb)
@@ -85,7 +81,7 @@ def test_the_baseline_keeps_its_disk_room_and_is_refused_before_the_regimes(tmp_
     assert baseline_disk_needed(tmp_path, 2) == pytest.approx(2 * layer * 32 / 9 * 1.1 + 2 * gb)
     disk = [30 * gb]
     monkeypatch.setattr(shutil, "disk_usage", lambda p: types.SimpleNamespace(free=disk[0]))
-    monkeypatch.setattr(bench_runtime, "host_ram_bytes", lambda: 10**6 * gb)
+    monkeypatch.setattr(full_model, "host_ram_bytes", lambda: 10**6 * gb)
     assert bench_layers(tmp_path / "a", 0) == 8  # (0.9 x 30 GB - 2 GB) / 3.1 GB a layer
     assert bench_layers(tmp_path / "b", 0, reserve=need) == 3  # (0.9 x (30 - 16.2) GB - 2 GB) / 3.1 GB
     # a model made earlier that left no room: refused before any regime runs, in one sentence (the
@@ -231,7 +227,7 @@ def test_baseline_memory_map_and_table():
 
 def test_baseline_runs_offloaded_on_cpu_and_disk(tiny_snapshot):
     pytest.importorskip("accelerate")
-    from expertstream.bench_baseline import time_offloaded
+    from expertstream.bench.baseline import time_offloaded
 
     out = time_offloaded(tiny_snapshot, max_memory(None, 2**20), prompt=4, reps=1)  # layer 0 in RAM
     assert out["layers"] == 4 and out["seconds"] > 0 and "disk" in out["placement"]
@@ -256,10 +252,10 @@ def test_the_real_plans_prefill_span_is_what_the_bench_uses():
     import collections
     from types import SimpleNamespace
 
-    from expertstream.bench_prefill import plan_prefill
-    from expertstream.bench_runtime import real_model_plan
+    from expertstream.bench.prefill import plan_prefill
+    from expertstream.bench.runtime import real_model_plan
     from expertstream.formats.expert_block import ExpertLayout
-    from expertstream.synth import build_config
+    from expertstream.synth.synth import build_config
 
     tc = build_config("full-shape", None, None, 1024, collections.defaultdict(lambda: 7))["text_config"]
     wd = SimpleNamespace(text_config=tc, layout=ExpertLayout.for_dims(2560, 640))
@@ -276,7 +272,7 @@ def test_the_real_plans_prefill_span_is_what_the_bench_uses():
 def test_regimes_flag_picks_regimes_by_slug_and_names_unknown_ones():
     import argparse
 
-    from expertstream.bench import chosen
+    from expertstream.bench.cli import chosen
 
     regimes = {"vram": 1, "vram eager": 2, "disk, 24 GiB VRAM": 3}
     assert chosen(argparse.Namespace(regimes=None), regimes) == regimes
@@ -305,7 +301,7 @@ def test_decode_regimes_stage_in_ram_only_on_top_of_the_cache_share(tiny_workdir
 def test_decoding_engine_starts_past_its_warm_up(tiny_workdir):
     """The decode scripts' engine: caches warmed, a 16-token prompt and 6 tokens decoded, the next token
     ready (the scripts then time the steady state)."""
-    from expertstream.bench_runtime import decoding_engine
+    from expertstream.bench.runtime import decoding_engine
     from expertstream.config import EngineConfig
 
     eng, state, tok = decoding_engine(EngineConfig(model=str(tiny_workdir), device="cpu"), 0)

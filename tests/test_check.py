@@ -7,10 +7,10 @@ import zlib
 import pytest
 import torch
 
-from expertstream.check import build_reference, text_config_of
 from expertstream.cli import main as cli
-from expertstream.layers.experts import swap_nibbles
-from expertstream.workdir import Workdir, write_manifest
+from expertstream.commands.check import build_reference, text_config_of
+from expertstream.experts.cpu_bank import swap_nibbles
+from expertstream.workdir.workdir import Workdir, write_manifest
 
 
 def run_check(capsys, workdir, snapshot, *flags):
@@ -23,7 +23,7 @@ def test_reference_builder_matches_transformers_own_loader(tiny_snapshot, tmp_pa
     BF16 twin, which synth writes as the NVFP4 model's dequantized weights rounded once to BF16."""
     from transformers import Qwen4ExpForConditionalGeneration
 
-    from expertstream.synth import write_synthetic
+    from expertstream.synth.synth import write_synthetic
 
     twin = write_synthetic(tmp_path / "twin", preset="tiny", seed=0, dtype="bf16")
     hf = Qwen4ExpForConditionalGeneration.from_pretrained(

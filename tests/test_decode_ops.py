@@ -159,8 +159,8 @@ def test_the_model_runs_every_fused_kernel_and_matches_the_twins(tiny_workdir, c
     twins, in FP32: the same greedy tokens, logits within FP32 noise, and no kernel fell back. Eager: graphs
     cannot capture the first launch of a kernel, and this test turns the kernels on after the first run."""
     from expertstream.config import EngineConfig
-    from expertstream.engine import Engine
     from expertstream.models import base
+    from expertstream.runtime.engine import Engine
 
     eng = Engine(EngineConfig(model=str(tiny_workdir), device=DEV, dtype="float32", enforce_eager=True))
     base.use_triton(False)  # the engine turns them on for CUDA

@@ -18,9 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from expertstream.models import qwen4_exp
 from expertstream.models.base import ModelArgs
 from expertstream.models.qwen4_exp import Qwen4ExpModel
-from expertstream.ple import PleTable
-from expertstream.state import State
-from expertstream.workdir import Workdir
+from expertstream.models.state import State
+from expertstream.store.ple import PleTable
+from expertstream.workdir.workdir import Workdir
 
 aten = torch.ops.aten
 # ops that make the host wait for the device (a scalar or a data-dependent shape read back)
@@ -251,7 +251,7 @@ def count_decode(model, st, token: int) -> DecodeCounter:
 
 def main(workdirs: list[str]) -> None:
     from expertstream.config import EngineConfig
-    from expertstream.engine import Engine
+    from expertstream.runtime.engine import Engine
 
     torch.set_num_threads(1)  # two contended cores: intra-op threads spin on tiny ops and swamp the timing
     for wd in workdirs:

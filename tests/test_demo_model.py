@@ -2,16 +2,16 @@
 
 import pytest
 
+from expertstream.commands.ppl import run_ppl
 from expertstream.config import EngineConfig
 from expertstream.default_model import DEMO_SNAPSHOT
-from expertstream.ppl import run_ppl
 
 CHARS = 6000  # ~1,800 tokens of the held-out book (Revelation): a few seconds per run on 2 cores
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    from expertstream.repack import setup_workdir
+    from expertstream.workdir.repack import setup_workdir
 
     work = tmp_path_factory.mktemp("demo") / "wd"
     setup_workdir(DEMO_SNAPSHOT, work, progress=False)

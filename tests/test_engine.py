@@ -7,14 +7,14 @@ import torch
 from safetensors import safe_open
 
 from expertstream.config import EngineConfig
-from expertstream.engine import Engine
+from expertstream.experts.cpu_bank import DenseExperts
 from expertstream.formats import nvfp4
 from expertstream.formats.fp8 import dequantize_fp8_rows, e4m3_to_float
-from expertstream.layers.experts import DenseExperts
 from expertstream.models.qwen4_exp import Qwen4ExpModel
-from expertstream.ple import DenseTable, PleTable
-from expertstream.repack import setup_workdir
-from expertstream.state import State
+from expertstream.models.state import State
+from expertstream.runtime.engine import Engine
+from expertstream.store.ple import DenseTable, PleTable
+from expertstream.workdir.repack import setup_workdir
 
 PREFIX = "model.language_model."
 PROMPT = 100

@@ -275,7 +275,7 @@ def test_json_serialisable_record(tok):
 @pytest.fixture(scope="module")
 def engine(tiny_workdir):
     from expertstream.config import EngineConfig
-    from expertstream.engine import Engine
+    from expertstream.runtime.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_workdir), max_model_len=256))
     yield engine
@@ -355,7 +355,7 @@ def test_chat_loop_reuses_state_between_turns(engine):
     import argparse
     import io
 
-    from expertstream.chat import chat_loop
+    from expertstream.commands.chat import chat_loop
 
     args = argparse.Namespace(
         system="Be brief.",
@@ -419,7 +419,7 @@ def test_shipped_demo_is_set_up_and_refreshed_when_it_changes(tmp_path, monkeypa
     assert dm.resolve_model("") == workdir and manifest.stat().st_mtime_ns != stamp
     assert json.loads(manifest.read_text())["source"]["snapshot"] == str(other)
     shutil.rmtree(demo)
-    from expertstream.workdir import Workdir
+    from expertstream.workdir.workdir import Workdir
 
     assert dm.resolve_model("") == workdir
     assert Workdir(workdir).ple["shards"][0]["path"].startswith(str(other))

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 import torch
 
+from expertstream.experts.cpu_bank import StreamedExperts
+from expertstream.experts.gpu_bank import GpuExperts
 from expertstream.kernels import nvfp4_moe
-from expertstream.layers.experts import StreamedExperts
 from expertstream.memory_plan import hot_split, stage_guesses_for
-from expertstream.runtime.gpu_experts import GpuExperts
 from expertstream.store import ExpertStore
 from expertstream.store.policy import most_routed
-from expertstream.workdir import Workdir
+from expertstream.workdir.workdir import Workdir
 
 pytest.importorskip("triton")  # conftest runs it through the interpreter when there is no CUDA
 
@@ -112,7 +112,7 @@ def test_controls_break_the_output(banks, kernel_device):
 
 def test_prefill_reads_one_group_ahead(tiny_workdir, kernel_device, monkeypatch):
     """Group g's kernel launches after the reads of group g+1 were started, and no block is read twice."""
-    import expertstream.runtime.gpu_experts as ge
+    import expertstream.experts.gpu_bank as ge
 
     wd = Workdir(tiny_workdir)
     with ExpertStore(wd, 0, io_threads=2) as store:  # no RAM cache: every prompt block is a disk read

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from expertstream.inventory import resident_spec
 from expertstream.memory_plan import PREFILL_TARGET, GiB, MemoryPlanError, gpu_budget, plan_memory
+from expertstream.workdir.inventory import resident_spec
 
 BLOCK = 2_764_800
 
@@ -129,7 +129,7 @@ def test_gpu_budget_is_the_flag_or_what_is_free_and_refuses_what_the_gpu_cannot_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator's limit needs a GPU")
 def test_the_engine_enforces_its_budget_on_cuda(tiny_workdir):
     from expertstream.config import EngineConfig
-    from expertstream.engine import Engine
+    from expertstream.runtime.engine import Engine
 
     eng = Engine(EngineConfig(model=str(tiny_workdir), device="cuda", gpu_memory_gb=1, max_model_len=512))
     try:

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
+from expertstream.experts.cpu_bank import DenseExperts
 from expertstream.formats.fp8 import dequantize_fp8_rows, quantize_fp8_rows
-from expertstream.layers.experts import DenseExperts
 from expertstream.models.base import ModelArgs
 from expertstream.models.qwen4_exp import Qwen4ExpModel, index_mask, kv_bucket
-from expertstream.ple import DenseTable
-from expertstream.state import State
+from expertstream.models.state import State
+from expertstream.store.ple import DenseTable
 
 qwen4 = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402

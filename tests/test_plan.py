@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from expertstream.cli import main as cli_main
+from expertstream.commands.plan import prompt_bytes, token_bytes
 from expertstream.memory_plan import GiB
-from expertstream.plan_cli import prompt_bytes, token_bytes
 
 
 def test_token_bytes_splits_the_routed_blocks_over_the_tiers():
@@ -50,8 +50,8 @@ def test_plan_prints_the_vram_plan_and_the_bound(tiny_workdir, capsys):
 
 
 def test_the_bound_is_the_slower_of_drive_and_bus(tiny_workdir):
-    from expertstream.plan_cli import TokenBytes, report
-    from expertstream.workdir import Workdir
+    from expertstream.commands.plan import TokenBytes, report
+    from expertstream.workdir.workdir import Workdir
 
     plan = Workdir(tiny_workdir).memory_plan(4 * GiB, 512)
     tb = TokenBytes(routed=int(2e9), vram_share=0.25, ram_share=0.25, from_disk=int(1e9), over_bus=int(1.5e9),
@@ -68,8 +68,8 @@ def test_the_bound_is_the_slower_of_drive_and_bus(tiny_workdir):
 
 
 def test_the_ram_cache_size_is_weighed_against_the_machines_ram(tiny_workdir, monkeypatch):
-    from expertstream import plan_cli
-    from expertstream.workdir import Workdir
+    from expertstream.commands import plan as plan_cli
+    from expertstream.workdir.workdir import Workdir
 
     plan = Workdir(tiny_workdir).memory_plan(4 * GiB, 512)
     tb = plan_cli.TokenBytes(int(2e9), 0.0, 0.25, int(1.5e9), int(2e9), False)

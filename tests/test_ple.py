@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from expertstream.formats.fp8 import e4m3_to_float
-from expertstream.ple import DenseTable, PleTable, ngram_row_ids, ngram_rows_one
+from expertstream.store.ple import DenseTable, PleTable, ngram_row_ids, ngram_rows_one
 
 qwen4 = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig  # noqa: E402

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from expertstream.cli import main as cli
-from expertstream.ppl import windows
+from expertstream.commands.ppl import windows
 
 TEXT = (
     "The user asked the assistant a question, and the assistant answered it. The weather today is sunny "
@@ -46,8 +46,8 @@ def test_windows_reject_a_stride_that_skips_tokens():
 
 @pytest.fixture(scope="module")
 def correct(tiny_workdir, tiny_snapshot, text_file):
+    from expertstream.commands.ppl import run_ppl
     from expertstream.config import EngineConfig
-    from expertstream.ppl import run_ppl
 
     return run_ppl(
         EngineConfig(model=str(tiny_workdir), max_model_len=48), TEXT, reference=str(tiny_snapshot)

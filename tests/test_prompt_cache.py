@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from expertstream.prompt_cache import PromptCache
+from expertstream.runtime.prompt_cache import PromptCache
 
 
 @dataclass

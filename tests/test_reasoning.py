@@ -2,7 +2,7 @@
 
 import pytest
 
-from expertstream.reasoning import ReasoningSplitter, prompt_ends_in_reasoning, split_reasoning
+from expertstream.server.reasoning import ReasoningSplitter, prompt_ends_in_reasoning, split_reasoning
 
 
 def run(pieces, in_reasoning):

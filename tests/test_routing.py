@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from expertstream import bench
-from expertstream.bench_routing import Trace, guess_accuracy, hot_set_rates, replay
-from expertstream.runtime.vram_cache import VramExpertCache
+from expertstream.bench import cli as bench
+from expertstream.bench.routing import Trace, guess_accuracy, hot_set_rates, replay
+from expertstream.experts.vram_cache import VramExpertCache
 from expertstream.store.cache import BlockCache
 from expertstream.store.policy import LfuPolicy, LruPolicy
 

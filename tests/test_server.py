@@ -25,9 +25,9 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from expertstream.config import EngineConfig
-from expertstream.engine import Engine, EngineStats
 from expertstream.generate import SamplingParams
-from expertstream.server import ServerSettings, configure_parser, create_app, sampling_defaults
+from expertstream.runtime.engine import Engine, EngineStats
+from expertstream.server.app import ServerSettings, configure_parser, create_app, sampling_defaults
 from expertstream.tokenizer import Tokenizer
 
 KEY = "sk-test"

@@ -15,10 +15,10 @@ from expertstream.cli import main as cli_main
 from expertstream.formats.expert_block import PROJ
 from expertstream.formats.fp8 import dequantize_fp8_rows
 from expertstream.formats.snapshot import Snapshot, SnapshotError, read_header
-from expertstream.inventory import PREFIX, SetupError, resident_spec
-from expertstream.repack import plan_setup, setup_workdir
-from expertstream.verify import verify_workdir
-from expertstream.workdir import Workdir, WorkdirError
+from expertstream.workdir.inventory import PREFIX, SetupError, resident_spec
+from expertstream.workdir.repack import plan_setup, setup_workdir
+from expertstream.workdir.verify import verify_workdir
+from expertstream.workdir.workdir import Workdir, WorkdirError
 
 E_NAME = PREFIX + "layers.{l}.mlp.experts.{e}.{sub}"
 
@@ -161,7 +161,7 @@ def test_fp8_dense_copy_ple_and_rerun(tiny_snapshot, tmp_path):
 
 def test_cli_setup_and_verify(tiny_snapshot, tiny_workdir, tmp_path, capsys, caplog):
     assert cli_main(["verify", str(tiny_workdir), "--all"]) == 0
-    with caplog.at_level(logging.INFO, logger="expertstream.repack"):
+    with caplog.at_level(logging.INFO, logger="expertstream.workdir.repack"):
         assert cli_main(["setup", str(tiny_snapshot), str(tmp_path / "wd"), "--no-progress"]) == 0
     assert "verify" in capsys.readouterr().out
     budget = Workdir(tmp_path / "wd").manifest["budget"]
@@ -301,7 +301,7 @@ def test_refuses_gate_up_scale_mismatch(tiny_snapshot, tmp_path):
 
 
 def test_refuses_full_disk(tiny_snapshot, tmp_path, monkeypatch):
-    import expertstream.repack as repack
+    import expertstream.workdir.repack as repack
 
     real = shutil.disk_usage
     monkeypatch.setattr(repack.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
@@ -310,7 +310,7 @@ def test_refuses_full_disk(tiny_snapshot, tmp_path, monkeypatch):
 
 def test_rerun_after_failure_is_not_finished(tiny_snapshot, tiny_workdir, tmp_path, monkeypatch):
     """A setup that dies mid-way into an existing workdir leaves it without a manifest."""
-    import expertstream.repack as repack
+    import expertstream.workdir.repack as repack
 
     wd_dir = _copy(tiny_workdir, tmp_path / "wd")
 
@@ -341,7 +341,7 @@ def test_header_parser_agrees_with_safetensors(tiny_snapshot):
 
 
 def test_interrupted_setup_resumes_without_rereading_written_blocks(tiny_snapshot, tmp_path, monkeypatch):
-    import expertstream.repack as repack
+    import expertstream.workdir.repack as repack
 
     monkeypatch.setattr(repack, "PROGRESS_EVERY", 4)
     real_check, seen = repack._check_scales, []
@@ -397,7 +397,7 @@ def test_interrupted_setup_resumes_without_rereading_written_blocks(tiny_snapsho
 
 
 def test_refused_snapshot_leaves_nothing_to_resume(tiny_snapshot, tmp_path):
-    import expertstream.repack as repack
+    import expertstream.workdir.repack as repack
 
     snap = _copy(tiny_snapshot, tmp_path / "snap")
     _edit_tensor(snap, E_NAME.format(l=3, e=9, sub="up_proj.weight_scale_2"), lambda t: t * 2)

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from expertstream.config import EngineConfig
-from expertstream.engine import Engine
-from expertstream.runtime.gpu_experts import GpuExperts
+from expertstream.experts.gpu_bank import GpuExperts
+from expertstream.runtime.engine import Engine
 from expertstream.store import ExpertStore
-from expertstream.workdir import Workdir
+from expertstream.workdir.workdir import Workdir
 
 pytest.importorskip("triton")  # the GPU bank runs through the interpreter on CPU (conftest)
 
@@ -196,7 +196,7 @@ def test_engine_preloads_only_what_the_ram_cache_holds(tiny_workdir, caplog):
     wd = Workdir(tiny_workdir)
     half = wd.num_layers * wd.num_experts * wd.layout.block_bytes / 2 / 2**30  # GiB: half the blocks
     small = EngineConfig(model=str(tiny_workdir), device="cpu", ram_cache_gb=half, preload_experts=True)
-    with caplog.at_level(logging.WARNING, logger="expertstream.engine"):
+    with caplog.at_level(logging.WARNING, logger="expertstream.runtime.engine"):
         eng = Engine(small)
     assert "--preload-experts ignored" in caplog.text and not eng.store._preload_queue
     eng.close()

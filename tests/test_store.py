@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from expertstream.formats.snapshot import Snapshot
-from expertstream.inventory import PREFIX
 from expertstream.store import ExpertStore, StoreError
-from expertstream.workdir import Workdir, WorkdirError
+from expertstream.workdir.inventory import PREFIX
+from expertstream.workdir.workdir import Workdir, WorkdirError
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from expertstream.cli import main as cli_main
 from expertstream.formats import nvfp4
 from expertstream.formats.fp8 import e4m3_to_float
-from expertstream.synth import write_synthetic
+from expertstream.synth.synth import write_synthetic
 
 P = "model.language_model."
 
@@ -301,7 +301,7 @@ def test_cli_refuses_non_empty_out(tmp_path):
 def test_stream_writer_header_in_its_slot_or_before_a_copy(tmp_path, reserve):
     # the header goes into the slot left before the data (padded with spaces), or, when it does not fit,
     # in front of a copy of the data: either way safetensors reads the same tensors
-    from expertstream.checkpoint_writer import SafetensorsStreamWriter
+    from expertstream.synth.checkpoint_writer import SafetensorsStreamWriter
 
     tensors = {f"t{i}": torch.randn(3, i + 1).to(torch.bfloat16) for i in range(5)}
     w = SafetensorsStreamWriter(tmp_path / "a.safetensors", reserve)
@@ -319,7 +319,7 @@ def test_stream_writer_header_in_its_slot_or_before_a_copy(tmp_path, reserve):
 
 def test_layer_shards_after_the_first_write_their_data_once(tmp_path):
     # a layer's shard is finished when the next layer starts, and the next gets a header slot from it
-    from expertstream.checkpoint_writer import PREFIX, _Sharder
+    from expertstream.synth.checkpoint_writer import PREFIX, _Sharder
 
     sharder = _Sharder(tmp_path, separate_fp8=False)
     for layer in range(3):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from expertstream.tool_parser import ToolCallError, ToolCallStreamer, parse_tool_call
+from expertstream.server.tool_parser import ToolCallError, ToolCallStreamer, parse_tool_call
 
 TOOLS = [
     {

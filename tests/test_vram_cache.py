@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from expertstream.runtime.pass_tables import PassTables
-from expertstream.runtime.vram_cache import VramExpertCache
+from expertstream.experts.pass_tables import PassTables
+from expertstream.experts.vram_cache import VramExpertCache
 
 BLOCK = 64
 
@@ -80,7 +80,7 @@ def test_blocks_that_follow_each_other_in_ram_and_in_the_slots_go_up_as_one_copy
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="copy_rows batches run on CUDA only")
 def test_a_batch_of_landed_ram_rows_goes_up_as_one_kernel(monkeypatch):
-    from expertstream.runtime import vram_cache as module
+    from expertstream.experts import vram_cache as module
 
     ram = torch.randint(0, 256, (8, BLOCK), dtype=torch.uint8).pin_memory()  # RAM row e holds expert e
     log, late = [], set()
@@ -211,7 +211,7 @@ def test_blocks_outside_the_ram_cache_are_copied_even_in_place():
 
 
 def test_host_mirror_pushes_the_host_copy():
-    from expertstream.runtime.host_mirror import HostMirror
+    from expertstream.experts.host_mirror import HostMirror
 
     dev = torch.zeros(4, 3)
     m = HostMirror(dev)
@@ -225,7 +225,7 @@ def test_host_mirror_pushes_the_host_copy():
 
 
 def test_host_mirror_ring_is_bounded_in_bytes():
-    from expertstream.runtime.host_mirror import RING_BYTES, HostMirror
+    from expertstream.experts.host_mirror import RING_BYTES, HostMirror
 
     small = HostMirror(torch.zeros(16, 3))
     assert len(small._done) == 64  # 192 B a copy: the whole ring
@@ -237,7 +237,7 @@ def test_host_mirror_ring_is_bounded_in_bytes():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the ring of pinned buffers exists on CUDA only")
 def test_host_mirror_queues_a_ring_of_pushes_before_it_waits():
-    from expertstream.runtime.host_mirror import HostMirror
+    from expertstream.experts.host_mirror import HostMirror
 
     dev = torch.zeros(3, device="cuda")
     seen = torch.zeros(5, 3, device="cuda")
@@ -255,7 +255,7 @@ def test_host_mirror_queues_a_ring_of_pushes_before_it_waits():
 
 
 def test_packed_upload_sends_every_part_into_fixed_tensors():
-    from expertstream.runtime.host_mirror import ALIGN, PackedUpload
+    from expertstream.experts.host_mirror import ALIGN, PackedUpload
 
     up = PackedUpload("cpu")
     on_device = torch.ones(2)  # the test's "device" is the CPU: device tensors are the ones not packed

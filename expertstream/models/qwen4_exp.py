@@ -1,9 +1,10 @@
 """The qwen4_exp text network (Qwen3.8-Flash-Next), re-implemented from transformers' modeling_qwen4_exp.py.
 
 Only the network lives here. Per-step metadata travels explicitly: every forward takes the conversation's
-`State` (expertstream/state.py), which holds positions, KV, indexer keys, GDN/conv states and PLE context; the
-model writes into it and advances it. Routed experts go through `bank(layer, x, expert_ids, weights)` and PLE
-rows through `ple_table.read(rows)` / `ple_table.decode(raw)`, so the model never knows where either lives.
+`State` (expertstream/models/state.py), which holds positions, KV, indexer keys, GDN/conv states and PLE
+context; the model writes into it and advances it. Routed experts go through
+`bank(layer, x, expert_ids, weights)` and PLE rows through `ple_table.read(rows)` / `ple_table.decode(raw)`,
+so the model never knows where either lives.
 
 Shapes: T new tokens, S = tokens in context after them, H hidden, N = hc_count streams, E experts, K top-k.
 """
@@ -35,8 +36,8 @@ from expertstream.models.base import (
     route_topk,
     upload,
 )
-from expertstream.ple import ngram_row_ids, ngram_rows_one
-from expertstream.state import State
+from expertstream.models.state import State
+from expertstream.store.ple import ngram_row_ids, ngram_rows_one
 
 ACT = {"silu": F.silu, "sigmoid": torch.sigmoid}
 GDN_CHUNK = 64

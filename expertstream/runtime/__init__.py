@@ -1,1 +1,1 @@
-"""GPU runtime: the VRAM tier of the expert store and the GPU expert bank built on it."""
+"""The runtime: the engine, the decode graphs, the generation worker and its prompt cache."""

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from expertstream.experts.host_mirror import PackedUpload
 from expertstream.log import get_logger
 from expertstream.models.qwen4_exp import DecoderLayer, Qwen4ExpModel, Rope, kv_bucket
-from expertstream.runtime.host_mirror import PackedUpload
-from expertstream.state import State
+from expertstream.models.state import State
 
 log = get_logger(__name__)
 

@@ -24,7 +24,7 @@ import torch
 
 from expertstream.store.cache import BlockCache, Entry, Key
 from expertstream.store.reader import PAGE, BlockReader, StoreError, alloc_aligned
-from expertstream.workdir import Workdir
+from expertstream.workdir.workdir import Workdir
 
 
 @dataclass(slots=True)

@@ -1,0 +1,1 @@
+"""`expertstream bench`: speed against the machine's physical limits (docs/benchmarks.md)."""

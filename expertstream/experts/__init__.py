@@ -1,0 +1,1 @@
+"""The expert bank: the CPU and GPU banks, the VRAM cache, speculation and the pass tables."""

@@ -1,0 +1,329 @@
+"""`Engine`: loads a working directory and owns the model, the expert store and the PLE reader."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from expertstream.config import EngineConfig, parse_cpu_list
+from expertstream.experts.cpu_bank import StreamedExperts
+from expertstream.experts.speculation import SpecStats
+from expertstream.formats.fp8 import quantize_fp8_rows
+from expertstream.log import get_logger
+from expertstream.memory_plan import MemoryPlan, gpu_budget
+from expertstream.models import base
+from expertstream.models.base import ModelArgs
+from expertstream.models.qwen4_exp import Qwen4ExpModel
+from expertstream.models.state import State
+from expertstream.store import ExpertStore
+from expertstream.store.ple import PleTable
+from expertstream.workdir.workdir import Workdir
+
+log = get_logger(__name__)
+
+# prompt tokens per forward call: activations grow linearly with it ([T, N*H] streams, GDN chunks), while
+# without a VRAM plan (CPU): attention pieces of this many tokens, spans of the whole context
+PREFILL_PIECE = 8192
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(slots=True)
+class EngineStats:
+    requests: int  # expert lookups
+    hits: int  # served from RAM (or a read already in flight)
+    misses: int  # expert blocks read from disk
+    bytes_read: int  # expert bytes read from disk
+    read_seconds: float  # summed over reader threads
+    stall_seconds: float  # compute thread waiting for expert blocks (reads, or a full RAM cache's slot)
+    ple_bytes_read: int
+    spec_issued: int  # next-layer experts guessed (decode)
+    spec_used: int  # guesses the next layer really routed to
+    spec_wasted_bytes: int  # prefetched disk blocks nobody used (yet)
+    prefetch_bytes_read: int  # disk bytes read by the low-priority prefetcher (part of bytes_read)
+    host_syncs: int  # device -> host reads the expert bank waited on (decode: one per MoE layer)
+    bank_decode_seconds: float  # decode thread inside the bank's one-token calls (GPU bank; 0 otherwise)
+    bank_sync_seconds: float  # ... of which waiting in the routing-id read-back for the GPU to catch up
+    bank_spec_seconds: float  # ... of which queueing the next layer's guessed disk reads
+    bus_read_bytes: int  # expert bytes decode moved over the bus without the copy engine: kernels reading
+    # the pinned RAM cache in place, and guesses staged to VRAM
+    resident_reads: int  # decode blocks found through the full location table, without a lookup
+    resident_ram_reads: int  # ... of which read from RAM (the rest from VRAM: staged guesses, the hot set)
+    staged_blocks: int  # next-layer guesses copied to VRAM staging rows (decode, every block in RAM)
+    stage_hits: int  # routed blocks decode read from staging rows
+    hot_hits: int  # routed blocks decode read from the hot set (every block in RAM, a large VRAM cache)
+
+
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {config.device!r} was asked for but CUDA is not available")
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = DTYPES[config.dtype]
+    return device, dtype
+
+
+class Engine:
+    """A loaded model ready to run conversations.
+
+    Args:
+        config: the engine settings; `config.model` is a working directory made by `expertstream setup`.
+        control: "none", or a must-break control of the expert bank ("swap-nibbles", "no-experts").
+        vram_cache_blocks: VRAM expert cache size instead of what the memory plan leaves (benchmarks).
+    """
+
+    def __init__(self, config: EngineConfig, control: str = "none", vram_cache_blocks: int | None = None):
+        t0 = time.perf_counter()
+        self.workdir = Workdir(config.model)
+        self.args = ModelArgs.from_dict(self.workdir.text_config)
+        if config.max_model_len > self.args.max_position_embeddings:
+            log.info(
+                "max_model_len %d clamped to the model's max_position_embeddings %d",
+                config.max_model_len,
+                self.args.max_position_embeddings,
+            )
+            config = dataclasses.replace(config, max_model_len=self.args.max_position_embeddings)
+        self.config = config
+        self.device, self.dtype = resolve_device_dtype(config)
+        gpu = self.device.type == "cuda" and config.kernels != "torch"
+        self.plan = self._plan_gpu_memory() if self.device.type == "cuda" else None
+        # sequences a scheduler may run together (each a state from new_state())
+        self.max_num_seqs = self.plan.max_num_seqs if self.plan else config.max_num_seqs
+        alloc = {}
+        if gpu:
+            from expertstream.experts.gpu_bank import GpuExperts, pinned_alloc
+
+            alloc = {"alloc": pinned_alloc}
+        self.store = ExpertStore(
+            self.workdir, int(config.ram_cache_gb * 2**30), io_threads=config.io_threads, **alloc
+        )
+        if config.preload_experts:
+            self._preload()
+        # pinned after the store exists: its reader threads keep the process's CPUs
+        if config.cpu_affinity is not None:
+            if not hasattr(os, "sched_setaffinity"):
+                raise ValueError("cpu_affinity needs os.sched_setaffinity (Linux)")
+            if self.device.type == "cpu":
+                log.warning("cpu_affinity %s also confines torch's CPU compute threads", config.cpu_affinity)
+            os.sched_setaffinity(0, parse_cpu_list(config.cpu_affinity))
+        speculate = not config.no_speculation
+        if gpu:
+            k = self.args.num_experts_per_tok
+            # vram_cache_blocks overrides the plan's cache (the bench emulates the 48-layer model's share)
+            cache = self.plan.vram_cache_blocks if vram_cache_blocks is None else vram_cache_blocks
+            n_slots = self.plan.slots // self.workdir.layout.block_bytes + cache
+            self.bank = GpuExperts(
+                self.workdir,
+                self.store,
+                max(n_slots, 2 * k),
+                self.device,
+                control,
+                speculate,
+                config.speculation_width,
+                config.stage_guesses,
+            )
+            t1 = time.perf_counter()
+            self.bank.warm_up(self.dtype)  # a first prompt must not wait for Triton compiles
+            log.info("expert kernels ready in %.1f s", time.perf_counter() - t1)
+        else:
+            self.bank = StreamedExperts(
+                self.workdir, self.store, self.dtype, control, speculate, config.speculation_width
+            )
+            if config.stage_guesses > 0:
+                log.warning("--stage-guesses ignored: it stages blocks into VRAM for the CUDA expert bank")
+        base.use_triton(gpu)
+        if self.plan:
+            piece, span, chunk = self.plan.prefill_piece, self.plan.prefill_span, self.plan.prefill_chunk
+        else:
+            piece, span, chunk = min(PREFILL_PIECE, config.max_model_len), config.max_model_len, None
+        if config.prefill_piece or config.prefill_span:  # overrides: the kernels take a piece at a time
+            piece = config.prefill_piece or min(piece, config.prefill_span or piece)
+            span, chunk = config.prefill_span or max(span, piece), None
+        self.set_prefill(piece, span, chunk)
+        self.ple = None
+        if self.args.ple_layer_ids:
+            if self.workdir.ple is None:
+                raise ValueError(
+                    f"{self.workdir.path}: the config has PLE layers but the manifest has no PLE table"
+                )
+            self.ple = PleTable(self.workdir.ple)
+        tensors = self.workdir.load_resident(device="cpu")
+        fp8 = set(self.workdir.fp8_row_scaled)
+        for name in self.plan.fp8 if self.plan else ():
+            if name not in fp8:  # the VRAM plan moved this BF16 matrix to FP8 rows
+                tensors[name], tensors[f"{name}_scale"] = quantize_fp8_rows(tensors[name])
+                fp8.add(name)
+        # the routers go to the device here so the model's Weights.get (a no-op .to) and the bank share them
+        routers = {}
+        for layer in range(self.args.num_hidden_layers):
+            name = f"layers.{layer}.mlp.gate.weight"
+            tensors[name] = routers[layer] = tensors[name].to(self.device, self.dtype)
+        self.bank.set_router_weights(routers)
+        # the embedding stays in host RAM: one row per token is gathered there
+        self.model = Qwen4ExpModel(self.args, tensors, self.bank, self.ple, self.dtype, self.device, fp8)
+        self.decode = None  # one-token steps through CUDA graphs (runtime/decode_graphs.py)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from expertstream.runtime.decode_graphs import DecodeGraphs
+
+            self.decode = DecodeGraphs(self.model)
+        self._tokenizer = None
+        log.info(
+            "loaded %s on %s (%s) in %.1f s",
+            self.workdir.path,
+            self.device,
+            self.dtype,
+            time.perf_counter() - t0,
+        )
+
+    def _plan_gpu_memory(self) -> MemoryPlan:
+        """Plan VRAM for the budget and enforce it through the caching allocator's per-process limit."""
+        c = self.config
+        torch.cuda.empty_cache()  # blocks cached by this process but unused count as free
+        free, total = torch.cuda.mem_get_info(self.device)
+        # live tensors of this process (another engine, a test) are not free but not the budget's either
+        held = torch.cuda.memory_reserved(self.device)
+        budget = gpu_budget(c.gpu_memory_gb, c.gpu_memory_utilization, free, total)
+        act = torch.finfo(self.dtype).bits // 8
+        plan = self.workdir.memory_plan(budget, c.max_model_len, act, c.max_num_seqs)
+        # the allocator's limit is per process, so it covers what this process already holds plus the budget
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + held) / total), self.device.index or 0)
+        log.info("%s", plan.describe())
+        return plan
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from expertstream.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_dir(self.workdir.path)
+        return self._tokenizer
+
+    def _preload(self) -> None:
+        wd = self.workdir
+        blocks = wd.num_layers * wd.num_experts
+        if self.store.capacity < blocks:
+            log.warning(
+                "--preload-experts ignored: the RAM cache holds %d of %d expert blocks (%.1f GiB needed)",
+                self.store.capacity, blocks, blocks * self.store.block_bytes / 2**30,
+            )  # fmt: skip
+            return
+        n = self.store.preload((layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts))
+        log.info("reading %d expert blocks (%.1f GiB) into RAM in the background", n,
+                 n * self.store.block_bytes / 2**30)  # fmt: skip
+
+    def set_prefill(self, piece: int, span: int, chunk: int | None = None) -> None:
+        """Prompts run layer by layer in spans of `span` tokens (each layer's experts once per span), each
+        layer's attention in pieces of `piece` tokens, its expert kernels `chunk` tokens at a time (default:
+        a piece)."""
+        if piece <= 0 or span < piece:
+            raise ValueError(f"prefill needs 0 < piece <= span, got piece {piece}, span {span}")
+        self.prefill_piece, self.prefill_span = piece, span
+        if hasattr(self.bank, "prefill_chunk"):
+            self.bank.prefill_chunk = chunk or piece
+
+    def new_state(self) -> State:
+        """An empty conversation with KV and indexer keys preallocated for max_model_len."""
+        return State(self.args, self.config.max_model_len, self.dtype, self.device)
+
+    def forward(self, state: State, ids, all_logits: bool = False) -> torch.Tensor:
+        """Feed a prompt or one token and advance `state`.
+
+        Args:
+            state: the conversation, from `new_state()`.
+            ids: token ids (list or 1-D tensor).
+            all_logits: return logits of every fed position instead of the last one.
+
+        Returns:
+            [V] float32 logits of the last position, or [T, V] with all_logits.
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ValueError("forward needs at least one token id")
+        bad = ids[(ids < 0) | (ids >= self.args.vocab_size)]
+        if bad.numel():
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary of {self.args.vocab_size}")
+        state.check_room(ids.numel())
+        if ids.numel() == 1 and self.decode is not None:
+            logits = self.model.logits(self.decode.step(ids, state))
+            return logits if all_logits else logits[0]
+        rows, span = [], self.prefill_span
+        for i in range(0, ids.numel(), span):
+            h = self.model(ids[i : i + span], state, piece=self.prefill_piece)
+            rows.append(self.model.logits(h if all_logits else h[-1:]))
+        return torch.cat(rows) if all_logits else rows[-1][0]
+
+    def forward_batch(self, items: list[tuple[State, list[int]]]) -> list[torch.Tensor]:
+        """`forward` for several sequences at once: items [(state, ids)], each at most one prefill span ->
+        [V] logits of each one's last position, the same as `forward` of each alone. Without CUDA-graph
+        decode every sequence goes through one layer-major pass (each expert block fetched once per layer for
+        all of them); with it, one-token steps keep their graphs and the prompts share a pass."""
+        if len(items) == 1:
+            return [self.forward(*items[0])]
+        out: list[torch.Tensor | None] = [None] * len(items)
+        batch = []
+        for i, (state, ids) in enumerate(items):
+            ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+            if ids.numel() == 1 and self.decode is not None:
+                out[i] = self.forward(state, ids)
+            else:
+                if ids.numel() == 0 or ids.numel() > self.prefill_span:
+                    raise ValueError(f"forward_batch takes 1 to {self.prefill_span} ids a sequence")
+                bad = ids[(ids < 0) | (ids >= self.args.vocab_size)]
+                if bad.numel():
+                    raise ValueError(
+                        f"token id {int(bad[0])} is outside the vocabulary of {self.args.vocab_size}"
+                    )
+                batch.append((i, ids, state))
+        if batch:
+            hs = self.model.forward_many([(ids, st) for _, ids, st in batch], self.prefill_piece)
+            for (i, _, _), h in zip(batch, hs):
+                out[i] = self.model.logits(h[-1:])[0]
+        return out
+
+    def stats(self) -> EngineStats:
+        s, spec = self.store.stats, self.bank.spec.stats if self.bank.spec is not None else SpecStats()
+        unused_reads = s.prefetches - s.prefetch_hits
+        staged, hits = self.bank.stage_counts() if hasattr(self.bank, "stage_counts") else (0, 0)
+        hot = self.bank.hot_hits() if hasattr(self.bank, "hot_hits") else 0
+        return EngineStats(
+            requests=s.requests,
+            hits=s.hits,
+            misses=s.misses,
+            bytes_read=s.bytes_read,
+            read_seconds=s.read_seconds,
+            stall_seconds=self.bank.stall_seconds + s.evict_wait_seconds,
+            ple_bytes_read=self.ple.bytes_read if self.ple is not None else 0,
+            spec_issued=spec.issued,
+            spec_used=spec.used,
+            spec_wasted_bytes=unused_reads * self.store.block_bytes,
+            prefetch_bytes_read=s.prefetches * self.store.block_bytes,
+            host_syncs=self.bank.host_syncs,
+            bank_decode_seconds=getattr(self.bank, "decode_seconds", 0.0),
+            bank_sync_seconds=getattr(self.bank, "sync_seconds", 0.0),
+            bank_spec_seconds=getattr(self.bank, "spec_seconds", 0.0),
+            bus_read_bytes=getattr(self.bank, "bytes_in_place", 0),
+            resident_reads=getattr(self.bank, "resident_reads", 0),
+            resident_ram_reads=getattr(self.bank, "resident_ram_reads", 0) - hits - hot,
+            staged_blocks=staged,
+            stage_hits=hits,
+            hot_hits=hot,
+        )
+
+    def close(self) -> None:
+        """Stop the readers and give the VRAM back (weights, slots), so another engine can plan on it."""
+        if hasattr(self.bank, "close"):
+            self.bank.close()
+        self.store.close()
+        if self.ple is not None:
+            self.ple.close()
+        self.model = self.decode = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,66 @@
+"""This machine's disk and host->device rates, measured the way the engine reads and copies expert blocks.
+
+`expertstream plan` and the benches take them as the limits that a token's bytes cross.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+
+def disk_rate(path: Path, block_bytes: int, threads: int, n: int = 768) -> float:
+    """GB/s of O_DIRECT reads of `n` random expert blocks with `threads` readers, after the page cache's
+    writeback of a just-written model has finished (it otherwise shares the drive with the measurement)."""
+    from expertstream.store.reader import BlockReader, alloc_aligned
+
+    os.sync()
+
+    reader = BlockReader(path)
+    blocks = path.stat().st_size // block_bytes
+    offsets = (torch.randperm(blocks)[:n] * block_bytes).tolist()
+    bufs = threading.local()
+
+    def read(off):
+        if not hasattr(bufs, "b"):
+            bufs.b = alloc_aligned(block_bytes)
+        reader.read_into(bufs.b, off)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, offsets))
+    dt = time.perf_counter() - t0
+    reader.close()
+    return len(offsets) * block_bytes / dt / 1e9
+
+
+def pcie_rate(nbytes: int = 1 << 30, block: int | None = None) -> float:
+    """GB/s of pinned host->device copies of `nbytes`: one copy (the bus's rate, the bound's), or with
+    `block` one copy call per block at random rows, as decode's routed blocks cross (context only: on the
+    H200 2.76 MB blocks crossed at ~0.94 of the one-copy rate, scripts/h2d_probe.py)."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    if block is None:
+        pairs = [(dev, host)]
+    else:
+        rows = nbytes // block
+        src, dst = host[: rows * block].view(rows, block), dev[: rows * block].view(rows, block)
+        pairs = [(dst[i], src[r]) for i, r in enumerate(torch.randperm(rows).tolist())]
+    moved = sum(d.numel() for d, _ in pairs)
+
+    def copy() -> None:
+        for d, src_row in pairs:
+            d.copy_(src_row, non_blocking=True)
+
+    copy()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        copy()
+    torch.cuda.synchronize()
+    return 3 * moved / (time.perf_counter() - t0) / 1e9

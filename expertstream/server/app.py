@@ -1,0 +1,263 @@
+"""`expertstream serve`: an OpenAI-compatible streaming HTTP server in front of one generation worker.
+
+HTTP handlers validate, render the chat template, tokenize and translate; the engine runs only on the worker
+thread (`expertstream.runtime.worker`). `/v1/models` and `/health` answer from memory, never waiting on the
+worker.
+This module holds the CLI and the routes; the code map and wire format are in docs/server.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from expertstream.config import EngineConfig
+from expertstream.generate import SamplingParams
+from expertstream.log import get_logger
+from expertstream.runtime.worker import EngineBackend
+from expertstream.server.errors import ERROR_RESPONSES, APIError, BodyLimit, add_error_handlers
+from expertstream.server.jobs import Jobs
+from expertstream.server.metrics import Metrics
+from expertstream.server.output import ChatOutput, CompletionOutput
+from expertstream.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    new_id,
+)
+from expertstream.server.request import chat_prompt, completion_prompt, sampling_params
+from expertstream.server.settings import REASONING_FIELDS, THINKING_SUFFIX, ServerSettings
+
+log = get_logger(__name__)
+
+
+def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], object]) -> FastAPI:
+    """Build the server app; the engine loads on the worker thread (`/health` answers 503 until then).
+
+    Args:
+        settings: names, limits and defaults.
+        tokenizer: the model's `Tokenizer` (validation needs it while the engine loads).
+        load_engine: returns the engine (an `expertstream.runtime.engine.Engine`, or a stand-in in tests).
+    """
+
+    def load():
+        engine = load_engine()
+        # the engine clamps max_model_len to the model's positions; validate against what it holds
+        settings.max_model_len = engine.config.max_model_len
+        return engine
+
+    backend = EngineBackend(load, settings.max_queue, settings.state_cache_bytes)
+    metrics = Metrics()
+    jobs = Jobs(backend, metrics, settings.keepalive_s)
+    created = int(time.time())
+    name = settings.served_model_name
+    model_ids = {name: False, name + THINKING_SUFFIX: True}  # id -> thinking on
+
+    app = FastAPI(title="expertstream", summary="OpenAI-compatible API of expertstream")
+    app.state.backend = backend
+    app.state.metrics = metrics
+    if settings.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    add_error_handlers(app)
+
+    def check_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
+            raise APIError(
+                401, "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key"
+            )
+
+    def resolve_model(model: str | None) -> bool:
+        if model is None:
+            return False
+        if model not in model_ids:
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this server has {sorted(model_ids)}",
+                param="model",
+                code="model_not_found",
+            )
+        return model_ids[model]
+
+    @app.get("/health")
+    async def health():
+        if backend.loaded.done() and backend.engine is not None:
+            return {"status": "ok"}
+        exc = backend.loaded.exception() if backend.loaded.done() else None
+        status = f"failed to load: {exc}" if exc is not None else "loading"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus_metrics():
+        return PlainTextResponse(
+            metrics.render(backend), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    def card(model_id: str) -> ModelCard:
+        return ModelCard(id=model_id, created=created, max_model_len=settings.max_model_len)
+
+    v1 = {"dependencies": [Depends(check_key)], "responses": ERROR_RESPONSES}
+
+    @app.get("/v1/models", **v1)
+    async def list_models() -> ModelList:
+        return ModelList(data=[card(m) for m in model_ids])
+
+    @app.get("/v1/models/{model}", **v1)
+    async def get_model(model: str) -> ModelCard:
+        resolve_model(model)
+        return card(model)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, **v1)
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        thinking = resolve_model(req.model)
+        prompt = await chat_prompt(tokenizer, req, thinking)
+        want_logprobs = bool(req.logprobs)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        top_n = req.top_logprobs or 0
+        params = sampling_params(settings, req, len(prompt.ids), max_tokens, want_logprobs, top_n)
+        model = req.model or name
+        out = ChatOutput(
+            tokenizer, new_id("chatcmpl"), model, prompt, settings.reasoning_field, want_logprobs
+        )
+        return await jobs.respond(jobs.submit(prompt.ids, params, "chat", req.stream), out, req, request)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, **v1)
+    async def completions(req: CompletionRequest, request: Request):
+        resolve_model(req.model)
+        ids = await completion_prompt(tokenizer, req)
+        want_logprobs = req.logprobs is not None
+        params = sampling_params(settings, req, len(ids), req.max_tokens, want_logprobs, req.logprobs or 0)
+        out = CompletionOutput(tokenizer, new_id("cmpl"), req.model or name, want_logprobs)
+        return await jobs.respond(jobs.submit(ids, params, "completions", req.stream), out, req, request)
+
+    # the same routes without the /v1 prefix, as mlx-lm serves them; kept out of the schema
+    for path, endpoint, methods in (
+        ("/models", list_models, ["GET"]),
+        ("/chat/completions", chat_completions, ["POST"]),
+        ("/completions", completions, ["POST"]),
+    ):
+        app.add_api_route(
+            path, endpoint, methods=methods, dependencies=[Depends(check_key)], include_in_schema=False
+        )
+
+    return app
+
+
+def sampling_defaults(args: argparse.Namespace, workdir: Path) -> SamplingParams:
+    """Flags first, then the model's generation_config.json, then `SamplingParams` defaults (greedy)."""
+    path = workdir / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    if gen.get("do_sample") is False:
+        gen["temperature"] = 0.0  # transformers' meaning: greedy whatever the temperature says
+    base = SamplingParams()
+    picked = {}
+    for key in ("temperature", "top_p", "top_k", "min_p"):
+        flag = getattr(args, key)
+        picked[key] = flag if flag is not None else gen.get(key, getattr(base, key))
+    return SamplingParams(seed=args.seed, **picked)
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    EngineConfig.add_cli_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 listens on every interface")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"model id (default: the workdir's name); NAME{THINKING_SUFFIX} is the same with thinking on",
+    )
+    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every /v1 route")
+    g.add_argument(
+        "--reasoning-field",
+        choices=sorted(REASONING_FIELDS),
+        default="reasoning_content",
+        help="where reasoning text goes in message and delta (default: reasoning_content)",
+    )
+    g.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins allowed (default: none)")
+    g.add_argument(
+        "--state-cache-gb", type=float, default=4.0, help="RAM for conversation state snapshots, GiB"
+    )
+    g.add_argument(
+        "--max-queue", type=int, default=16, help="requests that may wait; more get 429 (default: 16)"
+    )
+    g.add_argument(
+        "--keepalive-interval",
+        type=float,
+        default=15.0,
+        help="seconds between SSE keepalive comments (default: 15)",
+    )
+    g.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    s = p.add_argument_group("default sampling (a request's own fields win; unset: generation_config.json)")
+    s.add_argument("--temperature", type=float, default=None, help="0 is greedy")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    s.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: off)")
+    s.add_argument("--min-p", type=float, default=None, help="probability floor relative to the top token")
+    s.add_argument(
+        "--max-tokens", type=int, default=None, help="most tokens per reply (default: the context left)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from expertstream.default_model import resolve_model
+    from expertstream.runtime.engine import Engine
+    from expertstream.tokenizer import Tokenizer
+
+    args.model = resolve_model(args.model)
+    config = EngineConfig.from_args(args)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or Path(config.model).resolve().name,
+        max_model_len=config.max_model_len,
+        defaults=sampling_defaults(args, Path(config.model)),
+        default_max_tokens=args.max_tokens,
+        api_key=args.api_key,
+        reasoning_field=args.reasoning_field,
+        allowed_origins=args.allowed_origins,
+        state_cache_bytes=int(args.state_cache_gb * 2**30),
+        max_queue=args.max_queue,
+        keepalive_s=args.keepalive_interval,
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        log.warning("listening on %s without --api-key: anyone who can reach it can use the model", args.host)
+    app = create_app(settings, Tokenizer.from_dir(config.model), lambda: Engine(config))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    )
+    loaded = app.state.backend.loaded
+
+    def stop_if_failed(fut) -> None:
+        if fut.exception() is not None:
+            log.error("could not load %s: %s", config.model, fut.exception())
+            server.should_exit = True
+
+    loaded.add_done_callback(stop_if_failed)
+    log.info(
+        "serving %s as %s and %s%s",
+        config.model,
+        settings.served_model_name,
+        settings.served_model_name,
+        THINKING_SUFFIX,
+    )
+    server.run()
+    return 1 if loaded.done() and loaded.exception() is not None else 0

@@ -1,0 +1,1 @@
+"""Synthetic checkpoints in NVIDIA's NVFP4 export layout, and their tokenizer."""
