@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from expertstream.config import EngineConfig
-from expertstream.engine import Engine
 from expertstream.generate import SamplingParams
 from expertstream.memory_plan import GiB, plan_memory
-from expertstream.worker import EngineBackend
+from expertstream.runtime.engine import Engine
+from expertstream.runtime.worker import EngineBackend
 
 PROMPT_LENS = (37, 5, 60)
 
@@ -170,7 +170,7 @@ def test_server_clients_in_parallel_equal_each_alone(tiny_workdir):
     import openai
     from test_server import LiveServer, real_settings  # the live-server harness
 
-    from expertstream.server import create_app
+    from expertstream.server.app import create_app
 
     engine = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", max_model_len=512, max_num_seqs=3))
     server = LiveServer(create_app(real_settings(), engine.tokenizer, lambda: engine))
