@@ -17,6 +17,7 @@ from expertstream.log import get_logger
 from expertstream.memory_plan import MemoryPlan, gpu_budget
 from expertstream.models import base
 from expertstream.models.base import ModelArgs
+from expertstream.models.batched import forward_many
 from expertstream.models.qwen4_exp import Qwen4ExpModel
 from expertstream.models.state import State
 from expertstream.store import ExpertStore
@@ -283,7 +284,7 @@ class Engine:
                     )
                 batch.append((i, ids, state))
         if batch:
-            hs = self.model.forward_many([(ids, st) for _, ids, st in batch], self.prefill_piece)
+            hs = forward_many(self.model, [(ids, st) for _, ids, st in batch], self.prefill_piece)
             for (i, _, _), h in zip(batch, hs):
                 out[i] = self.model.logits(h[-1:])[0]
         return out
