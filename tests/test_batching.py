@@ -65,7 +65,7 @@ def test_a_decode_token_and_a_prompt_share_a_pass(engine):
     assert torch.equal(mixed[1], engine.forward(engine.new_state(), b))
 
 
-def collect(backend, ids, params, streaming=False, events=None):
+def collect(backend, ids, params, streaming=False, events=None, stop=lambda: False):
     """Submit and return (future, token records)."""
     out = []
 
@@ -75,7 +75,7 @@ def collect(backend, ids, params, streaming=False, events=None):
         if events is not None:
             events.append((kind, time.monotonic()))
 
-    return backend.submit(ids, params, emit, lambda: False, streaming), out
+    return backend.submit(ids, params, emit, stop, streaming), out
 
 
 def test_concurrent_requests_equal_each_alone(engine):
@@ -114,13 +114,18 @@ def test_a_request_never_waits_for_another_to_finish(engine):
     backend.loaded.result(30)
     long_events, short_events = [], []
     a, b = prompts(engine, (30, 12))
-    first, _ = collect(backend, a, SamplingParams(max_tokens=200), events=long_events)
+    done = threading.Event()
+    first, long_out = collect(
+        backend, a, SamplingParams(max_tokens=400), events=long_events, stop=done.is_set
+    )
     while not any(k == "token" for k, _ in long_events):
         time.sleep(0.01)
     second, out = collect(backend, b, SamplingParams(max_tokens=3), events=short_events)
     second.result(60)
     assert len(out) == 3 and not first.done()  # the short one finished while the long one still ran
-    first.result(120)
+    done.set()
+    first.result(60)
+    assert long_out[-1].finish_reason == "cancelled"
 
 
 class OneAtATime:
