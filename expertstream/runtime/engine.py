@@ -245,12 +245,7 @@ class Engine:
         Returns:
             [V] float32 logits of the last position, or [T, V] with all_logits.
         """
-        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
-        if ids.numel() == 0:
-            raise ValueError("forward needs at least one token id")
-        bad = ids[(ids < 0) | (ids >= self.args.vocab_size)]
-        if bad.numel():
-            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary of {self.args.vocab_size}")
+        ids = self._checked_ids(ids)
         state.check_room(ids.numel())
         if ids.numel() == 1 and self.decode is not None:
             logits = self.model.logits(self.decode.step(ids, state))
@@ -271,23 +266,28 @@ class Engine:
         out: list[torch.Tensor | None] = [None] * len(items)
         batch = []
         for i, (state, ids) in enumerate(items):
-            ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+            ids = self._checked_ids(ids)
             if ids.numel() == 1 and self.decode is not None:
                 out[i] = self.forward(state, ids)
+            elif ids.numel() > self.prefill_span:
+                raise ValueError(f"forward_batch takes at most {self.prefill_span} ids a sequence")
             else:
-                if ids.numel() == 0 or ids.numel() > self.prefill_span:
-                    raise ValueError(f"forward_batch takes 1 to {self.prefill_span} ids a sequence")
-                bad = ids[(ids < 0) | (ids >= self.args.vocab_size)]
-                if bad.numel():
-                    raise ValueError(
-                        f"token id {int(bad[0])} is outside the vocabulary of {self.args.vocab_size}"
-                    )
                 batch.append((i, ids, state))
         if batch:
             hs = forward_many(self.model, [(ids, st) for _, ids, st in batch], self.prefill_piece)
             for (i, _, _), h in zip(batch, hs):
                 out[i] = self.model.logits(h[-1:])[0]
         return out
+
+    def _checked_ids(self, ids) -> torch.Tensor:
+        """Token ids as a 1-D int64 tensor; none, or one outside the vocabulary, is an error."""
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ValueError("forward needs at least one token id")
+        bad = ids[(ids < 0) | (ids >= self.args.vocab_size)]
+        if bad.numel():
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary of {self.args.vocab_size}")
+        return ids
 
     def stats(self) -> EngineStats:
         s, spec = self.store.stats, self.bank.spec.stats if self.bank.spec is not None else SpecStats()
