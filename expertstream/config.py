@@ -31,6 +31,13 @@ class EngineConfig:
         default=32768,
         metadata={"help": "context length in tokens (KV and indexer keys are preallocated for it)"},
     )
+    max_num_seqs: int = field(
+        default=4,
+        metadata={
+            "help": "sequences that run together, each with its own state and KV (vLLM's name); on a GPU "
+            "the VRAM plan lowers it to what fits"
+        },
+    )
     gpu_memory_gb: float | None = field(
         default=None,
         metadata={
@@ -130,6 +137,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:

@@ -61,7 +61,13 @@ class MemoryPlan:
     reserve: int
     vram_cache_blocks: int
     block_bytes: int
+    max_num_seqs: int = 1  # sequences whose state, KV and indexer keys the plan holds (at least 1)
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def seq_bytes(self) -> int:
+        """VRAM one sequence holds: its state, KV, indexer keys and decode workspace."""
+        return self.state + self.kv + self.indexer_keys + self.decode_workspace
 
     @property
     def vram_cache(self) -> int:
@@ -79,6 +85,10 @@ class MemoryPlan:
             ("indexer keys", self.indexer_keys),
             ("expert slots", self.slots),
             ("decode workspace", self.decode_workspace),
+            (
+                f"{self.max_num_seqs - 1} more sequences (state, KV, keys, workspace)",
+                (self.max_num_seqs - 1) * self.seq_bytes,
+            ),
             (
                 f"prefill ({self.prefill_span}-token spans, {self.prefill_piece}-token pieces)",
                 self.prefill_workspace,
@@ -126,6 +136,7 @@ def plan_memory(
     budget_bytes: int,
     max_model_len: int,
     act_bytes: int = 2,
+    max_num_seqs: int = 1,
 ) -> MemoryPlan:
     """Plan the GPU memory.
 
@@ -137,6 +148,8 @@ def plan_memory(
         budget_bytes: VRAM the engine may use.
         max_model_len: context to reserve KV and indexer keys for.
         act_bytes: bytes per activation element (2 for bf16).
+        max_num_seqs: sequences that run together (each a whole-context state); the first is part of the
+            minimum, the others come out of what the prefill workspace leaves, before the VRAM cache.
 
     Returns:
         The plan; raises MemoryPlanError naming the shortfall if even the minimum does not fit.
@@ -248,6 +261,14 @@ def plan_memory(
     chunk = min(span, max(piece, prefill_ws(piece) // per_moe_tok // piece * piece))
     workspace_used = prefill_ws(piece) + (span - piece) * per_span_tok
     left += workspace - workspace_used  # what rounding the span left goes to the cache
+    seq_bytes = state + kv + idx + DECODE_WORKSPACE
+    seqs = 1 + max(0, min(max_num_seqs - 1, left // seq_bytes))
+    left -= (seqs - 1) * seq_bytes
+    if seqs < max_num_seqs:
+        notes.append(
+            f"{seqs} of --max-num-seqs {max_num_seqs} sequences fit ({seq_bytes / GiB:.2f} GiB each with a "
+            f"{max_model_len}-token context); a shorter --max-model-len or a larger budget holds more"
+        )
     if span < max_model_len:  # a longer prompt fetches each expert once per span
         notes.append(
             f"prompts run layer by layer in {span}-token spans ({piece}-token pieces) and each span fetches "
@@ -281,6 +302,7 @@ def plan_memory(
         reserve=reserve,
         vram_cache_blocks=cache_blocks,
         block_bytes=block_bytes,
+        max_num_seqs=seqs,
         notes=notes,
     )
 

@@ -1,5 +1,9 @@
 """Train the bundled demo model: a small qwen4_exp with every architectural feature, on the KJV Bible.
 
+Half the training text is the corpus as it is, half chats built from it (scripts/demo_chat.py): the
+template's turns, tool schemas in the system turn, client task prompts, every reply ending in `<|im_end|>`.
+The BPE learns the corpus and random tool-schema JSON, so a client's tool list costs few tokens.
+
 Runs transformers' own Qwen4ExpForCausalLM (our oracle) so the weights mean the same thing to both
 implementations, then exports the NVIDIA layout (NVFP4 experts, FP8 PLE shards) with our writer.
 
@@ -15,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,7 +66,7 @@ def skip_indexer_when_dense(model, seq_len: int, budget: int) -> None:
     assert seq_len <= budget
     from transformers.models.qwen4_exp import modeling_qwen4_exp as m
 
-    def all_visible(self, hidden_states, position_embeddings, attention_mask, past_key_values):
+    def all_visible(self, hidden_states, position_embeddings, attention_mask, past_key_values, **_):
         return attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
 
     m.Qwen4ExpTextQSAIndexer.forward = all_visible
@@ -95,6 +101,11 @@ def main() -> None:
     )
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=32768, help="max_position_embeddings (preset: 4096)")
+    p.add_argument("--indexer-budget", type=int, help="indexer_budget, >= --seq-len (preset: 128)")
+    p.add_argument("--chat-share", type=float, default=0.5, help="share of training windows from chats")
+    p.add_argument("--chats", type=int, default=20000, help="conversations rendered for training")
+    p.add_argument("--tool-lines", type=int, default=4000, help="random tool schemas the BPE learns")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--vocab", type=int, default=2048, help="BPE merges vocabulary before special tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -111,22 +122,31 @@ def main() -> None:
     p.add_argument("--weight-decay", type=float, default=0.1)
     args = p.parse_args()
 
+    from demo_chat import chat_text, tool_json_lines
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
     from expertstream.synth.checkpoint_writer import write_checkpoint
     from expertstream.synth.synth import VOCAB_MULTIPLE, build_config
     from expertstream.synth.tokenizer import build_tokenizer, tokenizer_files
+    from expertstream.tokenizer import Tokenizer
 
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     train_text, val_text, held_text = split_corpus(args.corpus)
     lines = train_text.splitlines()
-    tok = build_tokenizer(lines, args.vocab)
-    tok_files, ids = tokenizer_files(4096, lines, args.vocab)
+    bpe_lines = lines + tool_json_lines(args.tool_lines, args.seed)
+    tok = build_tokenizer(bpe_lines, args.vocab)
+    tok_files, ids = tokenizer_files(args.context, bpe_lines, args.vocab)
+    with tempfile.TemporaryDirectory() as tmp:  # the template as the engine renders it
+        for name, text in tok_files.items():
+            (Path(tmp) / name).write_text(text, encoding="utf-8")
+        chats = chat_text(Tokenizer.from_dir(tmp), lines, args.chats, args.seed)
     vocab_size = -(-tok.get_vocab_size() // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     config = build_config("demo", None, None, vocab_size, ids)
     cfg = config["text_config"]
     for key, value in (
+        ("max_position_embeddings", args.context),
+        ("indexer_budget", args.indexer_budget),
         ("shared_expert_intermediate_size", args.shared_width),
         ("moe_intermediate_size", args.expert_width),
         ("num_experts_per_tok", args.experts_per_tok),
@@ -139,6 +159,8 @@ def main() -> None:
     print(f"params {n_params / 1e6:.1f}M on {device}", flush=True)
 
     train_ids = torch.tensor(tok.encode(train_text).ids, dtype=torch.long)
+    chat_ids = torch.tensor(tok.encode(chats).ids, dtype=torch.long)
+    print(f"chat tokens {chat_ids.numel()} ({len(chats) / chat_ids.numel():.2f} bytes a token)", flush=True)
     val_ids = torch.tensor(tok.encode(val_text).ids, dtype=torch.long)
     held_ids = torch.tensor(tok.encode(held_text).ids, dtype=torch.long)
     print(f"tokens: train {train_ids.numel()}, held-out {held_ids.numel()}", flush=True)
@@ -159,6 +181,7 @@ def main() -> None:
         return best
 
     warmup = 100
+    pick = random.Random(args.seed)
 
     def progress() -> float:  # share of the budget spent: steps when given, else wall-clock time
         return step / args.steps if args.steps else (time.time() - t0) / budget_s
@@ -168,8 +191,12 @@ def main() -> None:
         lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr * g["scale"]
-        starts = torch.randint(0, train_ids.numel() - args.seq_len - 1, (args.batch,))
-        batch = torch.stack([train_ids[s : s + args.seq_len + 1] for s in starts]).to(device)
+        windows = []
+        for _ in range(args.batch):  # a window of plain corpus text or of the chats
+            src = chat_ids if pick.random() < args.chat_share else train_ids
+            s = int(torch.randint(0, src.numel() - args.seq_len - 1, ()))
+            windows.append(src[s : s + args.seq_len + 1])
+        batch = torch.stack(windows).to(device)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
             loss = model(batch[:, :-1], labels=batch[:, :-1].clone(), output_router_logits=True).loss
         # labels are shifted inside the loss, so the targets above are the inputs themselves
@@ -187,7 +214,8 @@ def main() -> None:
     held_ppl = perplexity(model.float(), held_ids, args.seq_len, device)
     print(f"held-out perplexity (bf16 training weights, fp32 eval): {held_ppl:.2f}", flush=True)
     card = {
-        "corpus": "King James Bible, Debian package bible-kjv-text (public domain), Revelation held out",
+        "corpus": "King James Bible, Debian package bible-kjv-text (public domain), Revelation held out; "
+        f"{args.chat_share:.0%} of the windows from chats built from it (scripts/demo_chat.py)",
         "params": n_params,
         "steps": step,
         "best_step": best[1],

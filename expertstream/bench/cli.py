@@ -22,6 +22,7 @@ MODES: dict[str, str] = {
     "prefill": "expertstream.bench.prefill",
     "routing": "expertstream.bench.routing",
     "cpu": "expertstream.bench.cpu",
+    "serve": "expertstream.bench.serve",
 }
 # --tokens when not given: decode times a few tokens per regime; routing needs a long trace for cache locality
 TOKENS = {"decode": 32, "routing": 1024, "cpu": 48}
@@ -29,7 +30,9 @@ TOKENS = {"decode": 32, "routing": 1024, "cpu": 48}
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=list(MODES), help="what to measure")
-    p.add_argument("model", nargs="?", default="", help="routing: WORKDIR (default: the bundled demo model)")
+    p.add_argument(
+        "model", nargs="?", default="", help="routing, serve: WORKDIR (default: the bundled demo model)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     p.add_argument(
         "--tune",
@@ -54,10 +57,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokens",
         type=int,
-        help="decode: tokens timed per regime (32); routing: tokens traced (1024); cpu: demo tokens (48)",
+        help="decode: tokens timed per regime (32); routing: tokens traced (1024); cpu: demo tokens (48); "
+        "serve: tokens per request of the concurrency rows (32)",
     )
     p.add_argument(
         "--threads", type=int, default=0, help="cpu: kernel threads (0: the cores other processes leave free)"
+    )
+    p.add_argument(
+        "--serve-args", help='serve: flags for the server it starts, in one string (e.g. "--device cpu")'
+    )
+    p.add_argument("--serve-log", type=Path, help="serve: write the server's log to this file")
+    p.add_argument("--chat-tokens", type=int, default=64, help="serve: max_tokens of each chat reply")
+    p.add_argument(
+        "--task-lead", type=float, default=2.0, help="serve: seconds between the title task and the chat"
     )
     p.add_argument(
         "--text", type=Path, help="routing: text to teacher-force (default: the snapshot's heldout.txt)"

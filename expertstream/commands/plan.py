@@ -135,12 +135,20 @@ class ConfigModel:
         layout = ExpertLayout.for_dims(tc["hidden_size"], tc["moe_intermediate_size"])
         return cls(tc, layout.block_bytes, tc["num_hidden_layers"], tc["num_experts"])
 
-    def memory_plan(self, budget_bytes: int, max_model_len: int, act_bytes: int = 2) -> MemoryPlan:
+    def memory_plan(
+        self, budget_bytes: int, max_model_len: int, act_bytes: int = 2, max_num_seqs: int = 1
+    ) -> MemoryPlan:
         from expertstream.workdir.inventory import resident_spec
 
         inventory = {name: (shape, dtype) for name, (dtype, shape) in resident_spec(self.text_config).items()}
         return plan_memory(
-            self.text_config, inventory, self.block_bytes, budget_bytes, max_model_len, act_bytes
+            self.text_config,
+            inventory,
+            self.block_bytes,
+            budget_bytes,
+            max_model_len,
+            act_bytes,
+            max_num_seqs,
         )
 
 
@@ -311,7 +319,7 @@ def main(args: argparse.Namespace) -> int:
     max_len = min(cfg.max_model_len, tc.get("max_position_embeddings", cfg.max_model_len))
     try:
         act = 4 if cfg.dtype == "float32" else 2  # the engine's activations: bf16 on a GPU unless asked
-        plan = model.memory_plan(_budget(cfg), max_len, act)
+        plan = model.memory_plan(_budget(cfg), max_len, act, cfg.max_num_seqs)
     except MemoryPlanError as e:
         print(e)
         return 1

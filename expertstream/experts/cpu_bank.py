@@ -35,16 +35,27 @@ def routed_sum(
     weights: torch.Tensor,
     experts: list[int],
     expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    segments: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
-    """Sum over each token's routed experts; `expert_weights(e)` -> (gate [I, H], up [I, H], down [H, I])."""
+    """Sum over each token's routed experts; `expert_weights(e)` -> (gate [I, H], up [I, H], down [H, I]).
+
+    With `segments` (row ranges [a, b) of several sequences) each expert's weights are got once and its
+    products run per segment, on the rows one call over that segment alone would give them, so a row's
+    sum does not depend on the rows of the other segments."""
     out = torch.zeros_like(x)
+    bounds = None if segments is None else torch.tensor([a for a, _ in segments[1:]], dtype=torch.long)
     for e in experts:
         tok, slot = torch.where(expert_ids == e)
         gate, up, down = expert_weights(e)
-        xe = x[tok]
-        h = F.silu(F.linear(xe, gate)) * F.linear(xe, up)  # [n, I]
-        y = F.linear(h, down) * weights[tok, slot, None].to(x.dtype)
-        out.index_add_(0, tok, y)
+        parts = [(tok, slot)]
+        if bounds is not None:  # tok is ascending: cut it at the segments' first rows
+            cuts = torch.searchsorted(tok.cpu(), bounds).tolist()
+            parts = [(tok[i:j], slot[i:j]) for i, j in zip([0, *cuts], [*cuts, tok.numel()]) if j > i]
+        for tok_s, slot_s in parts:
+            xe = x[tok_s]
+            h = F.silu(F.linear(xe, gate)) * F.linear(xe, up)  # [n, I]
+            y = F.linear(h, down) * weights[tok_s, slot_s, None].to(x.dtype)
+            out.index_add_(0, tok_s, y)
     return out
 
 
@@ -130,11 +141,20 @@ class StreamedExperts:
         block = block.to(device, non_blocking=True)
         return self.layout.dequantize(block, self.weight_scale_2[layer, e].to(device), self.dtype)
 
+    segmented = True  # takes `segments`: one fetch per block for several sequences' rows
+
     def __call__(
-        self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+        self,
+        layer: int,
+        x: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        segments: list[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         if self.control == "no-experts":
             return torch.zeros_like(x)
+        # one token per sequence is a decode step (batched): its blocks go through the RAM cache
+        decode = x.shape[0] == 1 or segments is not None and all(b - a == 1 for a, b in segments)
         guess = None
         if self.spec is not None and x.shape[0] == 1:
             guess = self.spec.guess(layer, x, expert_ids.shape[1])
@@ -146,7 +166,7 @@ class StreamedExperts:
         if self.spec is not None:
             self.spec.score(layer, experts)
         if self._bypass:
-            handles = self.store.request(keys, cache=x.shape[0] == 1)
+            handles = self.store.request(keys, cache=decode)
         else:
             handles = self.store.request(keys)
         by_expert = dict(zip(experts, handles))
@@ -161,6 +181,7 @@ class StreamedExperts:
                 weights,
                 experts,
                 lambda e: self._decode(layer, e, self._wait(by_expert[e]), x.device),
+                segments,
             )
         finally:
             for h in handles:

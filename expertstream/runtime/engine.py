@@ -18,6 +18,7 @@ from expertstream.log import get_logger
 from expertstream.memory_plan import MemoryPlan, gpu_budget
 from expertstream.models import base
 from expertstream.models.base import ModelArgs
+from expertstream.models.batched import forward_many
 from expertstream.models.qwen4_exp import Qwen4ExpModel
 from expertstream.models.state import State
 from expertstream.runtime.cpu_threads import CpuThreads
@@ -99,6 +100,8 @@ class Engine:
         self.device, self.dtype = resolve_device_dtype(config)
         gpu = self.device.type == "cuda" and config.kernels != "torch"
         self.plan = self._plan_gpu_memory() if self.device.type == "cuda" else None
+        # sequences a scheduler may run together (each a state from new_state())
+        self.max_num_seqs = self.plan.max_num_seqs if self.plan else config.max_num_seqs
         alloc = {}
         if gpu:
             from expertstream.experts.gpu_bank import GpuExperts, pinned_alloc
@@ -201,7 +204,8 @@ class Engine:
         # live tensors of this process (another engine, a test) are not free but not the budget's either
         held = torch.cuda.memory_reserved(self.device)
         budget = gpu_budget(c.gpu_memory_gb, c.gpu_memory_utilization, free, total)
-        plan = self.workdir.memory_plan(budget, c.max_model_len, act_bytes=torch.finfo(self.dtype).bits // 8)
+        act = torch.finfo(self.dtype).bits // 8
+        plan = self.workdir.memory_plan(budget, c.max_model_len, act, c.max_num_seqs)
         # the allocator's limit is per process, so it covers what this process already holds plus the budget
         torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + held) / total), self.device.index or 0)
         log.info("%s", plan.describe())
@@ -253,12 +257,7 @@ class Engine:
         Returns:
             [V] float32 logits of the last position, or [T, V] with all_logits.
         """
-        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
-        if ids.numel() == 0:
-            raise ValueError("forward needs at least one token id")
-        bad = ids[(ids < 0) | (ids >= self.args.vocab_size)]
-        if bad.numel():
-            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary of {self.args.vocab_size}")
+        ids = self._checked_ids(ids)
         state.check_room(ids.numel())
         if ids.numel() == 1 and self.decode is not None:
             logits = self.model.logits(self.decode.step(ids, state))
@@ -268,6 +267,39 @@ class Engine:
             h = self.model(ids[i : i + span], state, piece=self.prefill_piece)
             rows.append(self.model.logits(h if all_logits else h[-1:]))
         return torch.cat(rows) if all_logits else rows[-1][0]
+
+    def forward_batch(self, items: list[tuple[State, list[int]]]) -> list[torch.Tensor]:
+        """`forward` for several sequences at once: items [(state, ids)], each at most one prefill span ->
+        [V] logits of each one's last position, the same as `forward` of each alone. Without CUDA-graph
+        decode every sequence goes through one layer-major pass (each expert block fetched once per layer for
+        all of them); with it, one-token steps keep their graphs and the prompts share a pass."""
+        if len(items) == 1:
+            return [self.forward(*items[0])]
+        out: list[torch.Tensor | None] = [None] * len(items)
+        batch = []
+        for i, (state, ids) in enumerate(items):
+            ids = self._checked_ids(ids)
+            if ids.numel() == 1 and self.decode is not None:
+                out[i] = self.forward(state, ids)
+            elif ids.numel() > self.prefill_span:
+                raise ValueError(f"forward_batch takes at most {self.prefill_span} ids a sequence")
+            else:
+                batch.append((i, ids, state))
+        if batch:
+            hs = forward_many(self.model, [(ids, st) for _, ids, st in batch], self.prefill_piece)
+            for (i, _, _), h in zip(batch, hs):
+                out[i] = self.model.logits(h[-1:])[0]
+        return out
+
+    def _checked_ids(self, ids) -> torch.Tensor:
+        """Token ids as a 1-D int64 tensor; none, or one outside the vocabulary, is an error."""
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ValueError("forward needs at least one token id")
+        bad = ids[(ids < 0) | (ids >= self.args.vocab_size)]
+        if bad.numel():
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary of {self.args.vocab_size}")
+        return ids
 
     def stats(self) -> EngineStats:
         s, spec = self.store.stats, self.bank.spec.stats if self.bank.spec is not None else SpecStats()

@@ -1,18 +1,22 @@
-"""One generation worker thread fed by a bounded FIFO queue, and the engine work it runs.
+"""The engine's scheduler thread: several generations run together, each on its own state.
 
-The engine owns one device and one state, so generations run strictly one at a time; a full queue is
-refused at once (the server answers 429) instead of piling up requests. HTTP handlers only translate.
+Each engine step feeds every running request its next input in one `engine.forward_batch` call: the next
+prefill span of the requests still reading their prompts and the last token of the ones generating, so one
+layer-major pass serves them all and each expert block is fetched once per layer for the whole step. At most
+`engine.max_num_seqs` requests run; the rest wait, streaming ones ahead of the others, and a full wait list
+is refused at once (the server answers 429) instead of piling up requests. HTTP handlers only translate.
 """
 
 from __future__ import annotations
 
-import queue
+import itertools
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
-from expertstream.generate import SamplingParams, stream_generate
+from expertstream.generate import Generation, SamplingParams
 from expertstream.log import get_logger
 from expertstream.runtime.prompt_cache import PromptCache
 
@@ -21,58 +25,6 @@ log = get_logger(__name__)
 
 class QueueFull(RuntimeError):
     pass
-
-
-class GenerationWorker:
-    """Runs submitted jobs in order on one daemon thread.
-
-    Args:
-        max_queue: jobs that may wait behind the running one.
-    """
-
-    def __init__(self, max_queue: int):
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        self._queue: queue.Queue[tuple[Callable[[], object], Future]] = queue.Queue(maxsize=max_queue)
-        self._busy = False
-        self._thread = threading.Thread(target=self._loop, name="generation-worker", daemon=True)
-        self._thread.start()
-
-    @property
-    def queue_length(self) -> int:
-        """Jobs waiting (not counting the running one)."""
-        return self._queue.qsize()
-
-    @property
-    def busy(self) -> bool:
-        return self._busy
-
-    def submit(self, fn: Callable[[], object]) -> Future:
-        """Queue `fn`; the future holds its result. Cancelling the future while it waits skips the job.
-
-        Raises:
-            QueueFull: `max_queue` jobs are already waiting.
-        """
-        fut: Future = Future()
-        try:
-            self._queue.put_nowait((fn, fut))
-        except queue.Full:
-            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
-        return fut
-
-    def _loop(self) -> None:
-        while True:
-            fn, fut = self._queue.get()
-            if not fut.set_running_or_notify_cancel():
-                continue  # cancelled while waiting
-            self._busy = True
-            try:
-                fut.set_result(fn())
-            except Exception as e:  # the job's owner reports it; the worker must survive
-                log.exception("generation job failed")
-                fut.set_exception(e)
-            finally:
-                self._busy = False
 
 
 def _reusable(seen: list[int], ids: list[int]) -> int:
@@ -90,30 +42,178 @@ def turn_boundary(ids: list[int], im_start_id: int | None) -> int:
     return 0
 
 
-class EngineBackend:
-    """The engine, its one live state and the conversation state cache, used only on the worker thread.
+@dataclass
+class _Request:
+    """One submitted generation: its prompt, sampling, event sink, cancel poll and result future."""
 
-    Loading is the first job, so requests that arrive meanwhile simply queue behind it.
+    ids: list[int]
+    params: SamplingParams
+    emit: Callable[..., None]
+    should_stop: Callable[[], bool]
+    streaming: bool
+    order: int
+    future: Future = field(default_factory=Future)
+    state: object = None
+    gen: Generation | None = None
+
+    @property
+    def priority(self) -> tuple[bool, int]:
+        return (not self.streaming, self.order)
+
+
+class Scheduler:
+    """Runs the generations of an `EngineBackend` on one daemon thread, batched.
 
     Args:
-        load_engine: builds the engine (on the worker thread).
-        max_queue: requests that may wait behind the running one.
+        backend: the engine side (`_load`, `_start`, `_finish`, `engine`).
+        max_queue: requests that may wait beyond those the batch has room for.
+    """
+
+    def __init__(self, backend: EngineBackend, max_queue: int):
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.backend, self.max_queue = backend, max_queue
+        self._cond = threading.Condition()
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._order = itertools.count()
+        self._stepping = False
+        self._thread = threading.Thread(target=self._loop, name="generation-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queue_length(self) -> int:
+        """Requests waiting for room in the batch."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running) or self._stepping
+
+    def submit(self, ids, params, emit, should_stop, streaming: bool) -> Future:
+        with self._cond:
+            room = self.backend.max_num_seqs - len(self._running)
+            if len(self._waiting) >= self.max_queue + max(0, room):
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting") from None
+            req = _Request(ids, params, emit, should_stop, streaming, next(self._order))
+            self._waiting.append(req)
+            self._cond.notify()
+        return req.future
+
+    def _loop(self) -> None:
+        self.backend._load_or_fail()
+        while True:
+            with self._cond:
+                while not self._waiting and not self._running:
+                    self._cond.wait()
+                admit = []
+                self._waiting.sort(key=lambda r: r.priority)
+                while self._waiting and len(self._running) + len(admit) < self.backend.max_num_seqs:
+                    admit.append(self._waiting.pop(0))
+                self._stepping = True
+            try:
+                for req in admit:
+                    if req.future.set_running_or_notify_cancel():  # else cancelled while waiting
+                        self._admit(req)
+                if self._running:
+                    self._step()
+            finally:
+                self._stepping = False
+
+    def _admit(self, req: _Request) -> None:
+        try:
+            self.backend._start(req)
+        except Exception as e:
+            self._fail(req, e)
+            return
+        self._running.append(req)
+
+    def _fail(self, req: _Request, e: Exception) -> None:
+        self.backend._release(req, failed=True)
+        if not isinstance(e, ValueError):
+            log.error("generation failed", exc_info=e)
+        req.future.set_exception(e)
+
+    def _step(self) -> None:
+        """One engine call for every running request that has room in it."""
+        engine = self.backend.engine
+        budget = getattr(engine, "prefill_span", None)  # prompt tokens one pass may hold (the VRAM plan's)
+        batch, prompt_tokens = [], 0
+        for req in sorted(self._running, key=lambda r: r.priority):
+            ids = req.gen.next_input()
+            if len(ids) > 1:
+                if budget is not None and prompt_tokens and prompt_tokens + len(ids) > budget:
+                    continue  # its span goes in the next pass (spans are never cut: same sums as alone)
+                prompt_tokens += len(ids)
+            batch.append((req, ids))
+        items = [(req.state, ids) for req, ids in batch]
+        try:
+            if hasattr(engine, "forward_batch"):
+                logits = engine.forward_batch(items)
+            else:
+                logits = [engine.forward(state, ids) for state, ids in items]
+        except Exception as e:
+            for req, _ in batch:
+                self._running.remove(req)
+                self._fail(req, e)
+            return
+        for (req, _), row in zip(batch, logits):
+            try:
+                r = req.gen.feed(row)
+                if r is not None:
+                    req.emit("token", r)
+            except Exception as e:
+                self._running.remove(req)
+                self._fail(req, e)
+                continue
+            if req.gen.done:
+                self._running.remove(req)
+                self.backend._finish(req)
+                req.future.set_result(None)
+
+
+class EngineBackend:
+    """The engine, its pool of states and the conversation state cache, used only on the scheduler thread.
+
+    Loading comes first, so requests that arrive meanwhile simply wait for it.
+
+    Args:
+        load_engine: builds the engine (on the scheduler thread).
+        max_queue: requests that may wait beyond those the batch has room for.
         state_cache_bytes: budget of the conversation state cache (0: off).
     """
 
     def __init__(self, load_engine: Callable[[], object], max_queue: int, state_cache_bytes: int):
         self.engine = None
         self.cache = PromptCache(state_cache_bytes)
-        self.worker = GenerationWorker(max_queue)
-        self._state = None
-        self.loaded: Future = self.worker.submit(lambda: self._load(load_engine))
+        self.loaded: Future = Future()
+        self._load_engine = load_engine
+        self._free: list = []  # states of no running request, each holding what it last consumed
+        self._states = 0
+        self.worker = Scheduler(self, max_queue)
+        self.worker.start()
 
-    def _load(self, load_engine: Callable[[], object]) -> None:
+    @property
+    def max_num_seqs(self) -> int:
+        return getattr(self.engine, "max_num_seqs", 1) if self.engine is not None else 1
+
+    def _load_or_fail(self) -> None:
+        self.loaded.set_running_or_notify_cancel()
         t0 = time.perf_counter()
-        engine = load_engine()
-        self._state = engine.new_state()
-        self.engine = engine
+        try:
+            self.engine = self._load_engine()
+        except Exception as e:
+            log.exception("the model failed to load")
+            self.loaded.set_exception(e)
+            return
         log.info("model loaded in %.1f s", time.perf_counter() - t0)
+        self.loaded.set_result(None)
 
     def submit(
         self,
@@ -121,51 +221,67 @@ class EngineBackend:
         params: SamplingParams,
         emit: Callable[..., None],
         should_stop: Callable[[], bool],
+        streaming: bool = False,
     ) -> Future:
         """Queue one generation; `emit` receives ("start", reused_tokens), ("progress", done, total) and
-        ("token", GenerationResponse) events on the worker thread.
+        ("token", GenerationResponse) events on the scheduler thread. Streaming requests start first when
+        several wait.
 
         Raises:
-            QueueFull: the queue is full.
+            QueueFull: the wait list is full.
         """
-        return self.worker.submit(lambda: self._generate(ids, params, emit, should_stop))
+        return self.worker.submit(ids, params, emit, should_stop, streaming)
 
-    def _generate(self, ids, params, emit, should_stop) -> None:
-        if self.engine is None:
+    def _state_for(self, ids: list[int]):
+        """The free state that already holds the longest prefix of `ids`, or a new one while the pool has
+        room."""
+        if self._free:
+            best = max(self._free, key=lambda s: _reusable(s.tokens, ids))
+            if _reusable(best.tokens, ids) or self._states >= self.max_num_seqs:
+                self._free.remove(best)
+                return best
+        if self._states < self.max_num_seqs:
+            self._states += 1
+            return self.engine.new_state()
+        return self._free.pop()
+
+    def _start(self, req: _Request) -> None:
+        engine = self.engine
+        if engine is None:
             raise RuntimeError(f"the model failed to load: {self.loaded.exception()}")
-        try:
-            self._generate_on(self.engine, self._state, ids, params, emit, should_stop)
-        except Exception:
-            # a forward that failed half way leaves the state inconsistent; never reuse it
-            self._state.reset()
-            raise
-
-    def _generate_on(self, engine, state, ids, params, emit, should_stop) -> None:
-        # the live state (the previous turn) is reused when the prompt extends it; else the longest snapshot
+        ids = req.ids
+        req.state = state = self._state_for(ids)
+        # a state still holding the previous turn is reused when the prompt extends it; else the longest
+        # snapshot
         hit = self.cache.lookup(ids)
         if hit is not None and hit[0] > _reusable(state.tokens, ids):
             state.restore(hit[1])
         reused = _reusable(state.tokens, ids)
-        emit("start", reused)
+        split = 0
+        if self.cache.max_bytes:
+            # stop a span at this turn's `<|im_start|>assistant` and snapshot there: a client that re-renders
+            # the reply differently (say, without its reasoning) still reuses everything before it next turn
+            split = turn_boundary(ids, engine.tokenizer.token_to_id("<|im_start|>"))
 
-        def progress(done: int, _total: int) -> None:
-            emit("progress", done, len(ids))
+        def progress(done: int, total: int) -> None:
+            req.emit("progress", done, total)
 
-        boundary = turn_boundary(ids, engine.tokenizer.token_to_id("<|im_start|>"))
-        if self.cache.max_bytes and boundary > reused:
-            # run up to this turn's `<|im_start|>assistant` first: a client that re-renders the reply
-            # differently (say, without its reasoning) still reuses everything before it next turn
-            for _ in stream_generate(
-                engine, ids[:boundary], SamplingParams(max_tokens=0), state, progress, should_stop
-            ):
-                pass
-            if should_stop():
-                return
-            self.cache.insert(ids[:boundary], state.snapshot())
-        last = None
-        for r in stream_generate(engine, ids, params, state, progress, should_stop):
-            emit("token", r)
-            last = r
-        if self.cache.max_bytes and last is not None and last.finish_reason in ("stop", "length"):
-            snap = state.snapshot()
+        def boundary() -> None:
+            self.cache.insert(ids[:split], state.snapshot())
+
+        req.gen = Generation(engine, ids, req.params, state, progress, req.should_stop, split, boundary)
+        req.emit("start", reused)
+
+    def _finish(self, req: _Request) -> None:
+        if self.cache.max_bytes and req.gen.finish_reason in ("stop", "length"):
+            snap = req.state.snapshot()
             self.cache.insert(snap.tokens, snap)
+        self._release(req)
+
+    def _release(self, req: _Request, failed: bool = False) -> None:
+        if req.state is None:
+            return
+        if failed:  # a forward that failed half way leaves the state inconsistent; never reuse it
+            req.state.reset()
+        self._free.append(req.state)
+        req.state = None

@@ -149,7 +149,7 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
         out = ChatOutput(
             tokenizer, new_id("chatcmpl"), model, prompt, settings.reasoning_field, want_logprobs
         )
-        return await jobs.respond(jobs.submit(prompt.ids, params, "chat"), out, req, request)
+        return await jobs.respond(jobs.submit(prompt.ids, params, "chat", req.stream), out, req, request)
 
     @app.post("/v1/completions", response_model=CompletionResponse, **v1)
     async def completions(req: CompletionRequest, request: Request):
@@ -158,7 +158,7 @@ def create_app(settings: ServerSettings, tokenizer, load_engine: Callable[[], ob
         want_logprobs = req.logprobs is not None
         params = sampling_params(settings, req, len(ids), req.max_tokens, want_logprobs, req.logprobs or 0)
         out = CompletionOutput(tokenizer, new_id("cmpl"), req.model or name, want_logprobs)
-        return await jobs.respond(jobs.submit(ids, params, "completions"), out, req, request)
+        return await jobs.respond(jobs.submit(ids, params, "completions", req.stream), out, req, request)
 
     add_anthropic_routes(app, tokenizer, settings, prompts, jobs, resolve_model)
 

@@ -43,7 +43,14 @@ class Job:
     """One queued generation as the HTTP side sees it: an event queue fed from the worker thread, and the
     last token record and reused prompt tokens seen so far."""
 
-    def __init__(self, backend: EngineBackend, ids: list[int], params: SamplingParams, endpoint: str):
+    def __init__(
+        self,
+        backend: EngineBackend,
+        ids: list[int],
+        params: SamplingParams,
+        endpoint: str,
+        streaming: bool = False,
+    ):
         self.endpoint = endpoint
         self.prompt_tokens = len(ids)
         self.last: GenerationResponse | None = None
@@ -51,7 +58,7 @@ class Job:
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
-        self._future = backend.submit(ids, params, self._emit, self._cancelled.is_set)
+        self._future = backend.submit(ids, params, self._emit, self._cancelled.is_set, streaming)
         self._future.add_done_callback(self._finished)
 
     def _emit(self, *event) -> None:
@@ -141,9 +148,10 @@ class Jobs:
     def __init__(self, backend: EngineBackend, metrics: Metrics, keepalive_s: float):
         self.backend, self.metrics, self.keepalive_s = backend, metrics, keepalive_s
 
-    def submit(self, ids: list[int], params: SamplingParams, endpoint: str) -> Job:
+    def submit(self, ids: list[int], params: SamplingParams, endpoint: str, streaming: bool = False) -> Job:
+        """Queue a generation; a streaming one starts ahead of waiting non-streaming ones."""
         try:
-            return Job(self.backend, ids, params, endpoint)
+            return Job(self.backend, ids, params, endpoint, streaming)
         except QueueFull as e:
             self.metrics.count(endpoint, "rejected")
             raise APIError(
