@@ -114,9 +114,9 @@ def test_a_fixed_bank_leaves_no_eager_point_and_equals_the_model(tiny_workdir, k
     for layer in eng.model.layers:
         layer.mlp.bank = bank
     prompt = [3 + i % 50 for i in range(20)]
-    assert not bank.decode_fixed
+    assert bank.decode_mode == "staged"
     want, _ = continue_greedy(eng, prompt, 4)  # the first decode layer adopts the fixed places
-    assert bank.decode_fixed
+    assert bank.decode_mode == "fixed"
     runs = decode_program(eng.model, eng.new_state(), kv_len=256)
     eager = sum(len(fns) for graphable, fns in runs if not graphable)
     assert eager == 1 + sum(t != "linear_attention" for t in a.layer_types)  # host inputs, QSA selections

@@ -280,10 +280,10 @@ def test_a_vram_resident_bank_is_fixed_even_with_staging_configured(tiny_workdir
         x, _, w = routing(wd, 1, seed=0)
         for layer in range(n_layers):
             for e0 in range(0, n_experts, k):
-                assert not bank.decode_fixed
+                assert bank.decode_mode == "staged"
                 ids = (torch.arange(e0, e0 + k) % n_experts)[None]
                 bank(layer, *(v.to(kernel_device) for v in (x, ids, w)))
-        assert bank.resident == "vram" and bank.decode_fixed
+        assert bank.resident == "vram" and bank.decode_mode == "fixed"
         bank.close()
 
 
@@ -334,7 +334,9 @@ def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_de
                 guess = torch.topk(routers.get(layer + 1, routers[0]) @ x[0], 2).indices.tolist()
         # the bank was RAM-resident from the first layer on: every layer but the last staged 2 guesses
         assert staged.resident == "ram" and staged.stage_counts() == (2 * 2 * (n_layers - 1), hits)
-        assert plain.decode_fixed and not staged.decode_fixed  # staging keeps an eager point per layer
+        assert (
+            plain.decode_mode == "fixed" and staged.decode_mode == "staged"
+        )  # staging keeps an eager point per layer
         assert hits >= 2 * (n_layers - 1)
         # a token's start: layer 0's 2 guesses from its embedding row (here x), bit for bit; the call then
         # stages layer 1's 2 as every layer does

@@ -1,6 +1,4 @@
-"""The expert bank: `bank(layer, x [T, H], expert_ids [T, K] int64, weights [T, K] fp32) -> [T, H]`, in
-x.dtype or FP32: a bank that sums in FP32 may return its sums as they are and callers cast (a layer-major
-span then holds no second copy of them).
+"""The expert banks on the CPU (the contract: experts/bank.py).
 
 Only the routed sum lives here (the router and shared expert stay in the model). Each expert is SwiGLU:
 down(silu(gate x) * up x), scaled by its routing weight. `DenseExperts` holds dense weights (tests,
@@ -18,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from expertstream.experts.bank import ExpertBank
 from expertstream.experts.speculation import Speculator
 from expertstream.formats.expert_block import PROJ
 from expertstream.log import get_logger
@@ -46,7 +45,7 @@ def routed_sum(
     return out
 
 
-class DenseExperts:
+class DenseExperts(ExpertBank):
     """In-memory bank in transformers' layout: per layer gate_up [E, 2I, H] (gate first), down [E, H, I]."""
 
     def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]):
@@ -70,7 +69,7 @@ def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return (packed >> 4) | (packed << 4)
 
 
-class StreamedExperts:
+class StreamedExperts(ExpertBank):
     """Bank backed by the expert store: each layer's distinct experts are fetched once per call.
 
     Args:

@@ -24,6 +24,7 @@ import weakref
 import numpy as np
 import torch
 
+from expertstream.experts.bank import BankCounters, ExpertBank
 from expertstream.experts.host_mirror import HostMirror
 from expertstream.experts.pass_tables import PassTables
 from expertstream.experts.speculation import Speculator
@@ -81,8 +82,9 @@ class _SwappedNibbles:
         self.handle.release()
 
 
-class GpuExperts:
-    """Bank with the `(layer, x, expert_ids, weights) -> routed sum` contract, on CUDA.
+class GpuExperts(ExpertBank):
+    """The expert bank (experts/bank.py) on CUDA: decode runs "staged", "fixed" once every block has a fixed
+    place.
 
     Args:
         workdir: the `Workdir`.
@@ -261,12 +263,16 @@ class GpuExperts:
         return expert_ids[0] if guess is None else torch.cat((expert_ids[0], guess))
 
     @property
-    def decode_fixed(self) -> bool:
-        """Every block has a fixed place that `loc` holds and no guess is staged (none is once every block
-        sits in VRAM): a layer's decode is device work alone (decode_compute), so a graphed token needs no
-        eager point per layer."""
+    def decode_mode(self) -> str:
+        """ "fixed" once every block has a fixed place that `loc` holds and no guess is staged (none is once
+        every block sits in VRAM): a layer's decode is device work alone (decode_compute), so a graphed token
+        needs no eager point per layer; "staged" before."""
         staging = self.stage_guesses and self.resident == "ram"
-        return self.resident is not None and self.control == "none" and not staging
+        fixed = self.resident is not None and self.control == "none" and not staging
+        return "fixed" if fixed else "staged"
+
+    def set_prefill_chunk(self, tokens: int | None) -> None:
+        self.prefill_chunk = tokens
 
     def decode_fixed_reads(self, n: int) -> None:
         """Count n blocks read through the fixed table by a token decoded without decode_prepare."""
@@ -576,6 +582,22 @@ class GpuExperts:
     def hot_hits(self) -> int:
         """Routed blocks decode read from the hot set so far (a device read when there is one; stats only)."""
         return int(self._hot_hits) if self._hot_quota else 0
+
+    def counters(self) -> BankCounters:
+        """The bank's counts; reads the device's staging and hot-set counters (stats only)."""
+        staged, hits = self.stage_counts()
+        hot = self.hot_hits()
+        return BankCounters(
+            decode_seconds=self.decode_seconds,
+            sync_seconds=self.sync_seconds,
+            spec_seconds=self.spec_seconds,
+            bus_read_bytes=self.bytes_in_place,
+            resident_reads=self.resident_reads,
+            resident_ram_reads=self.resident_ram_reads - hits - hot,
+            staged_blocks=staged,
+            stage_hits=hits,
+            hot_hits=hot,
+        )
 
     def close(self) -> None:
         self._mark_launched()

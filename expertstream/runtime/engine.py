@@ -223,8 +223,7 @@ class Engine:
         if piece <= 0 or span < piece:
             raise ValueError(f"prefill needs 0 < piece <= span, got piece {piece}, span {span}")
         self.prefill_piece, self.prefill_span = piece, span
-        if hasattr(self.bank, "prefill_chunk"):
-            self.bank.prefill_chunk = chunk or piece
+        self.bank.set_prefill_chunk(chunk or piece)
 
     def new_state(self) -> State:
         """An empty conversation with KV and indexer keys preallocated for max_model_len."""
@@ -260,8 +259,7 @@ class Engine:
     def stats(self) -> EngineStats:
         s, spec = self.store.stats, self.bank.spec.stats if self.bank.spec is not None else SpecStats()
         unused_reads = s.prefetches - s.prefetch_hits
-        staged, hits = self.bank.stage_counts() if hasattr(self.bank, "stage_counts") else (0, 0)
-        hot = self.bank.hot_hits() if hasattr(self.bank, "hot_hits") else 0
+        c = self.bank.counters()
         return EngineStats(
             requests=s.requests,
             hits=s.hits,
@@ -275,21 +273,20 @@ class Engine:
             spec_wasted_bytes=unused_reads * self.store.block_bytes,
             prefetch_bytes_read=s.prefetches * self.store.block_bytes,
             host_syncs=self.bank.host_syncs,
-            bank_decode_seconds=getattr(self.bank, "decode_seconds", 0.0),
-            bank_sync_seconds=getattr(self.bank, "sync_seconds", 0.0),
-            bank_spec_seconds=getattr(self.bank, "spec_seconds", 0.0),
-            bus_read_bytes=getattr(self.bank, "bytes_in_place", 0),
-            resident_reads=getattr(self.bank, "resident_reads", 0),
-            resident_ram_reads=getattr(self.bank, "resident_ram_reads", 0) - hits - hot,
-            staged_blocks=staged,
-            stage_hits=hits,
-            hot_hits=hot,
+            bank_decode_seconds=c.decode_seconds,
+            bank_sync_seconds=c.sync_seconds,
+            bank_spec_seconds=c.spec_seconds,
+            bus_read_bytes=c.bus_read_bytes,
+            resident_reads=c.resident_reads,
+            resident_ram_reads=c.resident_ram_reads,
+            staged_blocks=c.staged_blocks,
+            stage_hits=c.stage_hits,
+            hot_hits=c.hot_hits,
         )
 
     def close(self) -> None:
         """Stop the readers and give the VRAM back (weights, slots), so another engine can plan on it."""
-        if hasattr(self.bank, "close"):
-            self.bank.close()
+        self.bank.close()
         self.store.close()
         if self.ple is not None:
             self.ple.close()
