@@ -776,7 +776,8 @@ def test_gdn_step_matches_its_twin(dtype, gate):
 
 
 def test_the_models_gdn_step_dispatch_uses_the_kernel(monkeypatch):
-    """`use_triton` turns every fused op of the model to its kernel (the fallback: test_decode_ops.py)."""
+    """`kernel=True` at the call runs the model's fused op as its kernel, False as its twin (the fallback:
+    test_decode_ops.py)."""
     from expertstream.kernels import gdn_decode as kernel
     from expertstream.models import base
 
@@ -789,16 +790,12 @@ def test_the_models_gdn_step_dispatch_uses_the_kernel(monkeypatch):
     args += [-torch.rand(hv, generator=g), torch.randn(hv, generator=g), torch.randn(dv, generator=g)]
     kw = dict(num_k_heads=hk, eps=1e-6, gate="silu")
     calls = []
-    monkeypatch.setattr(base.gdn_step, "_kernel", lambda *a, **k: calls.append(1) or kernel.gdn_step(*a, **k))
-    base.use_triton(True)
-    try:
-        assert all(op.kernel is not None for op in base.FUSED)
-        want = kernel.gdn_step_ref(*[a.clone() for a in args], **kw)
-        close(base.gdn_step(*[a.clone().to(DEV) for a in args], **kw).cpu(), want, torch.float32)
-        assert calls == [1]  # CUDA, or the interpreter standing in for it
-    finally:
-        base.use_triton(False)
-    assert all(op.kernel is None for op in base.FUSED)
+    monkeypatch.setattr(base.gdn_step, "kernel", lambda *a, **k: calls.append(1) or kernel.gdn_step(*a, **k))
+    want = kernel.gdn_step_ref(*[a.clone() for a in args], **kw)
+    close(base.gdn_step(*[a.clone().to(DEV) for a in args], **kw, kernel=True).cpu(), want, torch.float32)
+    assert calls == [1]  # CUDA, or the interpreter standing in for it
+    close(base.gdn_step(*[a.clone().to(DEV) for a in args], **kw, kernel=False).cpu(), want, torch.float32)
+    assert calls == [1]  # the twin
 
 
 @pytest.mark.parametrize("first", [0, 3])

@@ -80,6 +80,7 @@ class StreamedExperts(ExpertBank):
             "no-experts" returns a zero routed sum. Both controls must visibly break the model.
         speculate: in decode, queue disk reads of the next layer's guessed experts (needs the routers from
             `set_router_weights` and a store with `prefetch`).
+        kernels: the guesses' top-k through its Triton kernel where it can run.
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class StreamedExperts(ExpertBank):
         control: str = "none",
         speculate: bool = True,
         speculation_width: float = 1.0,
+        kernels: bool = False,
     ):
         if control not in CONTROLS:
             raise ValueError(f"expert control {control!r} is not one of {CONTROLS}")
@@ -100,7 +102,7 @@ class StreamedExperts(ExpertBank):
         self._weight_parts = [self.layout.part(f"{p}.weight") for p in PROJ]
         self.stall_seconds = 0.0  # time spent waiting for blocks that had not landed yet
         spec = speculate and hasattr(store, "prefetch")
-        self.spec = Speculator(self.layout.block_bytes, speculation_width) if spec else None
+        self.spec = Speculator(self.layout.block_bytes, speculation_width, kernels) if spec else None
         self.host_syncs = 0  # `.tolist()` reads of the routing (device syncs when it runs on a GPU)
 
     def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:

@@ -154,7 +154,8 @@ class GpuExperts(ExpertBank):
         self._resident_handles: list = []  # the RAM blocks held for that
         self.resident_reads = 0  # blocks decode found through the full table (no lookup, no request)
         self.resident_ram_reads = 0  # ... of which through RAM rows (less stage_counts' and hot_hits' hits)
-        self.spec = Speculator(self.layout.block_bytes, speculation_width) if speculate else None
+        spec = Speculator(self.layout.block_bytes, speculation_width, kernel=dev.type == "cuda")
+        self.spec = spec if speculate else None
         self.host_syncs = 0  # device -> host reads the bank waits on (decode: one per layer)
         # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
         # for the GPU to finish everything queued before: earlier layers, copies, the router)

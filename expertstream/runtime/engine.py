@@ -15,7 +15,6 @@ from expertstream.experts.speculation import SpecStats
 from expertstream.formats.fp8 import quantize_fp8_rows
 from expertstream.log import get_logger
 from expertstream.memory_plan import MemoryPlan, gpu_budget
-from expertstream.models import base
 from expertstream.models.base import ModelArgs
 from expertstream.models.qwen4_exp import Qwen4ExpModel
 from expertstream.models.state import State
@@ -94,6 +93,8 @@ class Engine:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
         gpu = self.device.type == "cuda" and config.kernels != "torch"
+        # the small ops, FP8 matmuls and guesses: Triton where the expert kernels run, or when asked for
+        kernels = gpu or config.kernels == "triton"
         self.plan = self._plan_gpu_memory() if self.device.type == "cuda" else None
         alloc = {}
         if gpu:
@@ -133,11 +134,10 @@ class Engine:
             log.info("expert kernels ready in %.1f s", time.perf_counter() - t1)
         else:
             self.bank = StreamedExperts(
-                self.workdir, self.store, self.dtype, control, speculate, config.speculation_width
+                self.workdir, self.store, self.dtype, control, speculate, config.speculation_width, kernels
             )
             if config.stage_guesses > 0:
                 log.warning("--stage-guesses ignored: it stages blocks into VRAM for the CUDA expert bank")
-        base.use_triton(gpu)
         if self.plan:
             piece, span, chunk = self.plan.prefill_piece, self.plan.prefill_span, self.plan.prefill_chunk
         else:
@@ -166,7 +166,9 @@ class Engine:
             tensors[name] = routers[layer] = tensors[name].to(self.device, self.dtype)
         self.bank.set_router_weights(routers)
         # the embedding stays in host RAM: one row per token is gathered there
-        self.model = Qwen4ExpModel(self.args, tensors, self.bank, self.ple, self.dtype, self.device, fp8)
+        self.model = Qwen4ExpModel(
+            self.args, tensors, self.bank, self.ple, self.dtype, self.device, fp8, kernels
+        )
         self.decode = None  # one-token steps through CUDA graphs (runtime/decode_graphs.py)
         if self.device.type == "cuda" and not config.enforce_eager:
             from expertstream.runtime.decode_graphs import DecodeGraphs
