@@ -10,6 +10,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests need CUDA: skipped without it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def kernel_device():
     """Where the GPU runtime's tests run: CUDA when present, else the CPU through the Triton interpreter."""

@@ -34,6 +34,7 @@ def test_program_splits_at_the_eager_points(tiny_workdir):
     eng.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_stage_program_equals_the_model_bit_for_bit(tiny_workdir):
     """Past the indexer budget (the QSA top-k), through the PLE layer, across KV windows; CPU fp32."""
     eng = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", max_model_len=512))
@@ -48,6 +49,7 @@ def test_stage_program_equals_the_model_bit_for_bit(tiny_workdir):
     eng.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device):
     """With the GPU bank (want / prepare / compute stages; the Triton interpreter on a CPU) the program
     still equals the model's forward, speculation included; only prepare stays eager."""
@@ -93,6 +95,7 @@ def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_devic
     eng.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_a_fixed_bank_leaves_no_eager_point_and_equals_the_model(tiny_workdir, kernel_device):
     """Every block pinned in the RAM cache for good: once the bank adopts that, its layers are device work
     alone (no eager point per layer), the tokens equal the model's bit for bit, and its reads are still
@@ -132,7 +135,7 @@ def test_a_fixed_bank_leaves_no_eager_point_and_equals_the_model(tiny_workdir, k
     eng.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs need a GPU
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):
     outs = []
@@ -158,7 +161,7 @@ def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs need a GPU
 @pytest.mark.parametrize("cache_blocks", [0, 40])  # 40: a hot set in VRAM beside the staging rows
 def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir, cache_blocks):
     """Every block in RAM and guesses staged on a side stream: the captured side stream joins inside each
@@ -185,6 +188,7 @@ def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir, cache_blocks
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 @pytest.mark.parametrize("n_slots", [16, 40])
 def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device, n_slots):
     """Every block in RAM and 2 guesses staged per layer (the Triton interpreter on a CPU): the program's

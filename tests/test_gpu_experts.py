@@ -55,6 +55,7 @@ def test_decode_and_prefill_match_the_torch_bank(banks, n_slots, kernel_device):
     bank.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 @pytest.mark.parametrize("n_slots", [8, 64])  # 8: every block pinned in RAM; 64: every block in a slot
 def test_decode_reads_nothing_back_once_every_block_has_a_place(
     tiny_workdir, n_slots, kernel_device, host_alloc, monkeypatch
@@ -208,6 +209,7 @@ def test_a_row_budget_splits_passes_and_fetches_each_block_once(banks, kernel_de
     chunked.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(tiny_workdir, kernel_device, host_alloc):
     # every block in RAM: the bank adopts each block's RAM row, and a prompt's passes copy those rows into
     # the two halves of the slots in turn, outside the VRAM cache (no store request, nothing cached there);
@@ -241,6 +243,7 @@ def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(tiny_workdir, ke
         bank.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_ram_resident_passes_equal_the_cache_fetch_passes_bit_for_bit(
     tiny_workdir, kernel_device, host_alloc
 ):
@@ -270,6 +273,7 @@ def test_ram_resident_passes_equal_the_cache_fetch_passes_bit_for_bit(
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_a_vram_resident_bank_is_fixed_even_with_staging_configured(tiny_workdir, kernel_device, host_alloc):
     # staging acts only on blocks in RAM: once every block has its own slot, no layer needs an eager point
     wd = Workdir(tiny_workdir)
@@ -294,6 +298,7 @@ def test_stage_guesses_auto_takes_half_of_k_from_slots_beyond_three_banks():
     assert [stage_guesses_for(g, 10, 30) for g in (0, 5, 6)] == [0, 5, 0]
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_device, host_alloc):
     """Every block in RAM, 2 guesses staged per layer: decode equals the unstaged bank bit for bit, the
     routed experts found staged are counted, the bus bytes are the in-place reads left plus the staged
@@ -403,6 +408,7 @@ def _hot_rows_hold_their_blocks(bank, store) -> bool:
     )
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_a_ram_resident_bank_reads_its_hot_set_from_vram(tiny_workdir, kernel_device, host_alloc):
     """Every block in RAM and 40 cache slots: prompt passes take 20, and each layer's 5 most-routed blocks
     are copied into the other 20 and read from there. Decode equals a bank without a hot set bit for bit,
@@ -466,6 +472,7 @@ def test_a_ram_resident_bank_reads_its_hot_set_from_vram(tiny_workdir, kernel_de
         hot.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_staged_guesses_skip_the_hot_set_and_both_are_counted(tiny_workdir, kernel_device, host_alloc):
     # staging beside a hot set: a hot guess is not copied, a routed hot block counts as a hot hit and not a
     # stage hit, and the bus bytes are the RAM reads left plus the staged copies

@@ -992,7 +992,7 @@ print("identical")
 """
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX runs on a GPU only")
+@pytest.mark.gpu  # inline PTX runs on a GPU only
 def test_ptx_path_equals_software_with_an_emulated_conversion():
     # the PTX E2M1 path of every kernel, its conversion emulated (above), against the software path: the
     # same bits. In a fresh process, since the conversion is a global each kernel compiles in.
