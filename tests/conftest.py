@@ -30,7 +30,7 @@ def kernel_device():
 def host_alloc(kernel_device):
     """The RAM cache's allocator as the engine picks it: pinned (readable by kernels) on CUDA."""
     if kernel_device == "cuda":
-        from expertstream.experts.gpu_bank import pinned_alloc
+        from expertstream.store.reader import pinned_alloc
 
         return {"alloc": pinned_alloc}
     return {}

@@ -101,7 +101,8 @@ def test_a_fixed_bank_leaves_no_eager_point_and_equals_the_model(tiny_workdir, k
     alone (no eager point per layer), the tokens equal the model's bit for bit, and its reads are still
     counted, K per layer and token."""
     pytest.importorskip("triton")
-    from expertstream.experts.gpu_bank import GpuExperts, pinned_alloc
+    from expertstream.experts.gpu_bank import GpuExperts
+    from expertstream.store.reader import pinned_alloc
 
     eng = Engine(
         EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
@@ -195,7 +196,8 @@ def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device, 
     stage and join steps change no logit, and the staged blocks were found by the kernel. With 40 slots
     the bank also holds a hot set in VRAM (`hot_split`), read and counted inside the program's steps."""
     pytest.importorskip("triton")
-    from expertstream.experts.gpu_bank import GpuExperts, pinned_alloc
+    from expertstream.experts.gpu_bank import GpuExperts
+    from expertstream.store.reader import pinned_alloc
 
     eng = Engine(
         EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)

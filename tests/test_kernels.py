@@ -632,7 +632,7 @@ def test_matvec16_matches_ref(wdtype, m, n, k, cfg):
 
 def test_every_matvec16_sweep_candidate_matches_ref():
     # `bench kernels` may record any of them as a device's default
-    from expertstream.bench.kernels import MATVEC16_SWEEP
+    from expertstream.bench.sweep import MATVEC16_SWEEP
 
     g = torch.Generator().manual_seed(11)
     w = (torch.randn(37, 300, generator=g) * 0.05).to(DEV, torch.float16)
@@ -656,7 +656,7 @@ def test_decode_is_deterministic(bank):
 
 def test_every_decode_sweep_candidate_matches_ref(bank):
     # `bench kernels` may record any of them as a device's default: each must be a valid launch
-    from expertstream.bench.kernels import DECODE_SWEEP
+    from expertstream.bench.sweep import DECODE_SWEEP
 
     layout, slots, ws2 = bank
     x = torch.randn(layout.hidden_size, generator=torch.Generator().manual_seed(6)).to(DEV)
@@ -671,7 +671,7 @@ def test_every_prefill_sweep_candidate_matches_ref(bank):
     # as for decode: every shape the sweep may record (both launches', the pass's, and down's own after
     # the first) must be a valid launch. On the GPU in a 16-bit dtype, as the sweep times them: FP32 tiles
     # take twice the shared memory (64 x 256 x 64 at three stages: 256 KiB, over an H200 SM's 227 KiB)
-    from expertstream.bench.kernels import DOWN_SWEEP, PASS_SWEEP, PREFILL_SWEEP
+    from expertstream.bench.sweep import DOWN_SWEEP, PASS_SWEEP, PREFILL_SWEEP
 
     dtype = torch.float16 if DEV == "cuda" else torch.float32
     layout, slots, ws2 = bank

@@ -17,9 +17,7 @@ per token into the FP32 sum [T, H].
 
 from __future__ import annotations
 
-import mmap
 import time
-import weakref
 
 import numpy as np
 import torch
@@ -39,24 +37,6 @@ from expertstream.memory_plan import bank_slots
 from expertstream.store.policy import most_routed
 
 log = get_logger(__name__)
-
-
-def pinned_alloc(nbytes: int) -> torch.Tensor:
-    """Page-aligned host memory registered with CUDA, so O_DIRECT reads land where DMA copies start.
-
-    The registration is dropped before the mapping is freed: a later mapping at the same address must not
-    inherit a stale registration (cudaErrorHostMemoryAlreadyRegistered).
-    """
-    mm = mmap.mmap(-1, max(nbytes, 1))  # anonymous mappings are page-aligned; the tensor keeps `mm` alive
-    buf = torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
-    if nbytes and torch.cuda.is_available():
-        cudart, ptr = torch.cuda.cudart(), buf.data_ptr()
-        err = cudart.cudaHostRegister(ptr, nbytes, 0)
-        if int(err) != 0:
-            log.warning("cudaHostRegister of %d B failed (%s): copies will be staged", nbytes, err)
-        else:
-            weakref.finalize(mm, cudart.cudaHostUnregister, ptr)
-    return buf
 
 
 class _SwappedNibbles:

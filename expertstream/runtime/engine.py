@@ -98,7 +98,8 @@ class Engine:
         self.plan = self._plan_gpu_memory() if self.device.type == "cuda" else None
         alloc = {}
         if gpu:
-            from expertstream.experts.gpu_bank import GpuExperts, pinned_alloc
+            from expertstream.experts.gpu_bank import GpuExperts
+            from expertstream.store.reader import pinned_alloc
 
             alloc = {"alloc": pinned_alloc}
         self.store = ExpertStore(
