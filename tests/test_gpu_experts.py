@@ -510,3 +510,21 @@ def test_staged_guesses_skip_the_hot_set_and_both_are_counted(tiny_workdir, kern
         assert both.bytes_in_place == (reads - hits - hot_hits + staged) * wd.layout.block_bytes
         plain.close()
         both.close()
+
+
+def test_counters_report_the_banks_own_counts(banks, kernel_device):
+    """`counters()` names each count as the engine's stats do; RAM reads exclude staged and hot hits."""
+    from expertstream.experts.bank import BankCounters, ExpertBank
+
+    wd, store, ref = banks
+    bank = GpuExperts(wd, store, 8, kernel_device)
+    assert isinstance(bank, ExpertBank) and isinstance(ref, ExpertBank)
+    assert ref.counters() == BankCounters()  # the torch bank has no VRAM tier
+    bank.decode_seconds, bank.sync_seconds, bank.spec_seconds = 3.0, 2.0, 1.0
+    bank.resident_reads, bank.resident_ram_reads = 7, 5
+    c = bank.counters()
+    assert (c.bank_decode_seconds, c.bank_sync_seconds, c.bank_spec_seconds) == (3.0, 2.0, 1.0)
+    assert (c.resident_reads, c.resident_ram_reads) == (7, 5)
+    assert (c.staged_blocks, c.stage_hits, c.hot_hits) == (0, 0, 0)
+    assert c.bus_read_bytes == 5 * wd.layout.block_bytes  # the RAM reads crossed the bus in place
+    bank.close()

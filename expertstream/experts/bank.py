@@ -26,11 +26,12 @@ DECODE_MODES = ("eager", "staged", "fixed")
 
 @dataclass(slots=True)
 class BankCounters:
-    """What a bank counts beyond the store's statistics (zero for a bank without a VRAM tier)."""
+    """What a bank counts beyond the store's statistics (zero for a bank without a VRAM tier); the names are
+    those of the engine's `EngineStats`."""
 
-    decode_seconds: float = 0.0  # decode thread inside one-token calls
-    sync_seconds: float = 0.0  # ... of which waiting in the routing-id read-back
-    spec_seconds: float = 0.0  # ... of which queueing the next layer's guessed disk reads
+    bank_decode_seconds: float = 0.0  # decode thread inside one-token calls
+    bank_sync_seconds: float = 0.0  # ... of which waiting in the routing-id read-back
+    bank_spec_seconds: float = 0.0  # ... of which queueing the next layer's guessed disk reads
     bus_read_bytes: int = 0  # expert bytes decode moved over the bus without the copy engine
     resident_reads: int = 0  # decode blocks found through the full location table
     resident_ram_reads: int = 0  # ... of which read from RAM (not staged, not in the hot set)

@@ -566,19 +566,11 @@ class GpuExperts(ExpertBank):
 
     def counters(self) -> BankCounters:
         """The bank's counts; reads the device's staging and hot-set counters (stats only)."""
-        staged, hits = self.stage_counts()
-        hot = self.hot_hits()
-        return BankCounters(
-            decode_seconds=self.decode_seconds,
-            sync_seconds=self.sync_seconds,
-            spec_seconds=self.spec_seconds,
-            bus_read_bytes=self.bytes_in_place,
-            resident_reads=self.resident_reads,
-            resident_ram_reads=self.resident_ram_reads - hits - hot,
-            staged_blocks=staged,
-            stage_hits=hits,
-            hot_hits=hot,
-        )
+        (staged, hits), hot = self.stage_counts(), self.hot_hits()
+        seconds = (self.decode_seconds, self.sync_seconds, self.spec_seconds)
+        ram_reads = self.resident_ram_reads - hits - hot  # RAM reads neither staged nor hot
+        # in BankCounters' field order
+        return BankCounters(*seconds, self.bytes_in_place, self.resident_reads, ram_reads, staged, hits, hot)
 
     def close(self) -> None:
         self._mark_launched()

@@ -262,7 +262,6 @@ class Engine:
     def stats(self) -> EngineStats:
         s, spec = self.store.stats, self.bank.spec.stats if self.bank.spec is not None else SpecStats()
         unused_reads = s.prefetches - s.prefetch_hits
-        c = self.bank.counters()
         return EngineStats(
             requests=s.requests,
             hits=s.hits,
@@ -276,15 +275,7 @@ class Engine:
             spec_wasted_bytes=unused_reads * self.store.block_bytes,
             prefetch_bytes_read=s.prefetches * self.store.block_bytes,
             host_syncs=self.bank.host_syncs,
-            bank_decode_seconds=c.decode_seconds,
-            bank_sync_seconds=c.sync_seconds,
-            bank_spec_seconds=c.spec_seconds,
-            bus_read_bytes=c.bus_read_bytes,
-            resident_reads=c.resident_reads,
-            resident_ram_reads=c.resident_ram_reads,
-            staged_blocks=c.staged_blocks,
-            stage_hits=c.stage_hits,
-            hot_hits=c.hot_hits,
+            **dataclasses.asdict(self.bank.counters()),  # BankCounters' fields are EngineStats' own
         )
 
     def close(self) -> None:
