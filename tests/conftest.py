@@ -10,6 +10,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests need CUDA: skipped without it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def kernel_device():
     """Where the GPU runtime's tests run: CUDA when present, else the CPU through the Triton interpreter."""
@@ -20,7 +30,7 @@ def kernel_device():
 def host_alloc(kernel_device):
     """The RAM cache's allocator as the engine picks it: pinned (readable by kernels) on CUDA."""
     if kernel_device == "cuda":
-        from expertstream.experts.gpu_bank import pinned_alloc
+        from expertstream.store.reader import pinned_alloc
 
         return {"alloc": pinned_alloc}
     return {}

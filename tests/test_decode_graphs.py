@@ -34,6 +34,7 @@ def test_program_splits_at_the_eager_points(tiny_workdir):
     eng.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_stage_program_equals_the_model_bit_for_bit(tiny_workdir):
     """Past the indexer budget (the QSA top-k), through the PLE layer, across KV windows; CPU fp32."""
     eng = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", max_model_len=512))
@@ -48,6 +49,7 @@ def test_stage_program_equals_the_model_bit_for_bit(tiny_workdir):
     eng.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device):
     """With the GPU bank (want / prepare / compute stages; the Triton interpreter on a CPU) the program
     still equals the model's forward, speculation included; only prepare stays eager."""
@@ -93,12 +95,14 @@ def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_devic
     eng.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_a_fixed_bank_leaves_no_eager_point_and_equals_the_model(tiny_workdir, kernel_device):
     """Every block pinned in the RAM cache for good: once the bank adopts that, its layers are device work
     alone (no eager point per layer), the tokens equal the model's bit for bit, and its reads are still
     counted, K per layer and token."""
     pytest.importorskip("triton")
-    from expertstream.experts.gpu_bank import GpuExperts, pinned_alloc
+    from expertstream.experts.gpu_bank import GpuExperts
+    from expertstream.store.reader import pinned_alloc
 
     eng = Engine(
         EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
@@ -114,9 +118,9 @@ def test_a_fixed_bank_leaves_no_eager_point_and_equals_the_model(tiny_workdir, k
     for layer in eng.model.layers:
         layer.mlp.bank = bank
     prompt = [3 + i % 50 for i in range(20)]
-    assert not bank.decode_fixed
+    assert bank.decode_mode == "staged"
     want, _ = continue_greedy(eng, prompt, 4)  # the first decode layer adopts the fixed places
-    assert bank.decode_fixed
+    assert bank.decode_mode == "fixed"
     runs = decode_program(eng.model, eng.new_state(), kv_len=256)
     eager = sum(len(fns) for graphable, fns in runs if not graphable)
     assert eager == 1 + sum(t != "linear_attention" for t in a.layer_types)  # host inputs, QSA selections
@@ -132,7 +136,7 @@ def test_a_fixed_bank_leaves_no_eager_point_and_equals_the_model(tiny_workdir, k
     eng.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs need a GPU
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):
     outs = []
@@ -158,7 +162,7 @@ def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs need a GPU
 @pytest.mark.parametrize("cache_blocks", [0, 40])  # 40: a hot set in VRAM beside the staging rows
 def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir, cache_blocks):
     """Every block in RAM and guesses staged on a side stream: the captured side stream joins inside each
@@ -185,13 +189,15 @@ def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir, cache_blocks
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 @pytest.mark.parametrize("n_slots", [16, 40])
 def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device, n_slots):
     """Every block in RAM and 2 guesses staged per layer (the Triton interpreter on a CPU): the program's
     stage and join steps change no logit, and the staged blocks were found by the kernel. With 40 slots
     the bank also holds a hot set in VRAM (`hot_split`), read and counted inside the program's steps."""
     pytest.importorskip("triton")
-    from expertstream.experts.gpu_bank import GpuExperts, pinned_alloc
+    from expertstream.experts.gpu_bank import GpuExperts
+    from expertstream.store.reader import pinned_alloc
 
     eng = Engine(
         EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)

@@ -2,6 +2,8 @@
 conv step) against their plain-torch twins, under the interpreter on the CPU (fp32, fp16) or on CUDA, and the
 model's dispatch between kernel and twin."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -140,53 +142,50 @@ def test_fused_dispatch_uses_the_kernel_then_falls_back_once(caplog):
 
     op = Fused(kernel, lambda x: x + 1, "test op")
     x = torch.zeros(3, device=DEV)
-    assert torch.equal(op(x), x + 1) and calls == []  # not enabled: the twin
-    op.enable(True)
-    op(x)
+    assert torch.equal(op(x, kernel=False), x + 1) and calls == []  # the twin
+    op(x, kernel=True)
     assert calls == [1]  # CUDA, or the interpreter standing in for it
 
     def broken(x):
+        calls.append(2)
         raise RuntimeError("no such instruction")
 
-    op._kernel = broken
-    op.enable(True)
-    assert torch.equal(op(x), x + 1) and op.kernel is None and "test op kernel failed" in caplog.text
-    op.enable(False)
+    op = Fused(broken, lambda x: x + 1, "test op")
+    assert torch.equal(op(x, kernel=True), x + 1) and "test op kernel failed" in caplog.text
+    assert torch.equal(op(x, kernel=True), x + 1) and calls == [1, 2]  # failed once: the twin from then on
 
 
 def test_the_model_runs_every_fused_kernel_and_matches_the_twins(tiny_workdir, caplog):
-    """The tiny model's prompt and decode steps with the kernels (the interpreter on the CPU) against the
-    twins, in FP32: the same greedy tokens, logits within FP32 noise, and no kernel fell back. Eager: graphs
-    cannot capture the first launch of a kernel, and this test turns the kernels on after the first run."""
+    """The tiny model's prompt and decode steps with the kernels (`kernels="triton"`; the interpreter on the
+    CPU) against the twins (`kernels="torch"`), in FP32: the same greedy tokens, logits within FP32 noise,
+    and no kernel fell back. Eager: the calls are counted outside any graph."""
     from expertstream.config import EngineConfig
     from expertstream.models import base
     from expertstream.runtime.engine import Engine
 
-    eng = Engine(EngineConfig(model=str(tiny_workdir), device=DEV, dtype="float32", enforce_eager=True))
-    base.use_triton(False)  # the engine turns them on for CUDA
-
-    def run():
+    def run(kernels: str):
+        cfg = EngineConfig(model=str(tiny_workdir), device=DEV, dtype="float32", enforce_eager=True)
+        eng = Engine(dataclasses.replace(cfg, kernels=kernels))
         st = eng.new_state()
         rows = [eng.forward(st, [3, 14, 15, 92, 65])]
         for _ in range(3):
             rows.append(eng.forward(st, [int(rows[-1].argmax())]))
+        eng.close()
         return torch.stack(rows)
 
-    want = run()
     calls = {op.what: 0 for op in base.FUSED}
-    kernels = {op.what: op._kernel for op in base.FUSED}
+    kernels = {op.what: op.kernel for op in base.FUSED}
     for op in base.FUSED:
-        op._kernel = lambda *a, op=op, **k: (
+        op.kernel = lambda *a, op=op, **k: (
             calls.__setitem__(op.what, calls[op.what] + 1) or kernels[op.what](*a, **k)
         )
-    base.use_triton(True)
     try:
-        got = run()
+        want = run("torch")
+        assert not any(calls.values()), calls  # the twins only
+        got = run("triton")
     finally:
-        base.use_triton(False)
         for op in base.FUSED:
-            op._kernel = kernels[op.what]
-        eng.close()
+            op.kernel = kernels[op.what]
     assert "kernel failed" not in caplog.text
     assert all(calls.values()), calls  # every fused op ran as a kernel
     assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -55,6 +55,7 @@ def test_decode_and_prefill_match_the_torch_bank(banks, n_slots, kernel_device):
     bank.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 @pytest.mark.parametrize("n_slots", [8, 64])  # 8: every block pinned in RAM; 64: every block in a slot
 def test_decode_reads_nothing_back_once_every_block_has_a_place(
     tiny_workdir, n_slots, kernel_device, host_alloc, monkeypatch
@@ -208,6 +209,7 @@ def test_a_row_budget_splits_passes_and_fetches_each_block_once(banks, kernel_de
     chunked.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(tiny_workdir, kernel_device, host_alloc):
     # every block in RAM: the bank adopts each block's RAM row, and a prompt's passes copy those rows into
     # the two halves of the slots in turn, outside the VRAM cache (no store request, nothing cached there);
@@ -241,6 +243,7 @@ def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(tiny_workdir, ke
         bank.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_ram_resident_passes_equal_the_cache_fetch_passes_bit_for_bit(
     tiny_workdir, kernel_device, host_alloc
 ):
@@ -270,6 +273,7 @@ def test_ram_resident_passes_equal_the_cache_fetch_passes_bit_for_bit(
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_a_vram_resident_bank_is_fixed_even_with_staging_configured(tiny_workdir, kernel_device, host_alloc):
     # staging acts only on blocks in RAM: once every block has its own slot, no layer needs an eager point
     wd = Workdir(tiny_workdir)
@@ -280,10 +284,10 @@ def test_a_vram_resident_bank_is_fixed_even_with_staging_configured(tiny_workdir
         x, _, w = routing(wd, 1, seed=0)
         for layer in range(n_layers):
             for e0 in range(0, n_experts, k):
-                assert not bank.decode_fixed
+                assert bank.decode_mode == "staged"
                 ids = (torch.arange(e0, e0 + k) % n_experts)[None]
                 bank(layer, *(v.to(kernel_device) for v in (x, ids, w)))
-        assert bank.resident == "vram" and bank.decode_fixed
+        assert bank.resident == "vram" and bank.decode_mode == "fixed"
         bank.close()
 
 
@@ -294,6 +298,7 @@ def test_stage_guesses_auto_takes_half_of_k_from_slots_beyond_three_banks():
     assert [stage_guesses_for(g, 10, 30) for g in (0, 5, 6)] == [0, 5, 0]
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_device, host_alloc):
     """Every block in RAM, 2 guesses staged per layer: decode equals the unstaged bank bit for bit, the
     routed experts found staged are counted, the bus bytes are the in-place reads left plus the staged
@@ -334,7 +339,9 @@ def test_staged_guesses_change_no_result_and_are_counted(tiny_workdir, kernel_de
                 guess = torch.topk(routers.get(layer + 1, routers[0]) @ x[0], 2).indices.tolist()
         # the bank was RAM-resident from the first layer on: every layer but the last staged 2 guesses
         assert staged.resident == "ram" and staged.stage_counts() == (2 * 2 * (n_layers - 1), hits)
-        assert plain.decode_fixed and not staged.decode_fixed  # staging keeps an eager point per layer
+        assert (
+            plain.decode_mode == "fixed" and staged.decode_mode == "staged"
+        )  # staging keeps an eager point per layer
         assert hits >= 2 * (n_layers - 1)
         # a token's start: layer 0's 2 guesses from its embedding row (here x), bit for bit; the call then
         # stages layer 1's 2 as every layer does
@@ -401,6 +408,7 @@ def _hot_rows_hold_their_blocks(bank, store) -> bool:
     )
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_a_ram_resident_bank_reads_its_hot_set_from_vram(tiny_workdir, kernel_device, host_alloc):
     """Every block in RAM and 40 cache slots: prompt passes take 20, and each layer's 5 most-routed blocks
     are copied into the other 20 and read from there. Decode equals a bank without a hot set bit for bit,
@@ -464,6 +472,7 @@ def test_a_ram_resident_bank_reads_its_hot_set_from_vram(tiny_workdir, kernel_de
         hot.close()
 
 
+@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_staged_guesses_skip_the_hot_set_and_both_are_counted(tiny_workdir, kernel_device, host_alloc):
     # staging beside a hot set: a hot guess is not copied, a routed hot block counts as a hot hit and not a
     # stage hit, and the bus bytes are the RAM reads left plus the staged copies
@@ -501,3 +510,21 @@ def test_staged_guesses_skip_the_hot_set_and_both_are_counted(tiny_workdir, kern
         assert both.bytes_in_place == (reads - hits - hot_hits + staged) * wd.layout.block_bytes
         plain.close()
         both.close()
+
+
+def test_counters_report_the_banks_own_counts(banks, kernel_device):
+    """`counters()` names each count as the engine's stats do; RAM reads exclude staged and hot hits."""
+    from expertstream.experts.bank import BankCounters, ExpertBank
+
+    wd, store, ref = banks
+    bank = GpuExperts(wd, store, 8, kernel_device)
+    assert isinstance(bank, ExpertBank) and isinstance(ref, ExpertBank)
+    assert ref.counters() == BankCounters()  # the torch bank has no VRAM tier
+    bank.decode_seconds, bank.sync_seconds, bank.spec_seconds = 3.0, 2.0, 1.0
+    bank.resident_reads, bank.resident_ram_reads = 7, 5
+    c = bank.counters()
+    assert (c.bank_decode_seconds, c.bank_sync_seconds, c.bank_spec_seconds) == (3.0, 2.0, 1.0)
+    assert (c.resident_reads, c.resident_ram_reads) == (7, 5)
+    assert (c.staged_blocks, c.stage_hits, c.hot_hits) == (0, 0, 0)
+    assert c.bus_read_bytes == 5 * wd.layout.block_bytes  # the RAM reads crossed the bus in place
+    bank.close()

@@ -656,7 +656,7 @@ def test_matvec16_matches_ref(wdtype, m, n, k, cfg):
 
 def test_every_matvec16_sweep_candidate_matches_ref():
     # `bench kernels` may record any of them as a device's default
-    from expertstream.bench.kernels import MATVEC16_SWEEP
+    from expertstream.bench.sweep import MATVEC16_SWEEP
 
     g = torch.Generator().manual_seed(11)
     w = (torch.randn(37, 300, generator=g) * 0.05).to(DEV, torch.float16)
@@ -680,7 +680,7 @@ def test_decode_is_deterministic(bank):
 
 def test_every_decode_sweep_candidate_matches_ref(bank):
     # `bench kernels` may record any of them as a device's default: each must be a valid launch
-    from expertstream.bench.kernels import DECODE_SWEEP
+    from expertstream.bench.sweep import DECODE_SWEEP
 
     layout, slots, ws2 = bank
     x = torch.randn(layout.hidden_size, generator=torch.Generator().manual_seed(6)).to(DEV)
@@ -695,7 +695,7 @@ def test_every_prefill_sweep_candidate_matches_ref(bank):
     # as for decode: every shape the sweep may record (both launches', the pass's, and down's own after
     # the first) must be a valid launch. On the GPU in a 16-bit dtype, as the sweep times them: FP32 tiles
     # take twice the shared memory (64 x 256 x 64 at three stages: 256 KiB, over an H200 SM's 227 KiB)
-    from expertstream.bench.kernels import DOWN_SWEEP, PASS_SWEEP, PREFILL_SWEEP
+    from expertstream.bench.sweep import DOWN_SWEEP, PASS_SWEEP, PREFILL_SWEEP
 
     dtype = torch.float16 if DEV == "cuda" else torch.float32
     layout, slots, ws2 = bank
@@ -800,7 +800,8 @@ def test_gdn_step_matches_its_twin(dtype, gate):
 
 
 def test_the_models_gdn_step_dispatch_uses_the_kernel(monkeypatch):
-    """`use_triton` turns every fused op of the model to its kernel (the fallback: test_decode_ops.py)."""
+    """`kernel=True` at the call runs the model's fused op as its kernel, False as its twin (the fallback:
+    test_decode_ops.py)."""
     from expertstream.kernels import gdn_decode as kernel
     from expertstream.models import base
 
@@ -813,16 +814,12 @@ def test_the_models_gdn_step_dispatch_uses_the_kernel(monkeypatch):
     args += [-torch.rand(hv, generator=g), torch.randn(hv, generator=g), torch.randn(dv, generator=g)]
     kw = dict(num_k_heads=hk, eps=1e-6, gate="silu")
     calls = []
-    monkeypatch.setattr(base.gdn_step, "_kernel", lambda *a, **k: calls.append(1) or kernel.gdn_step(*a, **k))
-    base.use_triton(True)
-    try:
-        assert all(op.kernel is not None for op in base.FUSED)
-        want = kernel.gdn_step_ref(*[a.clone() for a in args], **kw)
-        close(base.gdn_step(*[a.clone().to(DEV) for a in args], **kw).cpu(), want, torch.float32)
-        assert calls == [1]  # CUDA, or the interpreter standing in for it
-    finally:
-        base.use_triton(False)
-    assert all(op.kernel is None for op in base.FUSED)
+    monkeypatch.setattr(base.gdn_step, "kernel", lambda *a, **k: calls.append(1) or kernel.gdn_step(*a, **k))
+    want = kernel.gdn_step_ref(*[a.clone() for a in args], **kw)
+    close(base.gdn_step(*[a.clone().to(DEV) for a in args], **kw, kernel=True).cpu(), want, torch.float32)
+    assert calls == [1]  # CUDA, or the interpreter standing in for it
+    close(base.gdn_step(*[a.clone().to(DEV) for a in args], **kw, kernel=False).cpu(), want, torch.float32)
+    assert calls == [1]  # the twin
 
 
 @pytest.mark.parametrize("first", [0, 3])
@@ -1019,7 +1016,7 @@ print("identical")
 """
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX runs on a GPU only")
+@pytest.mark.gpu  # inline PTX runs on a GPU only
 def test_ptx_path_equals_software_with_an_emulated_conversion():
     # the PTX E2M1 path of every kernel, its conversion emulated (above), against the software path: the
     # same bits. In a fresh process, since the conversion is a global each kernel compiles in.

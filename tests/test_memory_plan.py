@@ -128,7 +128,7 @@ def test_gpu_budget_is_the_flag_or_a_share_of_the_total_and_refuses_what_the_gpu
         gpu_budget(24, 0.95, free, total)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator's limit needs a GPU")
+@pytest.mark.gpu  # the allocator's limit needs a GPU
 def test_the_engine_enforces_its_budget_on_cuda(tiny_workdir):
     from expertstream.config import EngineConfig
     from expertstream.runtime.engine import Engine

@@ -78,7 +78,7 @@ def test_blocks_that_follow_each_other_in_ram_and_in_the_slots_go_up_as_one_copy
     assert cache.stats.copies == 6
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="copy_rows batches run on CUDA only")
+@pytest.mark.gpu  # copy_rows batches run on CUDA only
 def test_a_batch_of_landed_ram_rows_goes_up_as_one_kernel(monkeypatch):
     from expertstream.experts import vram_cache as module
 
@@ -235,7 +235,7 @@ def test_host_mirror_ring_is_bounded_in_bytes():
     assert len(huge._done) == 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the ring of pinned buffers exists on CUDA only")
+@pytest.mark.gpu  # the ring of pinned buffers exists on CUDA only
 def test_host_mirror_queues_a_ring_of_pushes_before_it_waits():
     from expertstream.experts.host_mirror import HostMirror
 

@@ -37,7 +37,7 @@ BIG_BUDGET_GB = 24  # issue 5's regime 3: a 24 GiB card with the disk regime's R
 
 def disk_rates(path: Path, block_bytes: int, threads: int, before: float) -> tuple[float, str]:
     """(the bound's disk rate, how it was found): the drive's rate drifts (1.3-1.8 GB/s within an hour on the
-    lent H200s), so it is probed again after the regimes and the higher rate is the limit."""
+    H200 machines), so it is probed again after the regimes and the higher rate is the limit."""
     after = disk_rate(path, block_bytes, threads)
     return max(before, after), f"{before:.2f} before and {after:.2f} GB/s after the regimes, the higher used"
 
@@ -351,7 +351,7 @@ def bench_model(args, what: str, max_model_len: int):
         raise SystemExit(f"bench {what} needs a CUDA GPU (it measures the GPU runtime); none is visible")
     root = Path(args.workdir)
     # --baseline writes its own snapshot and offload folder after the regimes: room is kept, and checked
-    # before they run (a full disk midway took a lent machine down with it)
+    # before they run (a full disk midway can take the machine down with it)
     reserve = baseline_disk_needed(root, args.baseline_layers) if args.baseline else 0.0
     args.layers = bench_layers(root, args.layers, reserve)  # the baseline scales by it too
     work = ensure_model(root, args.layers)

@@ -1,6 +1,4 @@
-"""The expert bank: `bank(layer, x [T, H], expert_ids [T, K] int64, weights [T, K] fp32) -> [T, H]`, in
-x.dtype or FP32: a bank that sums in FP32 may return its sums as they are and callers cast (a layer-major
-span then holds no second copy of them).
+"""The expert banks on the CPU (the contract: experts/bank.py).
 
 Only the routed sum lives here (the router and shared expert stay in the model). Each expert is SwiGLU:
 down(silu(gate x) * up x), scaled by its routing weight. `DenseExperts` holds dense weights (tests,
@@ -19,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from expertstream.experts.bank import ExpertBank
 from expertstream.experts.speculation import Speculator
 from expertstream.formats.expert_block import PROJ
 from expertstream.kernels import cpu_moe
@@ -59,7 +58,7 @@ def routed_sum(
     return out
 
 
-class DenseExperts:
+class DenseExperts(ExpertBank):
     """In-memory bank in transformers' layout: per layer gate_up [E, 2I, H] (gate first), down [E, H, I]."""
 
     def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]):
@@ -83,7 +82,7 @@ def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return (packed >> 4) | (packed << 4)
 
 
-class StreamedExperts:
+class StreamedExperts(ExpertBank):
     """Bank backed by the expert store: each layer's distinct experts are fetched once per call.
 
     Args:
@@ -95,6 +94,7 @@ class StreamedExperts:
         speculate: in decode, queue disk reads of the next layer's guessed experts (needs the routers from
             `set_router_weights` and a store with `prefetch`).
         threads: callable -> the threads the CPU kernel may use now (`CpuThreads`); None: one.
+        kernels: the guesses' top-k through its Triton kernel where it can run.
     """
 
     def __init__(
@@ -106,6 +106,7 @@ class StreamedExperts:
         speculate: bool = True,
         speculation_width: float = 1.0,
         threads: Callable[[], int] | None = None,
+        kernels: bool = False,
     ):
         if control not in CONTROLS:
             raise ValueError(f"expert control {control!r} is not one of {CONTROLS}")
@@ -116,7 +117,7 @@ class StreamedExperts:
         self._weight_parts = [self.layout.part(f"{p}.weight") for p in PROJ]
         self.stall_seconds = 0.0  # time spent waiting for blocks that had not landed yet
         spec = speculate and hasattr(store, "prefetch")
-        self.spec = Speculator(self.layout.block_bytes, speculation_width) if spec else None
+        self.spec = Speculator(self.layout.block_bytes, speculation_width, kernels) if spec else None
         self.host_syncs = 0  # `.tolist()` reads of the routing (device syncs when it runs on a GPU)
         self.threads = threads or (lambda: 1)
         # the C kernel where it builds; the controls keep the torch form (swap-nibbles edits decoded copies)

@@ -17,13 +17,12 @@ per token into the FP32 sum [T, H].
 
 from __future__ import annotations
 
-import mmap
 import time
-import weakref
 
 import numpy as np
 import torch
 
+from expertstream.experts.bank import BankCounters, ExpertBank
 from expertstream.experts.host_mirror import HostMirror
 from expertstream.experts.pass_tables import PassTables
 from expertstream.experts.speculation import Speculator
@@ -38,24 +37,6 @@ from expertstream.memory_plan import bank_slots
 from expertstream.store.policy import most_routed
 
 log = get_logger(__name__)
-
-
-def pinned_alloc(nbytes: int) -> torch.Tensor:
-    """Page-aligned host memory registered with CUDA, so O_DIRECT reads land where DMA copies start.
-
-    The registration is dropped before the mapping is freed: a later mapping at the same address must not
-    inherit a stale registration (cudaErrorHostMemoryAlreadyRegistered).
-    """
-    mm = mmap.mmap(-1, max(nbytes, 1))  # anonymous mappings are page-aligned; the tensor keeps `mm` alive
-    buf = torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
-    if nbytes and torch.cuda.is_available():
-        cudart, ptr = torch.cuda.cudart(), buf.data_ptr()
-        err = cudart.cudaHostRegister(ptr, nbytes, 0)
-        if int(err) != 0:
-            log.warning("cudaHostRegister of %d B failed (%s): copies will be staged", nbytes, err)
-        else:
-            weakref.finalize(mm, cudart.cudaHostUnregister, ptr)
-    return buf
 
 
 class _SwappedNibbles:
@@ -81,8 +62,9 @@ class _SwappedNibbles:
         self.handle.release()
 
 
-class GpuExperts:
-    """Bank with the `(layer, x, expert_ids, weights) -> routed sum` contract, on CUDA.
+class GpuExperts(ExpertBank):
+    """The expert bank (experts/bank.py) on CUDA: decode runs "staged", "fixed" once every block has a fixed
+    place.
 
     Args:
         workdir: the `Workdir`.
@@ -152,7 +134,8 @@ class GpuExperts:
         self._resident_handles: list = []  # the RAM blocks held for that
         self.resident_reads = 0  # blocks decode found through the full table (no lookup, no request)
         self.resident_ram_reads = 0  # ... of which through RAM rows (less stage_counts' and hot_hits' hits)
-        self.spec = Speculator(self.layout.block_bytes, speculation_width) if speculate else None
+        spec = Speculator(self.layout.block_bytes, speculation_width, kernel=dev.type == "cuda")
+        self.spec = spec if speculate else None
         self.host_syncs = 0  # device -> host reads the bank waits on (decode: one per layer)
         # decode-thread wall time in one-token calls, and the part of it spent in the ids read-back (waiting
         # for the GPU to finish everything queued before: earlier layers, copies, the router)
@@ -261,12 +244,16 @@ class GpuExperts:
         return expert_ids[0] if guess is None else torch.cat((expert_ids[0], guess))
 
     @property
-    def decode_fixed(self) -> bool:
-        """Every block has a fixed place that `loc` holds and no guess is staged (none is once every block
-        sits in VRAM): a layer's decode is device work alone (decode_compute), so a graphed token needs no
-        eager point per layer."""
+    def decode_mode(self) -> str:
+        """ "fixed" once every block has a fixed place that `loc` holds and no guess is staged (none is once
+        every block sits in VRAM): a layer's decode is device work alone (decode_compute), so a graphed token
+        needs no eager point per layer; "staged" before."""
         staging = self.stage_guesses and self.resident == "ram"
-        return self.resident is not None and self.control == "none" and not staging
+        fixed = self.resident is not None and self.control == "none" and not staging
+        return "fixed" if fixed else "staged"
+
+    def set_prefill_chunk(self, tokens: int | None) -> None:
+        self.prefill_chunk = tokens
 
     def decode_fixed_reads(self, n: int) -> None:
         """Count n blocks read through the fixed table by a token decoded without decode_prepare."""
@@ -576,6 +563,14 @@ class GpuExperts:
     def hot_hits(self) -> int:
         """Routed blocks decode read from the hot set so far (a device read when there is one; stats only)."""
         return int(self._hot_hits) if self._hot_quota else 0
+
+    def counters(self) -> BankCounters:
+        """The bank's counts; reads the device's staging and hot-set counters (stats only)."""
+        (staged, hits), hot = self.stage_counts(), self.hot_hits()
+        seconds = (self.decode_seconds, self.sync_seconds, self.spec_seconds)
+        ram_reads = self.resident_ram_reads - hits - hot  # RAM reads neither staged nor hot
+        # in BankCounters' field order
+        return BankCounters(*seconds, self.bytes_in_place, self.resident_reads, ram_reads, staged, hits, hot)
 
     def close(self) -> None:
         self._mark_launched()

@@ -21,8 +21,8 @@ class HostMirror:
 
     Each push stages the host copy in the next of `depth` pinned buffers (a ring) and waits only for the
     upload made `depth` pushes ago. With two buffers a host faster than its bus could queue only two prompt
-    passes ahead of their copies (`wait_seconds` counts such waits; on the lent H200s a pass's host work
-    outlasted its copies, so it stayed 0 with either depth)."""
+    passes ahead of their copies (`wait_seconds` counts such waits; on the H200 machines a pass's host work
+    outlasts its copies, so it stays 0 with either depth)."""
 
     def __init__(self, device_tensor: torch.Tensor, depth: int = 64):
         self.device_tensor = device_tensor

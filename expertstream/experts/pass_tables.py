@@ -5,8 +5,8 @@ its slots (`slots[g]`) and copies its experts' rows there. `PassTables` writes, 
 the expert -> slot map [E], the (RAM row, slot) pairs of its copy [n, 2] and its slots' global scales
 [S, 3], and uploads each table once per layer; pass g then hands row g of them to `copy_rows` and the
 kernels, or, where its rows and slots both run consecutively (`runs[g]`), copies them with one copy-engine
-call. Uploading them per pass cost 0.18 of a pass's 0.37 ms of host time on a fast host (twelfth
-session), and on slow hosts the passes' host time is what bounds a prompt from RAM.
+call. Uploading them per pass costs 0.18 of a pass's 0.37 ms of host time on a fast host, and on slow
+hosts the passes' host time is what bounds a prompt from RAM.
 """
 
 from __future__ import annotations

@@ -27,10 +27,11 @@ class SpecStats:
 
 class Speculator:
     """Holds the routers and the guess in flight; a bank calls guess() before its host sync, then issue()
-    with what it started, and score() when the next layer's real experts are known."""
+    with what it started, and score() when the next layer's real experts are known. `kernel`: the top-k
+    through its Triton kernel on CUDA tensors."""
 
-    def __init__(self, block_bytes: int, width: float = 1.0):
-        self.block_bytes = block_bytes
+    def __init__(self, block_bytes: int, width: float = 1.0, kernel: bool = False):
+        self.block_bytes, self.kernel = block_bytes, kernel
         self.width = width  # guesses per layer as a multiple of K (wider: more found, more wasted reads)
         self.routers: dict[int, torch.Tensor] = {}
         self.stats = SpecStats()
@@ -48,7 +49,7 @@ class Speculator:
             return None
         n = min(w.shape[0], round(self.width * k))
         # top-k of the logits is top-k of the softmax (monotone): no softmax, no renormalisation needed
-        return top_ids(torch.nn.functional.linear(x, w), n)[0]
+        return top_ids(torch.nn.functional.linear(x, w), n, kernel=self.kernel)[0]
 
     def issue(self, layer: int, guessed: list[int], prefetched: int) -> None:
         self.stats.issued += len(guessed)

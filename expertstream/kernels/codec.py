@@ -84,9 +84,8 @@ def e2m1_uses_ptx(capability: tuple[int, int] | None) -> bool:
 
 def e4m3_native(capability: tuple[int, int] | None) -> bool:
     """sm_89 and later convert E4M3 in hardware (`cvt.rn.f16x2.e4m3x2`), which Triton emits for float8e4nv
-    loads: on the H200 the FP8 GEMV ran 8-25 % faster with it than with bit ops (2026-12-01,
-    scripts/fp8_gemv_probe.py). The interpreter (no fp8 type) and older chips decode raw bytes with bit
-    ops."""
+    loads: on the H200 the FP8 GEMV runs 8-25 % faster with it than with bit ops. The interpreter (no fp8
+    type) and older chips decode raw bytes with bit ops."""
     return capability is not None and tuple(capability) >= (8, 9) and tuple(capability) not in _NATIVE_FAILED
 
 
@@ -338,7 +337,7 @@ def forget_tuned() -> None:
 
 def tuned_config(kernel: str, device: torch.device, key: str) -> dict | None:
     """Config picked by a device sweep, or None off CUDA, for unknown devices and shapes (callers then use
-    their shape heuristics). The shipped tuned_configs.json holds the lent H200's picks; the user's file
+    their shape heuristics). The shipped tuned_configs.json holds the H200's picks; the user's file
     (`user_tuned_path`, written by `expertstream bench kernels --tune`) overrides them."""
     global _tuned_cache
     if device.type != "cuda" or interpreting():

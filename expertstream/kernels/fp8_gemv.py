@@ -46,14 +46,14 @@ from expertstream.kernels.codec import (
 )
 
 # a matrix up to this size is read into L2 before x is ready (half the L2 of an 8 GB Blackwell card, so
-# that the lines stay until the loads after the wait). H200, 2026-12-02: out_proj (15.7 MB) after gdn_step
+# that the lines stay until the loads after the wait). On the H200 out_proj (15.7 MB) after gdn_step
 # 13.7 us against 14.5 without the prefetch and 15.2 without the dependent launch; in_proj (42 MB) after
 # hc_mix 17.0 us without, 17.4 with its first 1 KB a row (16 MB), 18.9 with all of it
 PREFETCH_BYTES = 16 << 20
 GEMV_MAX_M = 4  # the GEMV kernel keeps one FMA accumulator per row of x, up to 4 rows
 # untuned shapes: 4 rows x 1,024 columns a step keep ~N/4 programs streaming 16-byte loads
 GEMV_DEFAULT = dict(block_n=4, block_k=1024, num_warps=4, split_k=1)
-# used by default only for M = 1: on the H200 (2026-11-30) M = 4 ran 2x slower than the tl.dot path
+# used by default only for M = 1: on the H200 M = 4 runs 2x slower than the tl.dot path
 GEMV_DEFAULT_M = 1
 
 
@@ -292,9 +292,9 @@ def _fp8_gemv_kernel(
             if WIDE:
                 c = b.to(tl.float32)
             else:
-                c = _e4m3(b, NATIVE).to(tl.float32)  # (through fp16 or straight: the same speed, 13:30)
+                c = _e4m3(b, NATIVE).to(tl.float32)  # (through fp16 or straight: the same speed)
             # x as [BW] broadcast over the rows: loaded [1, BW] in the weights' layout, the hardware-converted
-            # kernel ran at half the speed on the H200 (2026-12-01)
+            # kernel runs at half the speed on the H200
             acc0 += c * tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
             if BLOCK_M > 1:
                 xm = kk < tl.where(M > 1, K, 0)

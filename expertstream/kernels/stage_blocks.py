@@ -24,8 +24,8 @@ from expertstream.kernels.codec import cdiv, jit, require_triton, tl
 
 CHUNK = 16384  # bytes per step of a program (128 B per thread at 4 warps)
 # Programs of the copy, each looping over its share of the (guess, chunk) steps. Few on purpose: the copy
-# runs beside the next layer's attention, and one program per chunk (676 for 4 real blocks, the sixth
-# session's form) held warp slots on every SM for the whole copy while it waited on the bus; 32 programs of
+# runs beside the next layer's attention, and one program per chunk (676 for 4 real blocks) would hold
+# warp slots on every SM for the whole copy while it waits on the bus; 32 programs of
 # 16 KB each keep ~0.5 MB of reads in flight, several times what 55 GB/s over ~2 us of latency needs.
 PROGRAMS = 32
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from expertstream.formats import text_config
 from expertstream.formats.fp8 import e4m3_to_float
-from expertstream.kernels import conv_update, gdn_decode, hyper, rms_norm, router
+from expertstream.kernels import HAVE_TRITON, conv_update, fp8_gemv, gdn_decode, hyper, rms_norm, router
 from expertstream.kernels.dispatch import Fused
 
 INDEXED_ALIASES = text_config.INDEXED_ALIASES
@@ -126,15 +126,16 @@ class ModelArgs:
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm in FP32: x / rms(x) * (1 + w); `group` normalises each group-wide slice alone."""
+    """Zero-centred RMSNorm in FP32: x / rms(x) * (1 + w); `group` normalises each group-wide slice alone.
+    `kernel`: the Triton kernel where it can run, else the torch twin (kernels/dispatch.py)."""
 
-    def __init__(self, weight: torch.Tensor, eps: float, group: int | None = None):
+    def __init__(self, weight: torch.Tensor, eps: float, group: int | None = None, kernel: bool = False):
         super().__init__()
         self.scale = nn.Buffer(1.0 + weight.float())  # (1 + w) in FP32 once, not per call
-        self.eps, self.group = eps, group
+        self.eps, self.group, self.kernel = eps, group, kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(x.contiguous(), self.scale, self.eps, self.group)
+        return rmsnorm(x.contiguous(), self.scale, self.eps, self.group, kernel=self.kernel)
 
 
 def upload(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -175,8 +176,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x
 
 
-_triton_fp8 = None  # the Triton FP8 GEMV when the engine runs on CUDA with kernels enabled
-
 # the decode path's small-op kernels (each its own launch where torch takes several), beside their twins
 gdn_step = Fused(gdn_decode.gdn_step, gdn_decode.gdn_step_ref, "GatedDeltaNet decode")
 rmsnorm = Fused(rms_norm.rms_norm, rms_norm.rms_norm_ref, "RMSNorm")
@@ -188,37 +187,27 @@ top_ids = Fused(router.top_ids, router.top_ids_ref, "top-k ids")
 FUSED = (gdn_step, rmsnorm, hc_mix, moe_combine, gdn_conv, route_topk, top_ids)
 
 
-def use_triton(enabled: bool) -> None:
-    """Route FP8 row-scaled matmuls and the `FUSED` ops on CUDA through the Triton kernels (the engine
-    decides once, at load)."""
-    global _triton_fp8
-    _triton_fp8 = None
-    for op in FUSED:
-        op.enable(enabled)
-    if enabled:
-        from expertstream.kernels import HAVE_TRITON, fp8_gemv
-
-        if HAVE_TRITON:
-            _triton_fp8 = fp8_gemv.fp8_rows_matmul
-
-
-def fp8_rows_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (q [N, K] e4m3 * scale [N, 1]).T: the Triton GEMV on CUDA, else dequantised on the fly."""
-    if _triton_fp8 is not None and x.is_cuda:
-        return _triton_fp8(x, q, scale)
+def fp8_rows_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """x [M, K] @ (q [N, K] e4m3 * scale [N, 1]).T: with `kernel` the Triton GEMV on CUDA, else dequantised
+    on the fly."""
+    if kernel and HAVE_TRITON and x.is_cuda:
+        return fp8_gemv.fp8_rows_matmul(x, q, scale)
     w = e4m3_to_float(q).mul_(scale.float()[:, None]).to(x.dtype)
     return F.linear(x, w)
 
 
 class Linear(nn.Module):
     """Linear holding a dense weight [out, in] or FP8 rows (q [out, in] e4m3, scale [out] FP32), and an
-    optional bias [out] (`attention_bias`)."""
+    optional bias [out] (`attention_bias`); `kernel`: FP8 rows through the Triton GEMV on CUDA."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, bias=None):
+    def __init__(
+        self, weight: torch.Tensor, scale: torch.Tensor | None = None, bias=None, kernel: bool = False
+    ):
         super().__init__()
         self.weight = nn.Buffer(weight)
         self.scale = nn.Buffer(scale) if scale is not None else None
         self.bias = nn.Buffer(bias) if bias is not None else None
+        self.kernel = kernel
 
     @property
     def out_features(self) -> int:
@@ -227,7 +216,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
             return F.linear(x, self.weight, self.bias)
-        y = fp8_rows_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scale).unflatten(0, x.shape[:-1])
+        y = fp8_rows_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scale, self.kernel)
+        y = y.unflatten(0, x.shape[:-1])
         return y if self.bias is None else y + self.bias
 
 

@@ -61,10 +61,12 @@ def kv_bucket(s: int, max_len: int) -> int:
 
 
 class Weights:
-    """HF text names (prefix removed) -> tensors in the run dtype/device; FP8 row-scaled names stay FP8."""
+    """HF text names (prefix removed) -> tensors in the run dtype/device; FP8 row-scaled names stay FP8.
+    `kernels`: the modules built from them run the Triton kernels where they can (kernels/dispatch.py)."""
 
-    def __init__(self, tensors: dict, dtype: torch.dtype, device, fp8_row_scaled=()):
+    def __init__(self, tensors: dict, dtype: torch.dtype, device, fp8_row_scaled=(), kernels: bool = False):
         self.tensors, self.dtype, self.device, self.fp8 = tensors, dtype, device, set(fp8_row_scaled)
+        self.kernels = kernels
 
     def _checked(self, name: str, shape: tuple | None = None) -> torch.Tensor:
         if name not in self.tensors:
@@ -95,7 +97,7 @@ class Weights:
         b = self._bias([(name, out_f)]) if bias else None
         if name in self.fp8:
             q, scale = self._fp8_rows(name, out_f, in_f)
-            return Linear(q.to(self.device), scale.to(self.device), b)
+            return Linear(q.to(self.device), scale.to(self.device), b, self.kernels)
         return Linear(self.get(name, (out_f, in_f)), bias=b)
 
     def _bias(self, specs: list[tuple[str, int]], biased=()) -> torch.Tensor:
@@ -121,7 +123,8 @@ class Weights:
             b = b.mul_(factor) if b is not None else None
             if fp8:
                 q, scale = zip(*(self._fp8_rows(n, o, in_f) for n, o in group))
-                lin = Linear(torch.cat(q).to(self.device), torch.cat(scale).mul_(factor).to(self.device), b)
+                q, scale = torch.cat(q).to(self.device), torch.cat(scale).mul_(factor).to(self.device)
+                lin = Linear(q, scale, b, self.kernels)
             else:
                 ws = [self._checked(n, (o, in_f)) for n, o in group]
                 w = torch.cat([w.to(ws[0].device, self.dtype) for w in ws]).mul_(factor)
@@ -137,7 +140,8 @@ class GatedResidual(nn.Module):
         super().__init__()
         self.n, self.h = a.hc_count, a.hidden_size
         nh = self.n * self.h
-        self.norm = RMSNorm(w.get(f"{p}.hc_norm.weight", (nh,)), eps=a.rms_norm_eps, group=self.h)
+        self.norm = RMSNorm(w.get(f"{p}.hc_norm.weight", (nh,)), a.rms_norm_eps, self.h, w.kernels)
+        self.kernel = w.kernels
         # the low-rank down projection and the injection logits both read xn and are divided by N: one
         # matmul, the division folded into the rows (exact for a power-of-two N such as the shipped 4)
         specs = [(f"{p}.input_mix_weight_down.weight", a.hc_lowrank)]
@@ -150,7 +154,7 @@ class GatedResidual(nn.Module):
         down, *inj = self.proj(xn)
         # u = mean over the streams of sigmoid(mix) * xn; the injection weight is 2 * sigmoid(inj), and
         # `inject` applies the exact factor 2
-        return hc_mix(self.up(F.silu(down)), xn, inj[0] if inj else None, self.n)
+        return hc_mix(self.up(F.silu(down)), xn, inj[0] if inj else None, self.n, kernel=self.kernel)
 
 
 def conv_step(hist: torch.Tensor, w_t: torch.Tensor, dilation: int = 1) -> torch.Tensor:
@@ -220,6 +224,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"output_gate_type {a.output_gate_type!r} is not one of {GATES}")
         self.act, self.act_name = ACT[a.hidden_act], a.hidden_act
         self.gate, self.eps = a.output_gate_type, a.rms_norm_eps
+        self.kernel = w.kernels
 
     def forward(self, x: torch.Tensor, st: State) -> torch.Tensor:
         t = x.shape[0]
@@ -227,7 +232,7 @@ class GatedDeltaNet(nn.Module):
         # depthwise causal conv over [last K-1 rows | new rows]
         conv = st.conv[self.layer]
         if t == 1:
-            qkv = gdn_conv(conv, qkv, self.conv_wt, self.act_name)
+            qkv = gdn_conv(conv, qkv, self.conv_wt, self.act_name, kernel=self.kernel)
         else:
             hist = torch.cat((conv, qkv))
             conv.copy_(hist[-conv.shape[0] :])
@@ -235,7 +240,8 @@ class GatedDeltaNet(nn.Module):
         s = st.rec[self.layer]
         if t == 1:  # one launch on CUDA (kernels/gdn_decode.py), its torch twin elsewhere
             o = gdn_step(qkv[0], b[0], a[0], z[0], s, self.neg_A, self.dt_bias, self.norm_w,
-                         num_k_heads=self.hk, eps=self.eps, gate=self.gate)[None]  # fmt: skip
+                         num_k_heads=self.hk, eps=self.eps, gate=self.gate,
+                         kernel=self.kernel)[None]  # fmt: skip
             return self.out_proj(o)
         beta, g = gdn_gates(b, a, self.neg_A, self.dt_bias)
         q, k, v = gdn_heads(qkv, self.hk, self.hv, self.dk, self.dv)
@@ -303,10 +309,10 @@ class Attention(nn.Module):
             biased=qkv if a.attention_bias else (),
         )
         self.o_proj = w.linear(f"{p}.o_proj.weight", h, self.nh * self.d, bias=a.attention_bias)
-        self.q_norm = RMSNorm(w.get(f"{p}.q_norm.weight", (self.d,)), eps)
-        self.k_norm = RMSNorm(w.get(f"{p}.k_norm.weight", (self.d,)), eps)
-        self.iq_norm = RMSNorm(w.get(f"{p}.indexer.q_layernorm.weight", (self.di,)), eps)
-        self.ik_norm = RMSNorm(w.get(f"{p}.indexer.k_layernorm.weight", (self.di,)), eps)
+        self.q_norm = RMSNorm(w.get(f"{p}.q_norm.weight", (self.d,)), eps, kernel=w.kernels)
+        self.k_norm = RMSNorm(w.get(f"{p}.k_norm.weight", (self.d,)), eps, kernel=w.kernels)
+        self.iq_norm = RMSNorm(w.get(f"{p}.indexer.q_layernorm.weight", (self.di,)), eps, kernel=w.kernels)
+        self.ik_norm = RMSNorm(w.get(f"{p}.indexer.k_layernorm.weight", (self.di,)), eps, kernel=w.kernels)
 
     def block_keys(self, raw: torch.Tensor, start: int, inv_freq: torch.Tensor) -> torch.Tensor:
         """Raw keys [n*c, Di] of whole blocks from position `start` -> [n, Di]: mean (FP32), norm, RoPE."""
@@ -433,9 +439,9 @@ class PLELayer(nn.Module):
             self.mult.tolist(), self.vocab.tolist(), self.offsets.tolist(), self.heads_per_ngram
         )  # fmt: skip
         self.proj = w.fused([(f"{p}.key_proj.weight", nh), (f"{p}.value_proj.weight", self.h)], e)
-        self.norm_key = RMSNorm(w.get(f"{p}.norm_key.weight", (nh,)), eps, group=self.h)
-        self.norm_query = RMSNorm(w.get(f"{p}.norm_query.weight", (nh,)), eps, group=self.h)
-        self.norm_conv = RMSNorm(w.get(f"{p}.norm_conv.weight", (nh,)), eps, group=self.h)
+        self.norm_key = RMSNorm(w.get(f"{p}.norm_key.weight", (nh,)), eps, self.h, w.kernels)
+        self.norm_query = RMSNorm(w.get(f"{p}.norm_query.weight", (nh,)), eps, self.h, w.kernels)
+        self.norm_conv = RMSNorm(w.get(f"{p}.norm_conv.weight", (nh,)), eps, self.h, w.kernels)
         self.conv_w = nn.Buffer(w.get(f"{p}.conv1d.weight", (nh, 1, a.ple_conv_kernel_size)))
         self.conv_wt = nn.Buffer(self.conv_w[:, 0].T.float().contiguous())  # [K, N*H] for one token
         self.dilation = a.ngram_size
@@ -511,11 +517,13 @@ class SparseMoe(nn.Module):
         )
         self.shared_down_proj = w.linear(f"{p}.shared_expert.down_proj.weight", h, si)
         self.act = ACT[a.hidden_act]
+        self.kernel = w.kernels
 
     def route(self, u: torch.Tensor, shared: bool = True) -> tuple[torch.Tensor, ...]:
         """All but the routed sum: (top_i [T, K], top_w [T, K] FP32, shared gate [T, 1], shared [T, H]);
         without `shared` the first two only (layer-major spans run the shared expert after the routed)."""
-        routing = route_topk(self.gate(u), self.k, self.norm_topk)  # logits [T, E] -> ids, weights [T, K]
+        # logits [T, E] -> ids, weights [T, K]
+        routing = route_topk(self.gate(u), self.k, self.norm_topk, kernel=self.kernel)
         return routing + self.shared(u) if shared else routing
 
     def shared(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -536,6 +544,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn, self.self_attn = None, Attention(w, f"{p}.self_attn", a, i)
         self.mlp_hc = GatedResidual(w, f"{p}.mlp_hyper_connection", a)
         self.mlp = SparseMoe(w, f"{p}.mlp", a, i, bank)
+        self.kernel = w.kernels
 
     # The stages of `forward`, also run one by one by the CUDA-graph decode (runtime/decode_graphs.py), which
     # captures the static-shape stretches between the bank, the QSA block selection and the host inputs.
@@ -551,10 +560,9 @@ class DecoderLayer(nn.Module):
         u, c = self.mlp_hc(x)
         return (x, u, c, *self.mlp.route(u, shared))
 
-    @staticmethod
-    def moe_out(x, c, routed, shared_gate, shared, in_place: bool = False) -> torch.Tensor:
+    def moe_out(self, x, c, routed, shared_gate, shared, in_place: bool = False) -> torch.Tensor:
         # routed may be the bank's FP32 sums: cast here, piece by piece in layer-major spans
-        return moe_combine(x, c, routed, shared_gate, shared, in_place)
+        return moe_combine(x, c, routed, shared_gate, shared, in_place, kernel=self.kernel)
 
     def pre_moe(self, x, ids, st: State, rope: Rope, shared: bool = True) -> tuple[torch.Tensor, ...]:
         """PLE, attention and router: (x, u, c, top_i, top_w, shared gate, shared), all per token (without the
@@ -582,6 +590,8 @@ class Qwen4ExpModel(nn.Module):
             `decode(raw on any device) -> [T, ple_embed_dim] float32`, or None without PLE layers.
         dtype, device: activation dtype and compute device.
         fp8_row_scaled: names stored as float8_e4m3fn with a `<name>_scale` FP32 row scale.
+        kernels: run the Triton kernels where they can run (CUDA tensors, or the interpreter), else the
+            torch twins.
     """
 
     def __init__(
@@ -593,12 +603,13 @@ class Qwen4ExpModel(nn.Module):
         dtype=torch.float32,
         device="cpu",
         fp8_row_scaled=(),
+        kernels: bool = False,
     ):
         super().__init__()
         if args.ple_layer_ids and ple_table is None:
             raise ValueError(f"config has PLE layers {args.ple_layer_ids} but no PLE table was given")
         self.args, self.dtype, self.device = args, dtype, torch.device(device)
-        w = Weights(tensors, dtype, device, fp8_row_scaled)
+        w = Weights(tensors, dtype, device, fp8_row_scaled, kernels)
         embed = tensors.get("embed_tokens.weight")
         if embed is None or tuple(embed.shape) != (args.vocab_size, args.hidden_size):
             raise ValueError(f"embed_tokens.weight missing or not [{args.vocab_size}, {args.hidden_size}]")

@@ -4,9 +4,9 @@ Eager points of a one-token step: the token's host inputs, in one stage: its emb
 every PLE layer's rows (hashed and read on the host, uploaded as stored); the streams, RoPE rows, PLE decoding
 and PLE maths made from them are captured. Then each QSA layer's block selection (transformers' top-k runs
 over exactly the visible blocks, a length that follows the position) and the expert bank's host work (it reads
-the routing ids back to fetch experts; a bank with `decode_prepare` keeps only that eager, its kernels read
-the slots through fixed addresses and are captured; a bank whose blocks all have a fixed place,
-`decode_fixed`, has no host work left and no eager point: its programs are captured anew once it is).
+the routing ids back to fetch experts; a "staged" bank (experts/bank.py) keeps only that eager, its kernels
+read the slots through fixed addresses and are captured; a "fixed" bank, whose blocks all have a fixed
+place, has no host work left and no eager point: its programs are captured anew once it is).
 Everything between two of them keeps its shapes and addresses from token to token, so it is captured once and
 replayed: whole GDN layers, QSA projections, KV writes and attention over a fixed window of `kv_bucket` rows
 under the selection's mask, hyper-connections, routers and the next layer's guess, routed and shared experts,
@@ -84,14 +84,15 @@ def _layer_ops(
     names = ("x", "u", "c", "top_i", "top_w", "shared_gate", "shared")
     ops.append((True, lambda e, s: dict(zip(names, layer.moe_in(e["x"], e["y"], e["c"])))))
     bank = layer.mlp.bank
-    if getattr(bank, "decode_fixed", False):  # every block placed for good: no host work, no guesses
+    mode = bank.decode_mode
+    if mode == "fixed":  # every block placed for good: no host work, no guesses
         ops.append((True, lambda e, s: {"routed": bank.decode_compute(i, e["u"], e["top_i"], e["top_w"])}))
-    elif hasattr(bank, "decode_prepare"):  # a bank with slots: only its host work (fetch, map) stays eager
+    elif mode == "staged":  # a bank with slots: only its host work (fetch, map) stays eager
         ops.append((True, lambda e, s: {"want": bank.decode_want(i, e["u"], e["top_i"])}))
         ops.append((False, lambda e, s: bank.decode_prepare(i, e["want"], e["top_i"].shape[1]) or {}))
         ops.append((True, lambda e, s: {"routed": bank.decode_compute(i, e["u"], e["top_i"], e["top_w"])}))
-        if hasattr(bank, "decode_stage"):  # the next layer's guesses to VRAM behind this kernel (side stream)
-            ops.append((True, lambda e, s: bank.decode_stage(i, e["want"], e["top_i"].shape[1]) or {}))
+        # the next layer's guesses to VRAM behind this kernel (side stream)
+        ops.append((True, lambda e, s: bank.decode_stage(i, e["want"], e["top_i"].shape[1]) or {}))
     else:
         ops.append((False, lambda e, s: {"routed": bank(i, e["u"], e["top_i"], e["top_w"])}))
     ops.append(
@@ -132,7 +133,7 @@ def decode_program(
         (True, lambda e, s: _embed(model, e)),
     ]
     for bank in _banks(model):  # layer 0's guesses to VRAM over its attention (side stream)
-        if hasattr(bank, "decode_stage_first") and not getattr(bank, "decode_fixed", False):
+        if bank.decode_mode == "staged":
             ops.append((True, lambda e, s, bank=bank: bank.decode_stage_first(e["row"]) or {}))
     for i, layer in enumerate(model.layers):
         ops += _layer_ops(model, i, layer, st, kv_len)
@@ -144,7 +145,7 @@ def decode_program(
         else:
             runs.append((graphable, [fn]))
     # a captured stretch ends joined: side-stream work it queued (staged guesses) is waited for inside it
-    joins = [b.decode_join for b in _banks(model) if hasattr(b, "decode_join")]
+    joins = [b.decode_join for b in _banks(model) if b.decode_mode != "eager"]
     for graphable, fns in runs:
         if graphable:
             fns.extend(lambda e, s, join=join: join() or {} for join in joins)
@@ -195,7 +196,7 @@ class DecodeGraphs:
         self.captures = 0  # (state, KV bucket) programs captured so far (stats)
         self._banks = _banks(model)
         # host work a bank starts once the device work before it is queued (the next layer's guesses)
-        self._launched = [b.decode_launched for b in self._banks if hasattr(b, "decode_launched")]
+        self._launched = [b.decode_launched for b in self._banks]
         # per bank, the routed blocks one token reads: what a fixed bank counts without decode_prepare
         k = model.args.num_experts_per_tok
         self._reads = [sum(layer.mlp.bank is b for layer in model.layers) * k for b in self._banks]
@@ -209,7 +210,7 @@ class DecodeGraphs:
         ids = ids.cpu()
         step, kv_len = _Step(ids, st), kv_bucket(st.pos + 1, st.max_model_len)
         # which banks have every block placed for good: the program (and its graphs) depend on it
-        fixed = tuple(getattr(b, "decode_fixed", False) for b in self._banks)
+        fixed = tuple(b.decode_mode == "fixed" for b in self._banks)
         if not self.capture or not self.warm:
             env: dict = {}
             for graphable, fns in decode_program(self.model, st, kv_len, self._upload):
@@ -220,7 +221,7 @@ class DecodeGraphs:
             self.warm = True
         else:
             graphs = self._states.setdefault(st, _StateGraphs())
-            key = (kv_len, fixed, tuple(getattr(b, "resident", None) for b in self._banks))
+            key = (kv_len, fixed, tuple(b.resident for b in self._banks))
             cap = graphs.by_window.get(key)
             if cap is None:
                 cap = graphs.by_window[key] = self._capture(graphs, st, step, kv_len)

@@ -16,7 +16,6 @@ from expertstream.formats.fp8 import quantize_fp8_rows
 from expertstream.formats.text_config import check_config
 from expertstream.log import get_logger
 from expertstream.memory_plan import MemoryPlan, gpu_budget
-from expertstream.models import base
 from expertstream.models.base import ModelArgs
 from expertstream.models.batched import forward_many
 from expertstream.models.qwen4_exp import Qwen4ExpModel
@@ -99,12 +98,15 @@ class Engine:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
         gpu = self.device.type == "cuda" and config.kernels != "torch"
+        # the small ops, FP8 matmuls and guesses: Triton where the expert kernels run, or when asked for
+        kernels = gpu or config.kernels == "triton"
         self.plan = self._plan_gpu_memory() if self.device.type == "cuda" else None
         # sequences a scheduler may run together (each a state from new_state())
         self.max_num_seqs = self.plan.max_num_seqs if self.plan else config.max_num_seqs
         alloc = {}
         if gpu:
-            from expertstream.experts.gpu_bank import GpuExperts, pinned_alloc
+            from expertstream.experts.gpu_bank import GpuExperts
+            from expertstream.store.reader import pinned_alloc
 
             alloc = {"alloc": pinned_alloc}
         self.store = ExpertStore(
@@ -147,11 +149,11 @@ class Engine:
                 control,
                 speculate,
                 config.speculation_width,
-                self.cpu_threads,
+                threads=self.cpu_threads,
+                kernels=kernels,
             )
             if config.stage_guesses > 0:
                 log.warning("--stage-guesses ignored: it stages blocks into VRAM for the CUDA expert bank")
-        base.use_triton(gpu)
         if self.plan:
             piece, span, chunk = self.plan.prefill_piece, self.plan.prefill_span, self.plan.prefill_chunk
         else:
@@ -181,7 +183,9 @@ class Engine:
             tensors[name] = routers[layer] = tensors[name].to(self.device, self.dtype)
         self.bank.set_router_weights(routers)
         # the embedding stays in host RAM: one row per token is gathered there
-        self.model = Qwen4ExpModel(self.args, tensors, self.bank, self.ple, self.dtype, self.device, fp8)
+        self.model = Qwen4ExpModel(
+            self.args, tensors, self.bank, self.ple, self.dtype, self.device, fp8, kernels
+        )
         self.decode = None  # one-token steps through CUDA graphs (runtime/decode_graphs.py)
         if self.device.type == "cuda" and not config.enforce_eager:
             from expertstream.runtime.decode_graphs import DecodeGraphs
@@ -239,8 +243,7 @@ class Engine:
         if piece <= 0 or span < piece:
             raise ValueError(f"prefill needs 0 < piece <= span, got piece {piece}, span {span}")
         self.prefill_piece, self.prefill_span = piece, span
-        if hasattr(self.bank, "prefill_chunk"):
-            self.bank.prefill_chunk = chunk or piece
+        self.bank.set_prefill_chunk(chunk or piece)
 
     def new_state(self) -> State:
         """An empty conversation with KV and indexer keys preallocated for max_model_len."""
@@ -304,8 +307,6 @@ class Engine:
     def stats(self) -> EngineStats:
         s, spec = self.store.stats, self.bank.spec.stats if self.bank.spec is not None else SpecStats()
         unused_reads = s.prefetches - s.prefetch_hits
-        staged, hits = self.bank.stage_counts() if hasattr(self.bank, "stage_counts") else (0, 0)
-        hot = self.bank.hot_hits() if hasattr(self.bank, "hot_hits") else 0
         return EngineStats(
             requests=s.requests,
             hits=s.hits,
@@ -319,21 +320,12 @@ class Engine:
             spec_wasted_bytes=unused_reads * self.store.block_bytes,
             prefetch_bytes_read=s.prefetches * self.store.block_bytes,
             host_syncs=self.bank.host_syncs,
-            bank_decode_seconds=getattr(self.bank, "decode_seconds", 0.0),
-            bank_sync_seconds=getattr(self.bank, "sync_seconds", 0.0),
-            bank_spec_seconds=getattr(self.bank, "spec_seconds", 0.0),
-            bus_read_bytes=getattr(self.bank, "bytes_in_place", 0),
-            resident_reads=getattr(self.bank, "resident_reads", 0),
-            resident_ram_reads=getattr(self.bank, "resident_ram_reads", 0) - hits - hot,
-            staged_blocks=staged,
-            stage_hits=hits,
-            hot_hits=hot,
+            **dataclasses.asdict(self.bank.counters()),  # BankCounters' fields are EngineStats' own
         )
 
     def close(self) -> None:
         """Stop the readers and give the VRAM back (weights, slots), so another engine can plan on it."""
-        if hasattr(self.bank, "close"):
-            self.bank.close()
+        self.bank.close()
         self.store.close()
         if self.ple is not None:
             self.ple.close()

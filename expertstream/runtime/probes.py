@@ -42,7 +42,7 @@ def disk_rate(path: Path, block_bytes: int, threads: int, n: int = 768) -> float
 def pcie_rate(nbytes: int = 1 << 30, block: int | None = None) -> float:
     """GB/s of pinned host->device copies of `nbytes`: one copy (the bus's rate, the bound's), or with
     `block` one copy call per block at random rows, as decode's routed blocks cross (context only: on the
-    H200 2.76 MB blocks crossed at ~0.94 of the one-copy rate, scripts/h2d_probe.py)."""
+    H200 2.76 MB blocks cross at ~0.94 of the one-copy rate)."""
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     if block is None:

@@ -10,6 +10,7 @@ import errno
 import mmap
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -30,6 +31,24 @@ def alloc_aligned(nbytes: int) -> torch.Tensor:
     """[nbytes] uint8 host memory starting on a page boundary (what O_DIRECT and cudaHostRegister need)."""
     mm = mmap.mmap(-1, max(nbytes, 1))  # anonymous mappings are page-aligned; the tensor keeps `mm` alive
     return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+
+
+def pinned_alloc(nbytes: int) -> torch.Tensor:
+    """Page-aligned host memory registered with CUDA, so O_DIRECT reads land where DMA copies start.
+
+    The registration is dropped before the mapping is freed: a later mapping at the same address must not
+    inherit a stale registration (cudaErrorHostMemoryAlreadyRegistered).
+    """
+    mm = mmap.mmap(-1, max(nbytes, 1))  # anonymous mappings are page-aligned; the tensor keeps `mm` alive
+    buf = torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+    if nbytes and torch.cuda.is_available():
+        cudart, ptr = torch.cuda.cudart(), buf.data_ptr()
+        err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            log.warning("cudaHostRegister of %d B failed (%s): copies will be staged", nbytes, err)
+        else:
+            weakref.finalize(mm, cudart.cudaHostUnregister, ptr)
+    return buf
 
 
 class BlockReader:
