@@ -174,24 +174,64 @@ class StreamedExperts(ExpertBank):
         if guess is not None:  # after the demand request: its reads are queued ahead of the guesses
             self.spec.issue(layer + 1, guessed, self.store.prefetch([(layer + 1, e) for e in guessed]))
         try:
-            if self.kernel and x.device.type == "cpu" and x.shape[0] <= cpu_moe.TMAX:
-                return self._kernel_sum(layer, x, expert_ids, weights, uniq, experts, by_expert)
-            return routed_sum(
-                x,
-                expert_ids,
-                weights,
-                experts,
-                lambda e: self._decode(layer, e, self._wait(by_expert[e]), x.device),
-                segments,
+            segs = segments or [(0, x.shape[0])]
+            # a sequence of at most TMAX rows goes through the C kernel, as it would alone (its per-token
+            # sums do not depend on the other rows of a call); longer ones through the torch sum
+            small = (
+                [(a, b) for a, b in segs if b - a <= cpu_moe.TMAX]
+                if self.kernel and x.device.type == "cpu"
+                else []
             )
+            large = [seg for seg in segs if seg not in small]
+            out = None
+            if large:
+                rows = torch.cat([torch.arange(a, b) for a, b in large]) if segments else None
+                xs = x if rows is None else x[rows]
+                cut = [0]
+                for a, b in large:
+                    cut.append(cut[-1] + b - a)
+                part = routed_sum(
+                    xs,
+                    expert_ids if rows is None else expert_ids[rows],
+                    weights if rows is None else weights[rows],
+                    experts,
+                    lambda e: self._decode(layer, e, self._wait(by_expert[e]), x.device),
+                    None if rows is None else list(zip(cut[:-1], cut[1:])),
+                )
+                if rows is None:
+                    return part
+                out = torch.zeros_like(x)
+                out[rows] = part
+            for group in _groups(small, cpu_moe.TMAX):
+                rows = torch.cat([torch.arange(a, b) for a, b in group])
+                part = self._kernel_sum(layer, x[rows], expert_ids[rows], weights[rows], by_expert)
+                if out is None and rows.numel() == x.shape[0]:
+                    return part
+                out = torch.zeros_like(x) if out is None else out
+                out[rows] = part
+            return out
         finally:
             for h in handles:
                 h.release()
 
-    def _kernel_sum(self, layer, x, expert_ids, weights, uniq, experts, by_expert) -> torch.Tensor:
+    def _kernel_sum(self, layer, x, expert_ids, weights, by_expert) -> torch.Tensor:
         t = x.shape[0]
+        uniq = torch.unique(expert_ids)
+        experts = uniq.tolist()
         blocks = [self._wait(by_expert[e]) for e in experts]
         wt = torch.zeros(len(experts), t)  # [n, T] routing weight of expert row j for token t
         wt[torch.searchsorted(uniq, expert_ids), torch.arange(t)[:, None]] = weights.float()
         ws2 = self.weight_scale_2[layer, experts]  # [n, 3]
         return cpu_moe.moe(blocks, ws2, wt, x, self.layout, self.threads()).to(x.dtype)
+
+
+def _groups(segments: list[tuple[int, int]], rows: int) -> list[list[tuple[int, int]]]:
+    """Whole segments packed in order into groups of at most `rows` rows (each segment has at most `rows`)."""
+    groups, n = [], rows
+    for a, b in segments:
+        if n + b - a > rows:
+            groups.append([])
+            n = 0
+        groups[-1].append((a, b))
+        n += b - a
+    return groups
