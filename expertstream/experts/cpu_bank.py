@@ -33,14 +33,19 @@ def routed_sum(
     weights: torch.Tensor,
     experts: list[int],
     expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
-    """Sum over each token's routed experts; `expert_weights(e)` -> (gate [I, H], up [I, H], down [H, I])."""
+    """Sum over each token's routed experts; `expert_weights(e)` -> (gate [I, H], up [I, H], down [H, I]).
+    `swiglu_limit` clamps gate x above and up x on both sides first (DeepSeek-V4)."""
     out = torch.zeros_like(x)
     for e in experts:
         tok, slot = torch.where(expert_ids == e)
         gate, up, down = expert_weights(e)
         xe = x[tok]
-        h = F.silu(F.linear(xe, gate)) * F.linear(xe, up)  # [n, I]
+        g, u = F.linear(xe, gate), F.linear(xe, up)  # [n, I]
+        if swiglu_limit is not None:
+            g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
+        h = F.silu(g) * u
         y = F.linear(h, down) * weights[tok, slot, None].to(x.dtype)
         out.index_add_(0, tok, y)
     return out
@@ -49,8 +54,10 @@ def routed_sum(
 class DenseExperts:
     """In-memory bank in transformers' layout: per layer gate_up [E, 2I, H] (gate first), down [E, H, I]."""
 
-    def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]):
-        self.gate_up, self.down = gate_up, down
+    def __init__(
+        self, gate_up: list[torch.Tensor], down: list[torch.Tensor], swiglu_limit: float | None = None
+    ):
+        self.gate_up, self.down, self.swiglu_limit = gate_up, down, swiglu_limit
 
     def __call__(
         self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
@@ -62,7 +69,8 @@ class DenseExperts:
             w = gu[e].to(x.dtype)
             return w[:i], w[i:], dn[e].to(x.dtype)
 
-        return routed_sum(x, expert_ids, weights, torch.unique(expert_ids).tolist(), expert_weights)
+        experts = torch.unique(expert_ids).tolist()
+        return routed_sum(x, expert_ids, weights, experts, expert_weights, self.swiglu_limit)
 
 
 def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:

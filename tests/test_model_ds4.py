@@ -1,0 +1,103 @@
+"""models/deepseek_v4.py against transformers' deepseek_v4 (eager, FP32) on the tiny synthetic checkpoint:
+our forward reads the FP8 + MXFP4 files and dequantizes them, transformers loads the exact BF16 twin.
+Bounds are check's FP32 ones; controls that change one piece of the network must break them."""
+
+import pytest
+import torch
+
+from expertstream.commands.check import FP32_THRESHOLDS
+from expertstream.experts.cpu_bank import DenseExperts
+from expertstream.formats.snapshot import Snapshot
+from expertstream.models import deepseek_v4 as ds4
+from expertstream.synth.deepseek_v4 import write_synthetic_ds4
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds4m")
+    q = write_synthetic_ds4(root / "fp8", "ds4-tiny", seed=4)
+    twin = write_synthetic_ds4(root / "bf16", "ds4-tiny", seed=4, dtype="bf16")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        twin, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    snap = Snapshot(q)
+    args = ds4.DeepseekV4Args.from_dict(snap.config)
+    gate_up, down = ds4.dense_experts(snap, args)
+    return args, ds4.load_weights(snap), (gate_up, down), ref
+
+
+def _ours(args, weights, experts, ids):
+    bank = DenseExperts(*experts, swiglu_limit=args.swiglu_limit)
+    with torch.no_grad():
+        return ds4.DeepseekV4Model(args, weights, bank)(ids)
+
+
+def _ids(t: int, vocab: int) -> torch.Tensor:
+    return (torch.arange(t) * 7 + 3) % vocab
+
+
+@pytest.mark.parametrize("t", [3, 37, 300])  # 300: CSA keeps 4 of 75 entries, HCA has two
+def test_matches_transformers_in_fp32(pair, t):
+    args, weights, experts, ref = pair
+    ids = _ids(t, args.vocab_size)
+    ours = _ours(args, weights, experts, ids)
+    with torch.no_grad():
+        theirs = ref(ids[None]).logits[0]
+    diff = (ours - theirs).abs()
+    assert diff.mean() <= FP32_THRESHOLDS.mean_abs and diff.max() <= FP32_THRESHOLDS.max_abs
+    assert theirs.std() > 0.5  # logits that carry signal
+
+
+@pytest.mark.parametrize(
+    "control",
+    ["sinks", "indexer", "hca", "hash", "sinkhorn", "swiglu-limit", "swap-nibbles", "grouped-o"],
+)
+def test_controls_break_the_match(pair, control):
+    args, weights, experts, ref = pair
+    w, (gu, dn), a = dict(weights), experts, args
+    if control == "sinks":
+        w["layers.1.attn.attn_sink"] = torch.zeros_like(w["layers.1.attn.attn_sink"])
+    elif control == "indexer":  # other scores pick other entries
+        w["layers.3.attn.indexer.weights_proj.weight"] = -w["layers.3.attn.indexer.weights_proj.weight"]
+    elif control == "hca":
+        w["layers.2.attn.compressor.ape"] = w["layers.2.attn.compressor.ape"].flip(0) * 5
+    elif control == "hash":
+        w["layers.0.ffn.gate.tid2eid"] = (w["layers.0.ffn.gate.tid2eid"] + 1) % a.n_routed_experts
+    elif control == "sinkhorn":
+        a = type(args).from_dict({**{f: getattr(args, f) for f in args.__slots__}, "hc_sinkhorn_iters": 1})
+    elif control == "swiglu-limit":
+        a = type(args).from_dict({**{f: getattr(args, f) for f in args.__slots__}, "swiglu_limit": 0.05})
+    elif control == "swap-nibbles":
+        # the nibble order decides every code: layer 3's experts as if each byte's nibbles were swapped
+        gu = list(gu)
+        gu[3] = gu[3].unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    elif control == "grouped-o":
+        wo = w["layers.1.attn.wo_a.weight"].view(a.o_groups, a.o_lora_rank, -1)
+        w["layers.1.attn.wo_a.weight"] = wo.flip(0).reshape(-1, wo.shape[-1])
+    ids = _ids(300, args.vocab_size)
+    ours = _ours(a, w, (gu, dn), ids)
+    with torch.no_grad():
+        theirs = ref(ids[None]).logits[0]
+    assert (ours - theirs).abs().max() > FP32_THRESHOLDS.max_abs * 10, control
+
+
+def test_yarn_frequencies_are_transformers(pair):
+    args, _, _, ref = pair
+    rot = ref.model.rotary_emb
+    assert torch.allclose(ds4.inv_freq(args, compressed=True), rot.compress_inv_freq, rtol=1e-6, atol=0)
+    assert torch.allclose(ds4.inv_freq(args, compressed=False), rot.main_inv_freq, rtol=1e-6, atol=0)
+    assert not torch.allclose(rot.compress_inv_freq, 1.0 / (160000 ** (torch.arange(0, 8, 2) / 8)))
+
+
+def test_unknown_compress_ratio_is_one_sentence():
+    with pytest.raises(ValueError, match="compress ratios \\[16\\]"):
+        ds4.DeepseekV4Args.from_dict(
+            dict(
+                vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=1, head_dim=8,
+                qk_rope_head_dim=4, q_lora_rank=8, o_groups=1, o_lora_rank=8, index_n_heads=1,
+                index_head_dim=8, index_topk=1, sliding_window=4, n_routed_experts=2,
+                num_experts_per_tok=1, moe_intermediate_size=8, num_hash_layers=0, compress_ratios=[16],
+            )
+        )  # fmt: skip
