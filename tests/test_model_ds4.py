@@ -101,3 +101,32 @@ def test_unknown_compress_ratio_is_one_sentence():
                 num_experts_per_tok=1, moe_intermediate_size=8, num_hash_layers=0, compress_ratios=[16],
             )
         )  # fmt: skip
+
+
+def test_mxfp4_experts_repack_into_one_page_aligned_block_each(tmp_path):
+    from expertstream.formats.expert_block import ALIGN, ExpertLayout
+
+    snap = Snapshot(write_synthetic_ds4(tmp_path / "q", "ds4-tiny", seed=2))
+    args = ds4.DeepseekV4Args.from_dict(snap.config)
+    layout = ExpertLayout.for_format("mxfp4", args.hidden_size, args.moe_intermediate_size)
+    assert layout.block_bytes % ALIGN == 0 and layout.block_bytes >= layout.payload_bytes
+    assert ExpertLayout.from_json(layout.to_json()) == layout
+    gate_up, down = ds4.dense_experts(snap, args)
+    x = "layers.2.ffn.experts.5"
+    tensors = {}
+    for proj, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+        tensors[f"{proj}.weight"] = snap.read(f"{x}.{w}.weight")
+        tensors[f"{proj}.weight_scale"] = snap.read(f"{x}.{w}.scale")
+    block = torch.frombuffer(bytearray(layout.pack(tensors)), dtype=torch.uint8)
+    g, u, d = layout.dequantize(block, None)
+    i = args.moe_intermediate_size
+    assert (
+        torch.equal(g, gate_up[2][5, :i]) and torch.equal(u, gate_up[2][5, i:]) and torch.equal(d, down[2][5])
+    )
+    # the published dimensions: 3,264 pages a block, 43 layers x 6 experts a token
+    real = ExpertLayout.for_format("mxfp4", 4096, 2048)
+    assert real.payload_bytes == real.block_bytes == 13_369_344 == 3264 * ALIGN
+    assert 43 * 6 * real.block_bytes == 3_449_290_752  # expert bytes per token, 3.21 GiB
+    assert ExpertLayout.for_format("nvfp4", 4096, 2048) == ExpertLayout.for_dims(4096, 2048)
+    with pytest.raises(ValueError, match="unknown expert format"):
+        ExpertLayout.for_format("int4", 64, 32)
