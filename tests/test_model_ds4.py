@@ -130,3 +130,19 @@ def test_mxfp4_experts_repack_into_one_page_aligned_block_each(tmp_path):
     assert ExpertLayout.for_format("nvfp4", 4096, 2048) == ExpertLayout.for_dims(4096, 2048)
     with pytest.raises(ValueError, match="unknown expert format"):
         ExpertLayout.for_format("int4", 64, 32)
+
+
+def test_prefill_then_decode_steps_equal_the_whole_prompt(pair):
+    # 125 prompt tokens then 11 steps: CSA windows close every 4 tokens, HCA's first at token 128, and the
+    # sliding window drops keys on the way
+    args, weights, experts, _ = pair
+    ids = _ids(136, args.vocab_size)
+    whole = _ours(args, weights, experts, ids)
+    model = ds4.DeepseekV4Model(args, weights, DenseExperts(*experts, swiglu_limit=args.swiglu_limit))
+    st = ds4.State.new(args)
+    with torch.no_grad():
+        steps = [model(ids[:125], st)] + [model(ids[t : t + 1], st) for t in range(125, 136)]
+    got = torch.cat(steps)
+    assert st.length == 136 and st.layers[2].comp.entries.shape[0] == 1 and st.layers[0].kv.shape[0] == 8
+    assert (got - whole).abs().max() <= FP32_THRESHOLDS.max_abs / 10
+    assert (got[125:] - whole[124:-1]).abs().max() > 1  # the rows compared are the positions they claim

@@ -1,4 +1,4 @@
-"""DeepSeek-V4-Flash, the network only: a whole-prompt forward in plain torch (no decode state yet).
+"""DeepSeek-V4-Flash, the network only, in plain torch: a prompt, then decode steps on its `State`.
 
 Per layer: manifold-constrained hyper-connections (hc streams, Sinkhorn-projected residual mixing) around
 an attention block (MQA over one shared K=V head with partial interleaved RoPE, per-head sinks, a sliding
@@ -121,6 +121,17 @@ def rope(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, inverse: bool =
     return torch.cat([nope, (r * cos + rot * sin).to(x.dtype)], -1)
 
 
+@dataclass
+class CompressorState:
+    """A compressor across calls: the projections of the open window's tokens, CSA's previous window's
+    first half (kv and gate [ratio, width]), and every entry emitted so far [n, width]."""
+
+    kv: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
+    prev: tuple[torch.Tensor, torch.Tensor] | None = None
+    entries: torch.Tensor | None = None
+
+
 class Compressor(nn.Module):
     """One compressed KV entry per `ratio` tokens: a softmax-gated sum (with a learned position bias) of the
     window's projections, RMS-normed and roped at the window's first position. CSA (overlap) mixes the
@@ -132,19 +143,54 @@ class Compressor(nn.Module):
         self.kv, self.gate = w[f"{p}.wkv.weight"], w[f"{p}.wgate.weight"]
         self.ape, self.norm = w[f"{p}.ape"], w[f"{p}.norm.weight"]
 
-    def forward(self, x: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freq: torch.Tensor, st: CompressorState) -> torch.Tensor:
+        """x [T, H] the new tokens -> every entry so far [n, width] (st updated)."""
         m, d = self.ratio, self.width
-        n = x.shape[0] // m
-        kv = F.linear(x[: n * m], self.kv).view(n, m, -1)
-        gate = F.linear(x[: n * m], self.gate).view(n, m, -1) + self.ape
+        kv, gate = F.linear(x, self.kv), F.linear(x, self.gate)
+        if st.kv is not None:
+            kv, gate = torch.cat([st.kv, kv]), torch.cat([st.gate, gate])
+        n = kv.shape[0] // m
+        st.kv, st.gate = kv[n * m :], gate[n * m :]
+        if st.entries is None:
+            st.entries = kv.new_zeros(0, d)
+        if n == 0:
+            return st.entries
+        kv, gate = kv[: n * m].view(n, m, -1), gate[: n * m].view(n, m, -1) + self.ape
         if self.overlap:
-            # slots [0, m): the previous window's first half (none for window 0); [m, 2m): this window's 2nd
-            prev_kv = torch.cat([kv.new_zeros(1, m, d), kv[:-1, :, :d]])
-            prev_gate = torch.cat([gate.new_full((1, m, d), float("-inf")), gate[:-1, :, :d]])
+            # slots [0, m): the previous window's first half (none before window 0), [m, 2m): this one's 2nd
+            pk, pg = st.prev or (kv.new_zeros(m, d), gate.new_full((m, d), float("-inf")))
+            st.prev = (kv[-1, :, :d], gate[-1, :, :d])
+            prev_kv = torch.cat([pk[None], kv[:-1, :, :d]])
+            prev_gate = torch.cat([pg[None], gate[:-1, :, :d]])
             kv, gate = torch.cat([prev_kv, kv[..., d:]], 1), torch.cat([prev_gate, gate[..., d:]], 1)
         mixed = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(1)
-        entries = rms_norm(mixed, self.norm, self.eps)
-        return rope(entries[:, None], torch.arange(n) * m, freq)[:, 0]  # [n, d]
+        first = st.entries.shape[0]
+        new = rope(rms_norm(mixed, self.norm, self.eps)[:, None], (first + torch.arange(n)) * m, freq)[:, 0]
+        st.entries = torch.cat([st.entries, new])
+        return st.entries
+
+
+@dataclass
+class LayerState:
+    """One attention layer across calls: the sliding window's last keys and their positions, the
+    compressors' states."""
+
+    kv: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+    comp: CompressorState = dataclasses.field(default_factory=CompressorState)
+    index: CompressorState = dataclasses.field(default_factory=CompressorState)
+
+
+@dataclass
+class State:
+    """A sequence across calls (prefill, then decode token by token)."""
+
+    layers: list[LayerState]
+    length: int = 0
+
+    @classmethod
+    def new(cls, args: DeepseekV4Args) -> State:
+        return cls([LayerState() for _ in range(args.num_hidden_layers)])
 
 
 class Attention(nn.Module):
@@ -163,10 +209,10 @@ class Attention(nn.Module):
             self.index_w = w[f"{p}.indexer.weights_proj.weight"]
         self.freq = inv_freq(a, compressed=kind != "sliding")
 
-    def selected(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def selected(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
         """The lightning indexer: [T, n] bool, the top-k compressed entries each query may see."""
         a = self.a
-        keys = self.index(x, self.freq)  # [n, c]
+        keys = self.index(x, self.freq, st.index)  # [n, c]
         q = rope(F.linear(qr, self.index_q).view(len(pos), a.index_n_heads, -1), pos, self.freq)
         s = F.relu(torch.einsum("thc,nc->thn", q.float(), keys.float())) * a.index_head_dim**-0.5
         wts = F.linear(x, self.index_w).float() * a.index_n_heads**-0.5  # [T, heads]
@@ -175,7 +221,8 @@ class Attention(nn.Module):
         top = score.masked_fill(~ready, float("-inf")).topk(min(a.index_topk, keys.shape[0]), -1).indices
         return torch.zeros_like(ready).scatter_(1, top, True) & ready
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
+        """x [T, H] at positions pos [T] (contiguous, after the st.pos already seen) -> [T, H]."""
         a, w, t = self.a, self.w, x.shape[0]
         qr = rms_norm(F.linear(x, w["wq_a"]), w["q_norm"], a.rms_norm_eps)
         q = rms_norm(F.linear(qr, w["wq_b"]).view(t, a.num_attention_heads, a.head_dim), None, a.rms_norm_eps)
@@ -183,12 +230,16 @@ class Attention(nn.Module):
         kv = rope(rms_norm(F.linear(x, w["wkv"]), w["kv_norm"], a.rms_norm_eps)[:, None], pos, self.freq)[
             :, 0
         ]
-        dist = pos[:, None] - pos[None]
-        mask = (dist >= 0) & (dist < a.sliding_window)  # [T, T] the local window
-        if self.compressor is not None and t >= self.compressor.ratio:
-            entries = self.compressor(x, self.freq)
+        kpos = pos
+        if st.kv is not None:
+            kv, kpos = torch.cat([st.kv, kv]), torch.cat([st.pos, pos])
+        st.kv, st.pos = kv[-a.sliding_window :], kpos[-a.sliding_window :]
+        dist = pos[:, None] - kpos[None]
+        mask = (dist >= 0) & (dist < a.sliding_window)  # [T, keys] the local window
+        if self.compressor is not None:
+            entries = self.compressor(x, self.freq, st.comp)
             if self.kind == "csa":
-                seen = self.selected(x, qr, pos)
+                seen = self.selected(x, qr, pos, st)
             else:
                 seen = torch.arange(entries.shape[0])[None] < ((pos + 1) // self.compressor.ratio)[:, None]
             kv, mask = torch.cat([kv, entries]), torch.cat([mask, seen], 1)
@@ -282,16 +333,22 @@ class DeepseekV4Model(nn.Module):
         # the block output spread over the streams plus the Sinkhorn-mixed residual streams [T, hc, H]
         return post.to(y.dtype)[..., None] * y[:, None] + comb.to(y.dtype).transpose(-1, -2) @ streams
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, st: State | None = None) -> torch.Tensor:
+        """ids [T] -> logits [T, V]; with `st`, the tokens continue that sequence (and st is updated)."""
         a, w, eps = self.a, self.w, self.a.rms_norm_eps
-        pos = torch.arange(ids.shape[0])
+        st = st or State.new(a)
+        pos = st.length + torch.arange(ids.shape[0])
+        st.length += ids.shape[0]
         x = w["embed.weight"][ids]
         streams = x[:, None].expand(-1, a.hc_mult, -1).contiguous()
         for i in range(a.num_hidden_layers):
             p = f"layers.{i}"
             post, comb, c = self.attn_hc[i](streams)
             streams = self.mix(
-                streams, post, comb, self.attn[i](rms_norm(c, w[f"{p}.attn_norm.weight"], eps), pos)
+                streams,
+                post,
+                comb,
+                self.attn[i](rms_norm(c, w[f"{p}.attn_norm.weight"], eps), pos, st.layers[i]),
             )
             post, comb, c = self.ffn_hc[i](streams)
             streams = self.mix(
