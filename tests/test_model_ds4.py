@@ -146,3 +146,20 @@ def test_prefill_then_decode_steps_equal_the_whole_prompt(pair):
     assert st.length == 136 and st.layers[2].comp.entries.shape[0] == 1 and st.layers[0].kv.shape[0] == 8
     assert (got - whole).abs().max() <= FP32_THRESHOLDS.max_abs / 10
     assert (got[125:] - whole[124:-1]).abs().max() > 1  # the rows compared are the positions they claim
+
+
+def test_transformers_reference_from_the_quantized_snapshot_is_transformers_own_conversion(tmp_path):
+    # check's truth: transformers' model holding the FP8 + MXFP4 snapshot's dequantized weights under our
+    # renames, equal to what transformers' own conversion mapping makes of the BF16 twin
+    q = write_synthetic_ds4(tmp_path / "q", "ds4-tiny", seed=6)
+    twin = write_synthetic_ds4(tmp_path / "t", "ds4-tiny", seed=6, dtype="bf16")
+    ours = ds4.transformers_reference(Snapshot(q))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        twin, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert set(a) == set(b)
+    assert all(torch.equal(a[k].float(), b[k].float()) for k in a)
+    ids = _ids(140, ours.config.vocab_size)[None]
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
