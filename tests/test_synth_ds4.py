@@ -193,11 +193,14 @@ def test_cli_writes_ds4_and_refuses_nvfp4(tmp_path):
     assert c["num_hidden_layers"] == 2 and c["n_routed_experts"] == 4 and c["compress_ratios"] == [0, 4]
     assert cli_main(["synth", str(tmp_path / "b"), "--preset", "ds4-tiny", "--dtype", "nvfp4"]) == 1
     assert cli_main(["synth", str(tmp_path / "c"), "--dtype", "fp8"]) == 1
+    assert cli_main(["synth", str(tmp_path / "d"), "--preset", "ds4-tiny", "--experts", "1"]) == 1
+    with pytest.raises(ValueError, match="fewer than the 2 each token routes to"):
+        write_synthetic_ds4(tmp_path / "d", "ds4-tiny", experts=1)
 
 
 @pytest.mark.slow
 def test_full_shape_has_the_published_dimensions(tmp_path):
-    snap = Snapshot(write_synthetic_ds4(tmp_path / "full", "ds4-full-shape", layers=4, experts=1))
+    snap = Snapshot(write_synthetic_ds4(tmp_path / "full", "ds4-full-shape", layers=4, experts=6))
     c, t = snap.config, snap.tensors
     assert c["compress_ratios"] == [0, 0, 4, 128] and c["num_hash_layers"] == 3
     assert t["layers.3.ffn.experts.0.w1.weight"].shape == (2048, 2048)

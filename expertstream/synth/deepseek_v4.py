@@ -73,6 +73,11 @@ def build_config(preset: str, layers: int | None, experts: int | None, vocab: in
         d["num_hidden_layers"] = layers
     if experts is not None:
         d["n_routed_experts"] = experts
+    if d["n_routed_experts"] < d["num_experts_per_tok"]:
+        raise ValueError(
+            f"--experts {d['n_routed_experts']} is fewer than the {d['num_experts_per_tok']} each token "
+            "routes to"
+        )
     d["num_hash_layers"] = min(d["num_hash_layers"], d["num_hidden_layers"])
     n = d["num_hidden_layers"]
     ratios = compress_ratios(n) if preset != "ds4-tiny" else [0, 4, 128, 4] * (n // 4) + [0, 4, 128][: n % 4]

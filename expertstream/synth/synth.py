@@ -554,10 +554,14 @@ def main(args: argparse.Namespace) -> int:
         if args.dtype == "nvfp4" or args.mtp:
             log.error("--preset %s writes fp8 (the published layout) or bf16, without --mtp", args.preset)
             return 1
-        deepseek_v4.write_synthetic_ds4(
-            args.out, args.preset, args.seed, args.dtype or "fp8", args.layers, args.experts,
-            progress=args.preset == "ds4-full-shape",
-        )  # fmt: skip
+        try:
+            deepseek_v4.write_synthetic_ds4(
+                args.out, args.preset, args.seed, args.dtype or "fp8", args.layers, args.experts,
+                progress=args.preset == "ds4-full-shape",
+            )  # fmt: skip
+        except ValueError as e:
+            log.error("%s", e)
+            return 1
         return 0
     if args.dtype == "fp8":
         log.error("--dtype fp8 is the DeepSeek-V4 layout; qwen4_exp presets write nvfp4 or bf16")
