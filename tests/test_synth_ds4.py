@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors.torch import load_file
 
 from expertstream.cli import main as cli_main
 from expertstream.formats import mxfp4
@@ -15,11 +15,7 @@ from expertstream.synth.deepseek_v4 import write_synthetic_ds4
 
 
 def _read_all(snap: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(snap.glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
+    return {k: v for f in snap.glob("*.safetensors") for k, v in load_file(f).items()}
 
 
 @pytest.fixture(scope="module")

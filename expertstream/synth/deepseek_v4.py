@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from expertstream.formats import mxfp4
 from expertstream.log import get_logger
 from expertstream.synth import checkpoint_writer
+from expertstream.synth.synth import _Rng
 from expertstream.synth.tokenizer import tokenizer_files
 
 log = get_logger(__name__)
@@ -85,19 +85,6 @@ def build_config(preset: str, layers: int | None, experts: int | None, vocab: in
         **_SHARED, **d, "vocab_size": vocab, "compress_ratios": ratios,
         "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
     }  # fmt: skip
-
-
-class _Rng:
-    """Per-tensor generators keyed by (seed, name): every tensor is independent of generation order."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
-
-    def gen(self, name: str) -> torch.Generator:
-        return torch.Generator().manual_seed((self.seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63))
-
-    def normal(self, name: str, shape, std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(shape, generator=self.gen(name)).mul_(std).add_(mean)
 
 
 def dense_tensors(c: dict, seed: int, expert_shapes: bool = False) -> Iterator[tuple[str, str, object]]:

@@ -20,7 +20,7 @@ from expertstream.formats import nvfp4
 from expertstream.formats.expert_block import PROJ
 from expertstream.formats.fp8 import dequantize_fp8_blocks, e4m3_to_float, quantize_fp8_blocks
 from expertstream.log import get_logger
-from expertstream.synth import checkpoint_writer, deepseek_v4
+from expertstream.synth import checkpoint_writer
 from expertstream.synth.tokenizer import tokenizer_files
 
 log = get_logger(__name__)
@@ -526,6 +526,8 @@ def write_synthetic(
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
+    from expertstream.synth import deepseek_v4  # imports this module
+
     p.add_argument("out", type=Path, help="output directory")
     p.add_argument(
         "--preset", choices=PRESETS + deepseek_v4.PRESETS, default="tiny",
@@ -547,6 +549,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from expertstream.synth import deepseek_v4
+
     if args.out.exists() and any(args.out.iterdir()) and not args.force:
         log.error("%s is not empty; pass --force to write into it", args.out)
         return 1
