@@ -19,7 +19,10 @@ from expertstream.usage import CLIError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "synth": ("expertstream.synth.synth", "write a synthetic checkpoint in NVIDIA's NVFP4 export layout"),
+    "synth": (
+        "expertstream.synth.synth",
+        "write a synthetic checkpoint in a published layout (qwen4_exp, DeepSeek-V4)",
+    ),
     "setup": (
         "expertstream.workdir.repack",
         "turn a Hugging Face snapshot into a verified working directory",

@@ -35,8 +35,10 @@ def routed_sum(
     experts: list[int],
     expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     segments: list[tuple[int, int]] | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Sum over each token's routed experts; `expert_weights(e)` -> (gate [I, H], up [I, H], down [H, I]).
+    `swiglu_limit` clamps gate x above and up x on both sides first (DeepSeek-V4).
 
     With `segments` (row ranges [a, b) of several sequences) each expert's weights are got once and its
     products run per segment, on the rows one call over that segment alone would give them, so a row's
@@ -52,7 +54,10 @@ def routed_sum(
             parts = [(tok[i:j], slot[i:j]) for i, j in zip([0, *cuts], [*cuts, tok.numel()]) if j > i]
         for tok_s, slot_s in parts:
             xe = x[tok_s]
-            h = F.silu(F.linear(xe, gate)) * F.linear(xe, up)  # [n, I]
+            g, u = F.linear(xe, gate), F.linear(xe, up)  # [n, I]
+            if swiglu_limit is not None:
+                g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
+            h = F.silu(g) * u
             y = F.linear(h, down) * weights[tok_s, slot_s, None].to(x.dtype)
             out.index_add_(0, tok_s, y)
     return out
@@ -61,8 +66,10 @@ def routed_sum(
 class DenseExperts(ExpertBank):
     """In-memory bank in transformers' layout: per layer gate_up [E, 2I, H] (gate first), down [E, H, I]."""
 
-    def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]):
-        self.gate_up, self.down = gate_up, down
+    def __init__(
+        self, gate_up: list[torch.Tensor], down: list[torch.Tensor], swiglu_limit: float | None = None
+    ):
+        self.gate_up, self.down, self.swiglu_limit = gate_up, down, swiglu_limit
 
     def __call__(
         self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
@@ -74,7 +81,8 @@ class DenseExperts(ExpertBank):
             w = gu[e].to(x.dtype)
             return w[:i], w[i:], dn[e].to(x.dtype)
 
-        return routed_sum(x, expert_ids, weights, torch.unique(expert_ids).tolist(), expert_weights)
+        experts = torch.unique(expert_ids).tolist()
+        return routed_sum(x, expert_ids, weights, experts, expert_weights, swiglu_limit=self.swiglu_limit)
 
 
 def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:

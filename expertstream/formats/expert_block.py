@@ -6,6 +6,8 @@ Layout (H = hidden_size, I = moe_intermediate_size), raw row-major copies of the
 then zero padding to a multiple of ALIGN bytes.
 Real dims: 3 x 819,200 + 3 x 102,400 = 2,764,800 B = 675 pages.
 The FP32 `weight_scale_2` scalars live beside the blocks ([L, E, 3] gate, up, down), not inside them.
+MXFP4 experts (DeepSeek-V4-Flash: w1, w3, w2 as gate, up, down) keep the same order with UE8M0 scales
+[rows, cols/32] and no second-level scalars: 3 x 4,194,304 + 3 x 262,144 = 13,369,344 B = 3,264 pages.
 One block = one O_DIRECT read = one host->device copy; kernels read codes and scales straight from it.
 """
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from expertstream.formats import nvfp4
+from expertstream.formats import mxfp4, nvfp4
 
 ALIGN = 4096
 PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -26,7 +28,7 @@ class Part:
     name: str  # HF sub-name, e.g. "gate_proj.weight_scale"
     offset: int  # bytes from block start
     shape: tuple[int, int]
-    dtype: str  # "uint8" (packed E2M1) or "float8_e4m3fn"
+    dtype: str  # "uint8" (packed E2M1), "float8_e4m3fn" (NVFP4 scales) or "float8_e8m0fnu" (MXFP4 scales)
 
     @property
     def nbytes(self) -> int:
@@ -39,6 +41,30 @@ class ExpertLayout:
     intermediate_size: int
     parts: tuple[Part, ...]
     block_bytes: int
+    fmt: str = "nvfp4"  # or "mxfp4"
+
+    @classmethod
+    def for_format(
+        cls, fmt: str, hidden_size: int, intermediate_size: int, align: int = ALIGN
+    ) -> ExpertLayout:
+        """The block of one expert in `fmt` ("nvfp4" as `for_dims`, or "mxfp4")."""
+        if fmt == "nvfp4":
+            return cls.for_dims(hidden_size, intermediate_size, align)
+        if fmt != "mxfp4":
+            raise ValueError(f"unknown expert format {fmt!r}; known: nvfp4, mxfp4")
+        h, i, g = hidden_size, intermediate_size, mxfp4.GROUP
+        if h % g or i % g:
+            raise ValueError(f"MXFP4 expert dims must be multiples of {g}: hidden {h}, intermediate {i}")
+        specs = [(f"{p}.weight", s, "uint8") for p, s in zip(PROJ, ((i, h // 2), (i, h // 2), (h, i // 2)))]
+        specs += [
+            (f"{p}.weight_scale", s, "float8_e8m0fnu")
+            for p, s in zip(PROJ, ((i, h // g), (i, h // g), (h, i // g)))
+        ]
+        parts, off = [], 0
+        for name, shape, dtype in specs:
+            parts.append(Part(name, off, shape, dtype))
+            off += shape[0] * shape[1]
+        return cls(h, i, tuple(parts), -(-off // align) * align, "mxfp4")
 
     @classmethod
     def for_dims(cls, hidden_size: int, intermediate_size: int, align: int = ALIGN) -> ExpertLayout:
@@ -76,6 +102,7 @@ class ExpertLayout:
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "block_bytes": self.block_bytes,
+            "format": self.fmt,
             "parts": [
                 {"name": p.name, "offset": p.offset, "shape": list(p.shape), "dtype": p.dtype}
                 for p in self.parts
@@ -85,8 +112,9 @@ class ExpertLayout:
     @classmethod
     def from_json(cls, d: dict) -> ExpertLayout:
         parts = tuple(Part(p["name"], int(p["offset"]), tuple(p["shape"]), p["dtype"]) for p in d["parts"])
-        layout = cls(int(d["hidden_size"]), int(d["intermediate_size"]), parts, int(d["block_bytes"]))
-        if layout != cls.for_dims(layout.hidden_size, layout.intermediate_size, ALIGN):
+        fmt = d.get("format", "nvfp4")
+        layout = cls(int(d["hidden_size"]), int(d["intermediate_size"]), parts, int(d["block_bytes"]), fmt)
+        if layout != cls.for_format(fmt, layout.hidden_size, layout.intermediate_size, ALIGN):
             raise ValueError("expert block layout in the manifest differs from the layout this engine reads")
         return layout
 
@@ -99,7 +127,7 @@ class ExpertLayout:
         return {p.name: block[p.offset : p.offset + p.nbytes].view(p.shape) for p in self.parts}
 
     def pack(self, tensors: dict[str, torch.Tensor]) -> bytes:
-        """Build one block from the checkpoint's six tensors (uint8 / float8_e4m3fn)."""
+        """Build one block from the checkpoint's six tensors (codes u8 or i8, scales in their fp8 dtype)."""
         out = bytearray(self.block_bytes)
         for p in self.parts:
             t = tensors[p.name]
@@ -110,10 +138,12 @@ class ExpertLayout:
         return bytes(out)
 
     def dequantize(
-        self, block: torch.Tensor, weight_scale_2: torch.Tensor, dtype: torch.dtype = torch.float32
+        self, block: torch.Tensor, weight_scale_2: torch.Tensor | None, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Decode a block with its [3] FP32 global scales -> gate [I, H], up [I, H], down [H, I]."""
+        """Decode a block (NVFP4 with its [3] FP32 global scales, MXFP4 with None) -> gate, up, down."""
         v = self.views(block)
+        if self.fmt == "mxfp4":
+            return tuple(mxfp4.dequantize(v[f"{p}.weight"], v[f"{p}.weight_scale"], dtype) for p in PROJ)
         return tuple(
             nvfp4.dequantize(v[f"{proj}.weight"], v[f"{proj}.weight_scale"], weight_scale_2[j], dtype)
             for j, proj in enumerate(PROJ)

@@ -34,6 +34,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8),
     "F8_E4M3": (torch.float8_e4m3fn, 1),
     "F8_E5M2": (torch.float8_e5m2, 1),
+    "F8_E8M0": (torch.float8_e8m0fnu, 1),
 }
 TORCH_TO_CODE = {t: code for code, (t, _) in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec caps headers at 100 MB

@@ -42,6 +42,7 @@ _ST_DTYPES = {
     torch.float32: "F32",
     torch.float64: "F64",
     torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e8m0fnu: "F8_E8M0",
     torch.uint8: "U8",
     torch.int8: "I8",
     torch.int32: "I32",

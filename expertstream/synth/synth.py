@@ -529,14 +529,22 @@ def write_synthetic(
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
+    from expertstream.synth import deepseek_v4  # imports this module
+
     p.add_argument("out", type=Path, help="output directory")
-    p.add_argument("--preset", choices=PRESETS, default="tiny")
+    p.add_argument(
+        "--preset", choices=PRESETS + deepseek_v4.PRESETS, default="tiny",
+        help="qwen4_exp: tiny, demo, full-shape; DeepSeek-V4-Flash: ds4-tiny, ds4-full-shape",
+    )  # fmt: skip
     p.add_argument("--layers", type=int, default=None, help="number of decoder layers (full-shape default 4)")
     p.add_argument(
         "--experts", type=int, default=None, help="routed experts per layer (default: the preset's)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("nvfp4", "bf16"), default="nvfp4")
+    p.add_argument(
+        "--dtype", choices=("nvfp4", "fp8", "bf16"), default=None,
+        help="the published layout (default: nvfp4 for qwen4_exp, fp8 + MXFP4 experts for ds4-*) or bf16",
+    )  # fmt: skip
     p.add_argument(
         "--mtp", action="store_true", help="add the MTP block with FP8 128x128 experts (full-shape)"
     )
@@ -544,11 +552,29 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from expertstream.synth import deepseek_v4
+
     if args.out.exists() and any(args.out.iterdir()) and not args.force:
         log.error("%s is not empty; pass --force to write into it", args.out)
         return 1
+    if args.preset in deepseek_v4.PRESETS:
+        if args.dtype == "nvfp4" or args.mtp:
+            log.error("--preset %s writes fp8 (the published layout) or bf16, without --mtp", args.preset)
+            return 1
+        try:
+            deepseek_v4.write_synthetic_ds4(
+                args.out, args.preset, args.seed, args.dtype or "fp8", args.layers, args.experts,
+                progress=args.preset == "ds4-full-shape",
+            )  # fmt: skip
+        except ValueError as e:
+            log.error("%s", e)
+            return 1
+        return 0
+    if args.dtype == "fp8":
+        log.error("--dtype fp8 is the DeepSeek-V4 layout; qwen4_exp presets write nvfp4 or bf16")
+        return 1
     write_synthetic(
-        args.out, args.preset, args.seed, args.dtype, args.layers, args.experts, args.mtp,
+        args.out, args.preset, args.seed, args.dtype or "nvfp4", args.layers, args.experts, args.mtp,
         progress=args.preset == "full-shape",
     )  # fmt: skip
     return 0
