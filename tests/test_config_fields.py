@@ -234,11 +234,17 @@ def test_setup_refuses_an_unsupported_field(tiny_snapshot, tmp_path, capsys):
 def test_engine_refuses_an_existing_workdir_with_an_unsupported_field(tiny_workdir, tmp_path):
     from expertstream.config import EngineConfig
     from expertstream.runtime.engine import Engine
-    from expertstream.workdir.workdir import WorkdirError
+    from expertstream.workdir.checksum import ALGORITHM, file_checksum
+    from expertstream.workdir.workdir import WorkdirError, read_manifest, write_manifest
 
     wd = tmp_path / "wd"
     shutil.copytree(tiny_workdir, wd)
     _edit_config(wd / "config.json", rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    # record the edited file's checksum, so the config rule refuses it and not the changed-file check
+    manifest = read_manifest(wd)
+    size, crc = file_checksum(wd / "config.json")
+    manifest["files"]["config.json"] = {"bytes": size, ALGORITHM: crc}
+    write_manifest(wd, manifest)
     with pytest.raises(WorkdirError, match=r"config\.json: rope_type 'dynamic' is not supported"):
         Engine(EngineConfig(model=str(wd), device="cpu"))
 

@@ -125,8 +125,10 @@ def main(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     from expertstream.default_model import resolve_model
     from expertstream.tokenizer import Tokenizer
+    from expertstream.workdir.workdir import Workdir
 
     cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
+    Workdir(cfg.model)  # its files against the manifest's checksums before the tokenizer reads one
     tokenizer = Tokenizer.from_dir(cfg.model)
     text = build_prompt(tokenizer, args, prompt)
     check_fits(tokenizer, text, cfg.max_model_len)

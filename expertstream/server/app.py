@@ -276,10 +276,10 @@ def main(args: argparse.Namespace) -> int:
     from expertstream.default_model import resolve_model
     from expertstream.runtime.engine import Engine, resolve_device_dtype
     from expertstream.tokenizer import Tokenizer
-    from expertstream.workdir.workdir import read_manifest
+    from expertstream.workdir.workdir import Workdir
 
     config = dataclasses.replace(config, model=resolve_model(config.model))
-    read_manifest(Path(config.model))  # a partial or foreign manifest: refused before the port is taken
+    Workdir(config.model)  # a partial manifest or a changed file: refused before the port is taken
     resolve_device_dtype(config)  # --device cuda without a GPU, likewise
     settings = ServerSettings(
         served_model_name=args.served_model_name or Path(config.model).resolve().name,
