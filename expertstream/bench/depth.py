@@ -17,6 +17,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from expertstream.workdir.checksum import ALGORITHM, file_checksum
 from expertstream.workdir.workdir import Workdir, write_manifest
 
 LAYER_RE = re.compile(r"^layers\.(\d+)\.")
@@ -64,4 +65,7 @@ def cut_model(snapshot: str | os.PathLike, workdir: str | os.PathLike, layers: i
     resident["fp8_row_scaled"] = [n for n in resident["fp8_row_scaled"] if n in kept]
     resident["bytes"] = manifest["budget"]["resident_bytes"] = sum(t.nbytes for t in kept.values())
     manifest["source"]["config_sha256"] = hashlib.sha256(data).hexdigest()
+    for name in ("config.json", wd.resident_path.name):  # the rewritten files' sizes and checksums
+        size, crc = file_checksum(wd.path / name)
+        manifest["files"][name] = {"bytes": size, ALGORITHM: crc}
     write_manifest(wd.path, manifest)

@@ -83,7 +83,7 @@ def record_engine(model) -> Recorder:
         rec.hook(layer.linear_attn or layer.self_attn, (i, "attention"))
         rec.hook(layer.mlp_hc, (i, "moe_in"))
         rec.hook(layer.mlp.gate, (i, "router"))
-        inner = type(layer).moe_out
+        inner = layer.moe_out  # bound before the instance attribute shadows it
 
         def moe_out(x, c, routed, shared_gate, shared, in_place=False, i=i, inner=inner):
             out = inner(x, c, routed, shared_gate, shared, in_place)
