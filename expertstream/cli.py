@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("expertstream.commands.chat", "interactive chat in the terminal"),
     "check": ("expertstream.commands.check", "compare the engine's logits with transformers' qwen4_exp"),
     "ppl": ("expertstream.commands.ppl", "perplexity of the engine on a text, with must-break controls"),
-    "serve": ("expertstream.server.app", "OpenAI-compatible streaming HTTP server"),
+    "serve": ("expertstream.server.cli", "OpenAI- and Anthropic-compatible streaming HTTP server"),
     "bench": ("expertstream.bench.cli", "measure speed against the machine's physical limits"),
     "plan": (
         "expertstream.commands.plan",

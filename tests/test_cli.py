@@ -167,7 +167,10 @@ def test_flag_mistakes_are_refused_before_torch_loads(tiny_workdir, tmp_path):
         ["chat", "/nonexistent"],
         ["plan", wd, "--max-model-len", "0"],
         ["plan", "/nonexistent"],
-    ]  # serve's module imports the engine's (torch): it checks before the engine loads and the port binds
+        ["serve", "/nonexistent"],
+        ["serve", wd, "--temperature", "-1"],
+        ["serve", wd, "--max-tokens", "-1"],
+    ]
     code = (
         "import json, sys\nfrom expertstream.cli import main\nout = []\n"
         f"for argv in {cases!r}:\n"

@@ -25,7 +25,8 @@ from server_helpers import KEY, USER, LiveServer, ScriptedEngine, scripted_serve
 from expertstream.config import EngineConfig
 from expertstream.generate import SamplingParams
 from expertstream.runtime.engine import Engine
-from expertstream.server.app import ServerSettings, configure_parser, create_app, sampling_defaults
+from expertstream.server.app import ServerSettings, create_app, sampling_defaults
+from expertstream.server.cli import configure_parser
 from expertstream.tokenizer import Tokenizer
 
 LOCAL = "http://127.0.0.1"  # TestClient's default Host, testserver, is not a loopback name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from expertstream.generate import SamplingParams
+from expertstream.config import SamplingParams
 
 # --reasoning-field -> the message and delta fields that carry reasoning text
 REASONING_FIELDS = {"reasoning_content": ("reasoning_content",), "reasoning": ("reasoning",)}
