@@ -94,6 +94,9 @@ def main(args: argparse.Namespace) -> int:
     if config.model:
         check_workdir(config.model)
     sock = bind(args.host, args.port)
-    from expertstream.server.app import serve
+    try:
+        from expertstream.server.app import serve
 
-    return serve(args, config, sock)
+        return serve(args, config, sock)
+    finally:  # also when loading is refused (--device cuda without a GPU): the port is free again
+        sock.close()
