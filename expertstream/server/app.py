@@ -25,6 +25,7 @@ from expertstream.generate import SamplingParams
 from expertstream.log import get_logger
 from expertstream.runtime.worker import EngineBackend
 from expertstream.server.anthropic import add_anthropic_routes
+from expertstream.server.cli import SAMPLING_FLAGS
 from expertstream.server.errors import ERROR_RESPONSES, APIError, add_error_handlers
 from expertstream.server.guard import Guard, host_name, is_loopback
 from expertstream.server.jobs import Jobs
@@ -179,7 +180,7 @@ def sampling_defaults(args: argparse.Namespace, workdir: Path) -> SamplingParams
         gen["temperature"] = 0.0  # transformers' meaning: greedy whatever the temperature says
     base = SamplingParams()
     picked = {}
-    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+    for key in SAMPLING_FLAGS:
         flag = getattr(args, key)
         picked[key] = flag if flag is not None else gen.get(key, getattr(base, key))
     return SamplingParams(seed=args.seed, **picked)

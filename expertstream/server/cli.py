@@ -11,8 +11,9 @@ from expertstream.config import EngineConfig, SamplingParams
 from expertstream.server.settings import REASONING_FIELDS, THINKING_SUFFIX
 from expertstream.usage import CLIError, check_workdir
 
-# the default-sampling flags (a request's own fields win), checked as SamplingParams before anything loads
-SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+# the default-sampling flags (a request's own fields win; `app.sampling_defaults`), checked as SamplingParams
+# with --max-tokens before anything loads
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -90,7 +91,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def main(args: argparse.Namespace) -> int:
     config = EngineConfig.from_args(args)
-    SamplingParams(**{k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None})
+    flags = (*SAMPLING_FLAGS, "max_tokens")
+    SamplingParams(**{k: getattr(args, k) for k in flags if getattr(args, k) is not None})
     if config.model:
         check_workdir(config.model)
     sock = bind(args.host, args.port)
