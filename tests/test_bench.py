@@ -323,10 +323,13 @@ def test_decoding_engine_starts_past_its_warm_up(tiny_workdir):
 def test_checksum_note_gives_the_cost_per_block_and_its_share_of_a_disk_bound_token():
     from expertstream.bench.runtime import checksum_note
 
-    # 100 blocks of 2,764,800 B checked in 50 ms: 0.5 ms each; the drive delivers one every 0.5 ms at
+    # 100 blocks of 2,764,800 B checked in 50 ms of CPU: 0.5 ms each; the drive delivers one every 0.5 ms at
     # 5.5296 GB/s, so one thread would need 100 % of a disk-bound token, 16 readers 6.25 %
-    results = {"disk": {"blocks_checked": 100, "checksum_seconds": 0.05}, "vram": {}}
+    results = {
+        "disk": {"blocks_checked": 100, "checksum_seconds": 0.08, "checksum_cpu_seconds": 0.05},
+        "vram": {},
+    }
     note = checksum_note(results, disk_gbps=5.5296, block=2_764_800, io_threads=16)
-    assert "0.500 ms per 2,764,800 B block (5.5 GB/s per reader thread)" in note
+    assert "0.500 ms of CPU per 2,764,800 B block (5.5 GB/s per reader thread; 0.800 ms wall" in note
     assert "6.25% with the 16 readers checking in parallel, 100.00% if one thread checked them all" in note
     assert checksum_note({"vram": {}}, 5.0, 2_764_800, 16) == ""

@@ -45,7 +45,8 @@ class StoreStats:
     prefetch_dropped: int = 0  # queued prefetches never read (superseded, already cached, no free slot)
     evict_wait_seconds: float = 0.0  # request() waiting for a landing read to free a full cache's slot
     preloads: int = 0  # blocks read by preload() (also in bytes_read; not guesses: not in prefetches)
-    checksum_seconds: float = 0.0  # CRC32C of blocks as they land, summed over reader threads
+    checksum_seconds: float = 0.0  # CRC32C of blocks as they land, summed over reader threads (wall)
+    checksum_cpu_seconds: float = 0.0  # ... the readers' CPU time in it (wall also waits for the GIL back)
     blocks_checked: int = 0
 
 
@@ -320,10 +321,10 @@ class ExpertStore:
         (l, e), path = entry.key, self.workdir.experts_path
         offset, n, error = self.workdir.block_offset(l, e), 0, None
         t0 = time.perf_counter()
-        t1 = t0
+        t1, c1 = t0, time.thread_time()
         try:
             n = self._reader.read_into(entry.buf, offset)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             if n != self.block_bytes:
                 error = StoreError(
                     f"short read of expert block (layer {l}, expert {e}) from {path}: {n} of "
@@ -341,7 +342,7 @@ class ExpertStore:
         except Exception as exc:  # surfaces in wait(); the reader thread must not die silently
             error = StoreError(f"reading expert block (layer {l}, expert {e}) from {path} failed: {exc}")
             error.__cause__ = exc
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         with self._lock:
             s = self._stats
             s.queue_depth -= 1
@@ -349,6 +350,7 @@ class ExpertStore:
             s.read_seconds += t1 - t0
             if n == self.block_bytes:
                 s.checksum_seconds += t2 - t1
+                s.checksum_cpu_seconds += c2 - c1
                 s.blocks_checked += 1
             if error is not None:
                 entry.error = error
