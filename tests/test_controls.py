@@ -1,5 +1,5 @@
-"""The must-break controls wrap a bank (experts/controls.py): the CPU and the CUDA bank take them the same way,
-the wrapped output is broken, and a bank on the same store without the wrapper is not."""
+"""The must-break controls wrap a bank (experts/controls.py): the CPU and the CUDA bank take them the same
+way, the wrapped output is broken, and a bank on the same store without the wrapper is not."""
 
 import pytest
 import torch
