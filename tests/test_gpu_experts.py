@@ -531,3 +531,25 @@ def test_counters_report_the_banks_own_counts(banks, kernel_device):
     assert (c.staged_blocks, c.stage_hits, c.hot_hits) == (0, 0, 0)
     assert c.bus_read_bytes == 5 * wd.layout.block_bytes  # the RAM reads crossed the bus in place
     bank.close()
+
+
+def test_decode_misses_enter_the_ram_cache_and_prompt_misses_do_not(tiny_workdir, kernel_device, host_alloc):
+    """After a prompt, a decode step run in stages (as the decode graphs run it) caches its misses in RAM, as
+    the bank's call does; the prompt's misses bypass the RAM cache."""
+    wd = Workdir(tiny_workdir)
+    k = wd.text_config["num_experts_per_tok"]
+    blocks = wd.num_layers * wd.num_experts
+    with ExpertStore(wd, blocks * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
+        bank = GpuExperts(wd, store, 8, kernel_device)
+        xs, ids, ws = (v.to(kernel_device) for v in routing(wd, 12, seed=1))
+        bank(0, xs, ids, ws)
+        assert store.cached_blocks == 0
+        x, ids, w = (v.to(kernel_device) for v in routing(wd, 1, seed=2))
+        want = bank.decode_want(1, x, ids)
+        bank.decode_prepare(1, want, k)
+        bank.decode_compute(1, x, ids, w)
+        bank.decode_launched()
+        assert store.cached_blocks == k
+        bank(2, x, ids, w)
+        assert store.cached_blocks == 2 * k
+        bank.close()

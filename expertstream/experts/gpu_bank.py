@@ -61,7 +61,7 @@ class GpuExperts(ExpertBank):
         self.num_experts = workdir.num_experts
 
         def fetch_host(keys):
-            # decode misses are cached in RAM; prompt misses bypass it (set per call below)
+            # decode misses are cached in RAM; prompt misses bypass it (set where each fetches)
             return store.request(keys, cache=self._cache_reads)
 
         self._cache_reads = True
@@ -148,9 +148,9 @@ class GpuExperts(ExpertBank):
         self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         # x [T, H], expert_ids [T, K], weights [T, K] fp32
-        self._cache_reads = x.shape[0] == 1
         if x.shape[0] == 1:
             return self._decode(layer, x, expert_ids, weights)
+        self._cache_reads = False
         self._mark_launched()
         self._guess = None
         # pairs per expert: the call's one host sync
@@ -230,6 +230,7 @@ class GpuExperts(ExpertBank):
         experts = sorted(set(ids[:k]))  # top-k ids are distinct; a set keeps the fetch contract anyway
         if self.spec is not None:
             self.spec.score(layer, experts)
+        self._cache_reads = True  # here, not in __call__: the decode graphs call this stage alone
         where = self.cache.fetch(layer, experts, in_place=self.host_blocks is not None)
         self.residency.place(layer, experts, where)
         if len(ids) > k:
