@@ -3,20 +3,12 @@ way, the wrapped output is broken, and a bank on the same store without the wrap
 
 import pytest
 import torch
+from bank_helpers import routing
 
 from expertstream.experts.controls import controlled
 from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.store import ExpertStore
 from expertstream.workdir.workdir import Workdir
-
-
-def routing(wd, t, seed):
-    g = torch.Generator().manual_seed(seed)
-    k = wd.text_config["num_experts_per_tok"]
-    ids = torch.stack([torch.randperm(wd.num_experts, generator=g)[:k] for _ in range(t)])
-    w = torch.rand(t, k, generator=g)
-    x = torch.randn(t, wd.layout.hidden_size, generator=g)
-    return x, ids, w / w.sum(-1, keepdim=True)
 
 
 def staged_decode(bank, layer, x, ids, w):

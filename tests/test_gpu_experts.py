@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from bank_helpers import routing
 
 from expertstream.experts.controls import controlled
 from expertstream.experts.cpu_bank import StreamedExperts
@@ -23,15 +24,6 @@ def banks(tiny_workdir, host_alloc):
     ref = StreamedExperts(wd, store, torch.float32)
     yield wd, store, ref
     store.close()
-
-
-def routing(wd, t, seed):
-    g = torch.Generator().manual_seed(seed)
-    k = wd.text_config["num_experts_per_tok"]
-    ids = torch.stack([torch.randperm(wd.num_experts, generator=g)[:k] for _ in range(t)])
-    w = torch.rand(t, k, generator=g)
-    x = torch.randn(t, wd.layout.hidden_size, generator=g)
-    return x, ids, w / w.sum(-1, keepdim=True)
 
 
 @pytest.mark.parametrize("n_slots", [8, 64])
