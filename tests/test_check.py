@@ -10,7 +10,7 @@ from expertstream.bench.depth import cut_model
 from expertstream.cli import main as cli
 from expertstream.commands.check import PromptResult, distances, summarize_ratio
 from expertstream.commands.check_reference import build_reference, reference_logits, text_config_of
-from expertstream.experts.cpu_bank import swap_nibbles
+from expertstream.experts.controls import swap_nibbles
 from expertstream.workdir.checksum import checksum
 from expertstream.workdir.workdir import Workdir, write_manifest
 

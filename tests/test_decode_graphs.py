@@ -180,7 +180,7 @@ def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir, cache_blocks
         rows, _ = continue_greedy(eng, [3 + i % 50 for i in range(40)], 12)
         s = eng.stats()
         assert eng.bank.resident == "ram" and s.staged_blocks > 0 and s.stage_hits > 0
-        assert (s.hot_hits > 0) == (cache_blocks > 0) and (eng.bank._hot_quota > 0) == (cache_blocks > 0)
+        assert (s.hot_hits > 0) == (cache_blocks > 0) and bool(eng.bank.hot_set(0)) == (cache_blocks > 0)
         assert s.staged_blocks <= 13 * wd.num_layers * 2 and s.stage_hits <= s.staged_blocks
         in_place = eng.bank.cache.stats.in_place
         assert s.bus_read_bytes == (in_place + s.resident_ram_reads + s.staged_blocks) * wd.layout.block_bytes
@@ -210,7 +210,6 @@ def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device, 
         h.wait()
         h.release()
     bank = GpuExperts(wd, store, n_slots, eng.device, stage_guesses=2)
-    assert (bank._hot_quota > 0) == (n_slots == 40)
     bank.set_router_weights({i: layer.mlp.gate.weight for i, layer in enumerate(eng.model.layers)})
     for layer in eng.model.layers:
         layer.mlp.bank = bank
@@ -224,6 +223,7 @@ def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device, 
     )
     assert torch.equal(got, want)
     assert bank.resident == "ram" and staged > 0 and bank.stage_counts()[1] > 0
+    assert bool(bank.hot_set(0)) == (n_slots == 40)
     if n_slots == 40:  # guesses in the hot set are not copied: the count below holds without one
         hits = bank.hot_hits()
         assert (

@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from bank_helpers import routing
 
+from expertstream.experts.controls import controlled
 from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.experts.gpu_bank import GpuExperts
 from expertstream.kernels import nvfp4_moe
@@ -22,15 +24,6 @@ def banks(tiny_workdir, host_alloc):
     ref = StreamedExperts(wd, store, torch.float32)
     yield wd, store, ref
     store.close()
-
-
-def routing(wd, t, seed):
-    g = torch.Generator().manual_seed(seed)
-    k = wd.text_config["num_experts_per_tok"]
-    ids = torch.stack([torch.randperm(wd.num_experts, generator=g)[:k] for _ in range(t)])
-    w = torch.rand(t, k, generator=g)
-    x = torch.randn(t, wd.layout.hidden_size, generator=g)
-    return x, ids, w / w.sum(-1, keepdim=True)
 
 
 @pytest.mark.parametrize("n_slots", [8, 64])
@@ -90,7 +83,7 @@ def test_decode_reads_nothing_back_once_every_block_has_a_place(
         assert (pools[0] is None) == (n_slots == 64)
         bank.close()
         # the must-break control never reads RAM rows in place (its swapped blocks exist only as copies)
-        control = GpuExperts(wd, store, n_slots, kernel_device, control="swap-nibbles")
+        control = controlled("swap-nibbles", store, lambda s: GpuExperts(wd, s, n_slots, kernel_device))
         for layer in range(n_layers):
             for e0 in range(0, n_experts, k):
                 ids = (torch.arange(e0, e0 + k) % n_experts)[None]
@@ -101,30 +94,18 @@ def test_decode_reads_nothing_back_once_every_block_has_a_place(
         control.close()
 
 
-def test_controls_break_the_output(banks, kernel_device):
-    wd, store, ref = banks
-    x, ids, w = routing(wd, 1, seed=7)
-    want = ref(1, x, ids, w)
-    args = [v.to(kernel_device) for v in (x, ids, w)]
-    swapped = GpuExperts(wd, store, 8, kernel_device, control="swap-nibbles")(1, *args).cpu()
-    assert (swapped - want).abs().max() > 0.1 * want.abs().max()
-    assert torch.count_nonzero(GpuExperts(wd, store, 8, kernel_device, control="no-experts")(1, *args)) == 0
-
-
 def test_prefill_reads_one_group_ahead(tiny_workdir, kernel_device, monkeypatch):
     """Group g's kernel launches after the reads of group g+1 were started, and no block is read twice."""
-    import expertstream.experts.gpu_bank as ge
-
     wd = Workdir(tiny_workdir)
     with ExpertStore(wd, 0, io_threads=2) as store:  # no RAM cache: every prompt block is a disk read
         bank = GpuExperts(wd, store, 8, kernel_device)  # groups of 4 experts
-        misses_at_launch, real = [], ge.nvfp4_moe.nvfp4_moe_prefill_rows
+        misses_at_launch, real = [], nvfp4_moe.nvfp4_moe_prefill_rows
 
         def spy(*args, **kwargs):
             misses_at_launch.append(store.stats.misses)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(ge.nvfp4_moe, "nvfp4_moe_prefill_rows", spy)
+        monkeypatch.setattr(nvfp4_moe, "nvfp4_moe_prefill_rows", spy)
         x, ids, w = routing(wd, 20, seed=3)
         bank(1, *(v.to(kernel_device) for v in (x, ids, w)))
         sizes = [min(4, n) for n in range(torch.unique(ids).numel(), 0, -4)]  # group sizes in order
@@ -198,7 +179,7 @@ def test_a_row_budget_splits_passes_and_fetches_each_block_once(banks, kernel_de
     x, ids, w = routing(wd, 30, seed=3)
     args = [v.to(kernel_device) for v in (x, ids, w)]
     whole, chunked = GpuExperts(wd, store, 8, kernel_device), GpuExperts(wd, store, 8, kernel_device)
-    chunked.prefill_chunk = 7
+    chunked.set_prefill_chunk(7)
     a, b = whole(1, *args).cpu(), chunked(1, *args).cpu()
     want = ref(1, x, ids, w)
     for got in (a, b):
@@ -210,7 +191,9 @@ def test_a_row_budget_splits_passes_and_fetches_each_block_once(banks, kernel_de
 
 
 @pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
-def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(tiny_workdir, kernel_device, host_alloc):
+def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(
+    tiny_workdir, kernel_device, host_alloc, monkeypatch
+):
     # every block in RAM: the bank adopts each block's RAM row, and a prompt's passes copy those rows into
     # the two halves of the slots in turn, outside the VRAM cache (no store request, nothing cached there);
     # decode after it still reads the RAM rows
@@ -225,6 +208,11 @@ def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(tiny_workdir, ke
         x, ids, w = routing(wd, 1, seed=4)
         bank(0, *(v.to(kernel_device) for v in (x, ids, w)))  # a decode step first: some blocks cached
         assert bank.resident == "ram" and bank.cache.lru
+        runs = []  # each pass's copy: a run of consecutive rows (one copy call), or None (pairs)
+        real = bank.cache.load_pairs
+        monkeypatch.setattr(
+            bank.cache, "load_pairs", lambda *a, run=None: runs.append(run) or real(*a, run=run)
+        )
         for layer in range(n_layers):
             xs, ids_p, ws = routing(wd, 20, seed=layer)
             before, copies = store.stats.requests, bank.cache.stats.copies
@@ -235,7 +223,8 @@ def test_a_ram_resident_bank_runs_prompt_passes_from_fixed_rows(tiny_workdir, ke
             assert bank.cache.stats.copies - copies == torch.unique(ids_p).numel()
             # the store read the blocks in (layer, expert) order into consecutive rows, and this prompt
             # routes every expert: each pass is one run of rows into one half of the slots (one copy call)
-            assert all(run is not None for run in bank._pass_tables.runs)
+            assert runs and all(run is not None for run in runs)
+            runs.clear()
         for layer in range(n_layers):
             want = ref(layer, x, ids, w)
             got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
@@ -401,11 +390,15 @@ def _ram_store(wd, host_alloc):
 
 
 def _hot_rows_hold_their_blocks(bank, store) -> bool:
-    slots, rows = bank.cache.slots.cpu(), store.slots
-    return all(
-        torch.equal(slots[bank._hot[layer, e]], rows[bank._ram_rows[layer, e]])
-        for layer, e in zip(*(bank._hot >= 0).nonzero())
-    )
+    """Every hot block's slot (from the location table) holds that block's bytes."""
+    slots, loc = bank.cache.slots.cpu(), bank.locations()
+    keys = [(layer, e) for layer in range(loc.shape[0]) for e in bank.hot_set(layer)]
+    handles = store.request(keys)
+    try:
+        return all(torch.equal(slots[loc[key]], h.wait()) for key, h in zip(keys, handles))
+    finally:
+        for h in handles:
+            h.release()
 
 
 @pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
@@ -419,7 +412,6 @@ def test_a_ram_resident_bank_reads_its_hot_set_from_vram(tiny_workdir, kernel_de
     with _ram_store(wd, host_alloc) as store:
         ref = StreamedExperts(wd, store, torch.float32)
         plain, hot = GpuExperts(wd, store, 8, kernel_device), GpuExperts(wd, store, 40, kernel_device)
-        assert (plain._hot_quota, hot._hot_quota, hot._hot_pass) == (0, 5, 10)
         # a prompt on layer 2: experts 11-15 routed most, so they become its hot set when the bank adopts
         # the RAM rows (the other layers, with nothing routed yet, hold experts 0-4)
         ids = torch.tensor([[11, 12, 13, 14]] * 20 + [[15, 0, 1, 2]] * 12 + [[15, 3, 4, 5]] * 8)
@@ -429,11 +421,15 @@ def test_a_ram_resident_bank_reads_its_hot_set_from_vram(tiny_workdir, kernel_de
             want = ref(2, xs, ids, ws)
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
         assert plain.resident == hot.resident == "ram"
-        assert sorted((hot._hot[2] >= 0).nonzero()[0].tolist()) == [11, 12, 13, 14, 15]
-        assert sorted((hot._hot[0] >= 0).nonzero()[0].tolist()) == [0, 1, 2, 3, 4]
+        # 11 experts: passes of 4 beside no hot set, of 10 beside one (40 slots: 20 for passes, 5 x 4 hot)
+        assert (plain.prefill_passes, hot.prefill_passes) == (3, 2)
+        assert all(not plain.hot_set(layer) and len(hot.hot_set(layer)) == 5 for layer in range(n_layers))
+        assert hot.hot_set(2) == [11, 12, 13, 14, 15] and hot.hot_set(0) == [0, 1, 2, 3, 4]
         assert _hot_rows_hold_their_blocks(hot, store)
-        loc = hot.loc.cpu().numpy()
-        assert ((loc >= 0) == (hot._hot >= 0)).all() and (loc[hot._hot >= 0] >= 20).all()  # past the passes
+        loc = hot.locations()  # decode reads the hot set from VRAM, past the passes' slots, the rest from RAM
+        for layer in range(n_layers):
+            assert (loc[layer] >= 0).nonzero().flatten().tolist() == hot.hot_set(layer)
+            assert (loc[layer][hot.hot_set(layer)] >= 20).all()
         copies = hot.cache.stats.copies
         reads = hits = 0
         decoded = []  # layer 0's routed experts in decode (counted on the device)
@@ -442,7 +438,7 @@ def test_a_ram_resident_bank_reads_its_hot_set_from_vram(tiny_workdir, kernel_de
                 x, ids, w = routing(wd, 1, seed=50 + 10 * token + layer)
                 args = [v.to(kernel_device) for v in (x, ids, w)]
                 assert torch.equal(plain(layer, *args).cpu(), hot(layer, *args).cpu())
-                hits += int((hot._hot[layer, ids[0].numpy()] >= 0).sum())
+                hits += len(set(ids[0].tolist()) & set(hot.hot_set(layer)))
                 reads += k
                 if layer == 0:
                     decoded.extend(ids[0].tolist())
@@ -451,16 +447,15 @@ def test_a_ram_resident_bank_reads_its_hot_set_from_vram(tiny_workdir, kernel_de
         assert hot.bytes_in_place == (reads - hits) * block and plain.bytes_in_place == reads * block
         # a prompt on layer 0 routing experts 6-9 most: they enter its hot set, and the fifth is the expert
         # decode routed most there (decode's routing, counted on the device, joins the counts at a prompt)
-        before = set((hot._hot[0] >= 0).nonzero()[0].tolist())
+        before = set(hot.hot_set(0))
         ids = torch.tensor([[6, 7, 8, 9]] * 40)
         xs, _, ws = routing(wd, ids.shape[0], seed=4)
         got = hot(0, *(v.to(kernel_device) for v in (xs, ids, ws))).cpu()
         want = ref(0, xs, ids, ws)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
         counts = np.bincount(decoded, minlength=wd.num_experts) + np.bincount(ids.reshape(-1), minlength=16)
-        after = set((hot._hot[0] >= 0).nonzero()[0].tolist())
+        after = set(hot.hot_set(0))
         assert after == set(most_routed(counts, 5).tolist()) and {6, 7, 8, 9} < after
-        assert not hot._decode_counts.cpu()[0].any()  # taken into the host's counts
         entered = len(after - before)
         assert hot.cache.stats.copies - copies == entered + len(torch.unique(ids))  # those entering, the pass
         assert _hot_rows_hold_their_blocks(hot, store)
@@ -483,7 +478,7 @@ def test_staged_guesses_skip_the_hot_set_and_both_are_counted(tiny_workdir, kern
     with _ram_store(wd, host_alloc) as store:
         plain = GpuExperts(wd, store, 4 * k, kernel_device)
         both = GpuExperts(wd, store, 44, kernel_device, stage_guesses=2)  # 40 cache slots, 4 staging rows
-        assert both.stage_guesses == 2 and both._hot_quota == 5
+        assert both.stage_guesses == 2
         for bank in (plain, both):
             bank.set_router_weights({i: w.to(kernel_device) for i, w in routers.items()})
         staged = hits = hot_hits = 0
@@ -493,18 +488,18 @@ def test_staged_guesses_skip_the_hot_set_and_both_are_counted(tiny_workdir, kern
                 x, ids, w = routing(wd, 1, seed=200 + 10 * token + layer)
                 args = [v.to(kernel_device) for v in (x, ids, w)]
                 assert torch.equal(plain(layer, *args).cpu(), both(layer, *args).cpu())
-                hot = both._hot[layer] >= 0  # the bank adopted the RAM rows on its first call
+                hot = set(both.hot_set(layer))  # the bank adopted the RAM rows on its first call
                 routed = ids[0].tolist()
                 if token or layer:  # the first call's reads were fetched (no guesses staged for it either)
-                    hot_hits += sum(bool(hot[e]) for e in routed)
+                    hot_hits += sum(e in hot for e in routed)
                 if guess is not None:
-                    staged += sum(not hot[e] for e in guess)
-                    hits += sum(e in guess and not hot[e] for e in routed)
+                    staged += sum(e not in hot for e in guess)
+                    hits += sum(e in guess and e not in hot for e in routed)
                 nxt = routers.get(layer + 1)
                 guess = torch.topk(nxt @ x[0], 2).indices.tolist() if nxt is not None else None
             guess = None  # a token's last layer stages nothing; the next token starts unstaged here
         assert both.resident == "ram" and both.stage_counts() == (staged, hits)
-        assert both.hot_hits() == hot_hits > 0
+        assert len(both.hot_set(0)) == 5 and both.hot_hits() == hot_hits > 0
         reads = 3 * n_layers * k - k
         assert both.resident_ram_reads == reads
         assert both.bytes_in_place == (reads - hits - hot_hits + staged) * wd.layout.block_bytes
@@ -528,3 +523,25 @@ def test_counters_report_the_banks_own_counts(banks, kernel_device):
     assert (c.staged_blocks, c.stage_hits, c.hot_hits) == (0, 0, 0)
     assert c.bus_read_bytes == 5 * wd.layout.block_bytes  # the RAM reads crossed the bus in place
     bank.close()
+
+
+def test_decode_misses_enter_the_ram_cache_and_prompt_misses_do_not(tiny_workdir, kernel_device, host_alloc):
+    """After a prompt, a decode step run in stages (as the decode graphs run it) caches its misses in RAM, as
+    the bank's call does; the prompt's misses bypass the RAM cache."""
+    wd = Workdir(tiny_workdir)
+    k = wd.text_config["num_experts_per_tok"]
+    blocks = wd.num_layers * wd.num_experts
+    with ExpertStore(wd, blocks * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
+        bank = GpuExperts(wd, store, 8, kernel_device)
+        xs, ids, ws = (v.to(kernel_device) for v in routing(wd, 12, seed=1))
+        bank(0, xs, ids, ws)
+        assert store.cached_blocks == 0
+        x, ids, w = (v.to(kernel_device) for v in routing(wd, 1, seed=2))
+        want = bank.decode_want(1, x, ids)
+        bank.decode_prepare(1, want, k)
+        bank.decode_compute(1, x, ids, w)
+        bank.decode_launched()
+        assert store.cached_blocks == k
+        bank(2, x, ids, w)
+        assert store.cached_blocks == 2 * k
+        bank.close()

@@ -181,7 +181,7 @@ def pass_calls(
     group: int = PASS_EXPERTS,
     launch: dict | None = None,
 ):
-    """n prefill passes as the engine runs them (experts/gpu_bank.py): one `tokens`-token span's pairs
+    """n prefill passes as the engine runs them (experts/gpu_prefill.py): one `tokens`-token span's pairs
     sorted by expert once, each pass mapping the next `group` of its experts to their slots (expert e in
     slot e; the rest map to -1), launching over those experts' tiles and adding their rows into the FP32
     token sums; 4 x 15 real blocks are past L2. Returns (calls, the span's routed ids [tokens, K], the sums

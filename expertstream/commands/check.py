@@ -27,7 +27,7 @@ from expertstream.commands.check_reference import (  # noqa: F401 (build_referen
     text_config_of,
 )
 from expertstream.config import EngineConfig
-from expertstream.experts.cpu_bank import CONTROLS
+from expertstream.experts.controls import CONTROLS
 from expertstream.log import get_logger
 from expertstream.runtime.engine import Engine
 from expertstream.tokenizer import Tokenizer

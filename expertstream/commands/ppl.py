@@ -18,7 +18,7 @@ import torch
 
 from expertstream.config import EngineConfig
 from expertstream.default_model import resolve_model
-from expertstream.experts.cpu_bank import CONTROLS
+from expertstream.experts.controls import CONTROLS
 from expertstream.log import get_logger
 
 log = get_logger(__name__)

@@ -47,6 +47,7 @@ class ExpertBank(ABC):
     host_syncs: int = 0  # device -> host reads of the routing the bank waited on
     stall_seconds: float = 0.0  # waiting for expert blocks that had not landed yet
     resident: str | None = None  # "vram" or "ram" once every block has a fixed place there
+    segmented: bool = False  # __call__ also takes `segments`: one fetch per block for several sequences' rows
 
     @abstractmethod
     def __call__(
@@ -59,6 +60,10 @@ class ExpertBank(ABC):
 
     def set_prefill_chunk(self, tokens: int | None) -> None:
         """Run a prompt's expert kernels at most `tokens` tokens at a time (None: a call's tokens)."""
+        return None
+
+    def warm_up(self, dtype: torch.dtype) -> None:
+        """Compile the bank's kernels for activations of `dtype` before the first request."""
         return None
 
     def counters(self) -> BankCounters:

@@ -19,13 +19,10 @@ import torch.nn.functional as F
 
 from expertstream.experts.bank import ExpertBank
 from expertstream.experts.speculation import Speculator
-from expertstream.formats.expert_block import PROJ
 from expertstream.kernels import cpu_moe
 from expertstream.log import get_logger
 
 log = get_logger(__name__)
-
-CONTROLS = ("none", "swap-nibbles", "no-experts")
 
 
 def routed_sum(
@@ -85,11 +82,6 @@ class DenseExperts(ExpertBank):
         return routed_sum(x, expert_ids, weights, experts, expert_weights, swiglu_limit=self.swiglu_limit)
 
 
-def swap_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Exchange the two E2M1 codes of every byte (the must-break control)."""
-    return (packed >> 4) | (packed << 4)
-
-
 class StreamedExperts(ExpertBank):
     """Bank backed by the expert store: each layer's distinct experts are fetched once per call.
 
@@ -97,8 +89,6 @@ class StreamedExperts(ExpertBank):
         workdir: the `Workdir` (layout, `expert_scales()`).
         store: the `ExpertStore` (`request(keys)` -> handles with `wait()` / `release()`).
         dtype: dtype of the decoded weights (the activation dtype).
-        control: "none"; "swap-nibbles" decodes every packed weight byte with its nibbles exchanged;
-            "no-experts" returns a zero routed sum. Both controls must visibly break the model.
         speculate: in decode, queue disk reads of the next layer's guessed experts (needs the routers from
             `set_router_weights` and a store with `prefetch`).
         threads: callable -> the threads the CPU kernel may use now (`CpuThreads`); None: one.
@@ -110,26 +100,21 @@ class StreamedExperts(ExpertBank):
         workdir,
         store,
         dtype: torch.dtype,
-        control: str = "none",
         speculate: bool = True,
         speculation_width: float = 1.0,
         threads: Callable[[], int] | None = None,
         kernels: bool = False,
     ):
-        if control not in CONTROLS:
-            raise ValueError(f"expert control {control!r} is not one of {CONTROLS}")
-        self.layout, self.store, self.dtype, self.control = workdir.layout, store, dtype, control
+        self.layout, self.store, self.dtype = workdir.layout, store, dtype
         self.weight_scale_2 = workdir.expert_scales()[0]  # [L, E, 3] FP32
         # prompt misses bypass the RAM cache so a long prompt cannot evict the decode working set
         self._bypass = "cache" in inspect.signature(store.request).parameters
-        self._weight_parts = [self.layout.part(f"{p}.weight") for p in PROJ]
         self.stall_seconds = 0.0  # time spent waiting for blocks that had not landed yet
         spec = speculate and hasattr(store, "prefetch")
         self.spec = Speculator(self.layout.block_bytes, speculation_width, kernels) if spec else None
         self.host_syncs = 0  # `.tolist()` reads of the routing (device syncs when it runs on a GPU)
         self.threads = threads or (lambda: 1)
-        # the C kernel where it builds; the controls keep the torch form (swap-nibbles edits decoded copies)
-        self.kernel = control == "none" and cpu_moe.library() is not None
+        self.kernel = cpu_moe.library() is not None  # the C kernel where it builds
 
     def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:
         """Routers {layer: W [E, H]} on the compute device in the activation dtype, for speculation."""
@@ -143,10 +128,6 @@ class StreamedExperts(ExpertBank):
         return block
 
     def _decode(self, layer: int, e: int, block: torch.Tensor, device) -> tuple[torch.Tensor, ...]:
-        if self.control == "swap-nibbles":
-            block = block.clone()
-            for p in self._weight_parts:
-                block[p.offset : p.offset + p.nbytes] = swap_nibbles(block[p.offset : p.offset + p.nbytes])
         block = block.to(device, non_blocking=True)
         return self.layout.dequantize(block, self.weight_scale_2[layer, e].to(device), self.dtype)
 
@@ -160,8 +141,6 @@ class StreamedExperts(ExpertBank):
         weights: torch.Tensor,
         segments: list[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
-        if self.control == "no-experts":
-            return torch.zeros_like(x)
         # one token per sequence is a decode step (batched): its blocks go through the RAM cache
         decode = x.shape[0] == 1 or segments is not None and all(b - a == 1 for a, b in segments)
         guess = None

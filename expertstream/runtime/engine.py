@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from expertstream.config import EngineConfig, parse_cpu_list
+from expertstream.experts.controls import controlled
 from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.experts.speculation import SpecStats
 from expertstream.formats.fp8 import quantize_fp8_rows
@@ -128,32 +129,39 @@ class Engine:
             # vram_cache_blocks overrides the plan's cache (the bench emulates the 48-layer model's share)
             cache = self.plan.vram_cache_blocks if vram_cache_blocks is None else vram_cache_blocks
             n_slots = self.plan.slots // self.workdir.layout.block_bytes + cache
-            self.bank = GpuExperts(
-                self.workdir,
-                self.store,
-                max(n_slots, 2 * k),
-                self.device,
-                control,
-                speculate,
-                config.speculation_width,
-                config.stage_guesses,
-            )
-            t1 = time.perf_counter()
-            self.bank.warm_up(self.dtype)  # a first prompt must not wait for Triton compiles
-            log.info("expert kernels ready in %.1f s", time.perf_counter() - t1)
+
+            def make_bank(store):
+                return GpuExperts(
+                    self.workdir,
+                    store,
+                    max(n_slots, 2 * k),
+                    self.device,
+                    speculate,
+                    config.speculation_width,
+                    config.stage_guesses,
+                )
+
         else:
-            self.bank = StreamedExperts(
-                self.workdir,
-                self.store,
-                self.dtype,
-                control,
-                speculate,
-                config.speculation_width,
-                threads=self.cpu_threads,
-                kernels=kernels,
-            )
+
+            def make_bank(store):
+                return StreamedExperts(
+                    self.workdir,
+                    store,
+                    self.dtype,
+                    speculate,
+                    config.speculation_width,
+                    threads=self.cpu_threads,
+                    kernels=kernels,
+                )
+
             if config.stage_guesses > 0:
                 log.warning("--stage-guesses ignored: it stages blocks into VRAM for the CUDA expert bank")
+        # a must-break control wraps the bank (experts/controls.py); the bank itself knows none
+        self.bank = controlled(control, self.store, make_bank)
+        t1 = time.perf_counter()
+        self.bank.warm_up(self.dtype)  # a first prompt must not wait for Triton compiles
+        if gpu:
+            log.info("expert kernels ready in %.1f s", time.perf_counter() - t1)
         if self.plan:
             piece, span, chunk = self.plan.prefill_piece, self.plan.prefill_span, self.plan.prefill_chunk
         else:

@@ -17,7 +17,7 @@ Key = tuple[int, int]  # (layer, expert)
 
 def most_routed(counts: np.ndarray, q: int) -> np.ndarray:
     """The q experts of a layer routed most by `counts` [E] (lower ids first on ties): a RAM-resident bank's
-    hot set (experts/gpu_bank.py), and `bench routing`'s replay of it."""
+    hot set (experts/gpu_residency.py), and `bench routing`'s replay of it."""
     return np.lexsort((np.arange(counts.size), -counts))[:q]
 
 
