@@ -11,9 +11,7 @@ Shapes: T new tokens, S = tokens in context after them, H hidden, N = hc_count s
 
 from __future__ import annotations
 
-import itertools
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,180 +19,29 @@ from torch import nn
 
 from expertstream.kernels.gdn_decode import GATES, gdn_gates, gdn_heads, gdn_out
 from expertstream.kernels.hyper import inject
+from expertstream.models.attention import index_mask, kv_bucket
 from expertstream.models.base import (
-    FusedLinear,
-    Linear,
     ModelArgs,
     RMSNorm,
+    Rope,
     apply_rope,
     gdn_conv,
     gdn_step,
-    hc_mix,
     moe_combine,
     rope_cos_sin,
     rope_inv_freq,
     route_topk,
     upload,
 )
+from expertstream.models.gated_delta import conv_step, gated_delta_chunked
+from expertstream.models.hyper_connections import GatedResidual
 from expertstream.models.state import State
+from expertstream.models.weights import Weights
 from expertstream.store.ple import ngram_row_ids, ngram_rows_one
 
 ACT = {"silu": F.silu, "sigmoid": torch.sigmoid}
-GDN_CHUNK = 64
 # attention score elements materialised per query piece (FP32: 256 MiB), bounds long-prompt memory
 ATTN_PIECE_ELEMS = 1 << 26
-
-
-class Rope(NamedTuple):
-    """One call's positions [T] (on the device), their cos / signed sin [T, rotary_dim], and inv_freq."""
-
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    inv_freq: torch.Tensor
-
-
-def kv_bucket(s: int, max_len: int) -> int:
-    """KV rows a one-token step attends over when s tokens are in context: the next power of two >= s (at
-    least 256), capped at max_len. Few distinct values, so CUDA graphs are captured per bucket."""
-    return min(max_len, max(256, 1 << (s - 1).bit_length()))
-
-
-class Weights:
-    """HF text names (prefix removed) -> tensors in the run dtype/device; FP8 row-scaled names stay FP8.
-    `kernels`: the modules built from them run the Triton kernels where they can (kernels/dispatch.py)."""
-
-    def __init__(self, tensors: dict, dtype: torch.dtype, device, fp8_row_scaled=(), kernels: bool = False):
-        self.tensors, self.dtype, self.device, self.fp8 = tensors, dtype, device, set(fp8_row_scaled)
-        self.kernels = kernels
-
-    def _checked(self, name: str, shape: tuple | None = None) -> torch.Tensor:
-        if name not in self.tensors:
-            raise KeyError(f"weight {name!r} is missing from the resident weights")
-        t = self.tensors[name]
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        return t
-
-    def get(
-        self, name: str, shape: tuple | None = None, float_dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        t = self._checked(name, shape)
-        dtype = (float_dtype or self.dtype) if t.is_floating_point() else t.dtype
-        return t.to(self.device, dtype)
-
-    def host(self, name: str, shape: tuple) -> torch.Tensor:
-        """An integer buffer kept in host RAM as stored (PLE hashing runs on the host)."""
-        return self._checked(name, shape).cpu()
-
-    def _fp8_rows(self, name: str, out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
-        q = self._checked(name, (out_f, in_f))
-        if q.dtype not in (torch.float8_e4m3fn, torch.uint8):
-            raise ValueError(f"{name!r} is listed as FP8 row-scaled but stored as {q.dtype}")
-        return q.view(torch.float8_e4m3fn), self._checked(f"{name}_scale", (out_f,)).float()
-
-    def linear(self, name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
-        b = self._bias([(name, out_f)]) if bias else None
-        if name in self.fp8:
-            q, scale = self._fp8_rows(name, out_f, in_f)
-            return Linear(q.to(self.device), scale.to(self.device), b, self.kernels)
-        return Linear(self.get(name, (out_f, in_f)), bias=b)
-
-    def _bias(self, specs: list[tuple[str, int]], biased=()) -> torch.Tensor:
-        """The biases [sum of out_f] of `specs` named in `biased` (all when empty), zeros for the others."""
-        parts = [
-            self.get(n.removesuffix(".weight") + ".bias", (o,))
-            if not biased or n in biased
-            else torch.zeros(o, dtype=self.dtype, device=self.device)
-            for n, o in specs
-        ]
-        return torch.cat(parts)
-
-    def fused(self, specs: list[tuple[str, int]], in_f: int, factor: float = 1.0, biased=()) -> FusedLinear:
-        """Linears on one input, `specs` [(name, out_features)], rows concatenated before the device copy;
-        the names in `biased` add their `.bias` (`attention_bias`).
-
-        `factor` multiplies every output, folded into the weights or row scales (exact for powers of two).
-        """
-        runs = []
-        for fp8, group in itertools.groupby(specs, key=lambda spec: spec[0] in self.fp8):
-            group = list(group)
-            b = self._bias(group, biased) if any(n in biased for n, _ in group) else None
-            b = b.mul_(factor) if b is not None else None
-            if fp8:
-                q, scale = zip(*(self._fp8_rows(n, o, in_f) for n, o in group))
-                q, scale = torch.cat(q).to(self.device), torch.cat(scale).mul_(factor).to(self.device)
-                lin = Linear(q, scale, b, self.kernels)
-            else:
-                ws = [self._checked(n, (o, in_f)) for n, o in group]
-                w = torch.cat([w.to(ws[0].device, self.dtype) for w in ws]).mul_(factor)
-                lin = Linear(w.to(self.device), bias=b)
-            runs.append((lin, [o for _, o in group]))
-        return FusedLinear(runs)
-
-
-class GatedResidual(nn.Module):
-    """Hyper-connection: N streams [T, N*H] -> block input u [T, H] and injection gates c [T, N] (c / 2)."""
-
-    def __init__(self, w: Weights, p: str, a: ModelArgs, inject: bool = True):
-        super().__init__()
-        self.n, self.h = a.hc_count, a.hidden_size
-        nh = self.n * self.h
-        self.norm = RMSNorm(w.get(f"{p}.hc_norm.weight", (nh,)), a.rms_norm_eps, self.h, w.kernels)
-        self.kernel = w.kernels
-        # the low-rank down projection and the injection logits both read xn and are divided by N: one
-        # matmul, the division folded into the rows (exact for a power-of-two N such as the shipped 4)
-        specs = [(f"{p}.input_mix_weight_down.weight", a.hc_lowrank)]
-        specs += [(f"{p}.block_inject_weight.weight", self.n)] if inject else []
-        self.proj = w.fused(specs, nh, factor=1.0 / self.n)
-        self.up = w.linear(f"{p}.input_mix_weight_up.weight", nh, a.hc_lowrank)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        xn = self.norm(x)
-        down, *inj = self.proj(xn)
-        # u = mean over the streams of sigmoid(mix) * xn; the injection weight is 2 * sigmoid(inj), and
-        # `inject` applies the exact factor 2
-        return hc_mix(self.up(F.silu(down)), xn, inj[0] if inj else None, self.n, kernel=self.kernel)
-
-
-def conv_step(hist: torch.Tensor, w_t: torch.Tensor, dilation: int = 1) -> torch.Tensor:
-    """One new row of a depthwise causal conv in FP32: hist [(K-1)*dilation + 1, C], w_t [K, C] -> [1, C].
-
-    A multiply and a sum: F.conv1d for one position takes over 10x longer on the CPU (46 vs 3.5 us, C = 1792).
-    """
-    return (hist[::dilation].float() * w_t).sum(0, keepdim=True).to(hist.dtype)
-
-
-def gated_delta_chunked(q, k, v, g, beta, s, chunk: int = GDN_CHUNK):
-    """Prompt form, FP32. q, k [Hv, T, Dk], v [Hv, T, Dv], g, beta [Hv, T]; s [Hv, Dk, Dv] updated in place.
-
-    Per chunk the delta-rule updates are folded by a unit-lower-triangular solve (the UT transform), then one
-    sequential scan over chunks carries the state. Padding tokens have k = v = beta = g = 0: no effect.
-    """
-    hv, t, dk = k.shape
-    pad = (-t) % chunk
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    nc = (t + pad) // chunk
-    q, k, v = (x.view(hv, nc, chunk, -1) for x in (q, k, v))
-    g, beta = g.view(hv, nc, chunk), beta.view(hv, nc, chunk)
-    kb, vb = k * beta[..., None], v * beta[..., None]
-    gc = g.cumsum(-1)  # [Hv, nc, C] log decay from chunk start
-    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(future, float("-inf")).exp()  # [Hv, nc, C, C]
-    ut = (kb @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(ut, vb, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(ut, kb * gc.exp()[..., None], upper=False, unitriangular=True)
-    attn = (q @ k.transpose(-1, -2)) * decay
-    q_dec = q * gc.exp()[..., None]
-    k_dec = k * (gc[..., -1:] - gc).exp()[..., None]
-    chunk_decay = gc[..., -1].exp()[..., None, None]  # [Hv, nc, 1, 1]
-    out = torch.empty_like(v)
-    for i in range(nc):
-        v_new = u[:, i] - w[:, i] @ s
-        out[:, i] = q_dec[:, i] @ s + attn[:, i] @ v_new
-        s.mul_(chunk_decay[:, i]).add_(k_dec[:, i].transpose(-1, -2) @ v_new)
-    return out.view(hv, nc * chunk, -1)[:, :t]
 
 
 class GatedDeltaNet(nn.Module):
@@ -247,37 +94,6 @@ class GatedDeltaNet(nn.Module):
         q, k, v = gdn_heads(qkv, self.hk, self.hv, self.dk, self.dv)
         o = gated_delta_chunked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.T, beta.T, s)
         return self.out_proj(gdn_out(o.transpose(0, 1), z, self.norm_w, self.eps, self.gate))
-
-
-def index_mask(qi: torch.Tensor, qpos: torch.Tensor, bk: torch.Tensor, s: int, c: int, block_topk: int):
-    """QSA key mask [Q, S] for indexer queries qi [Q, Hi, Di] at positions qpos [Q], block keys bk [S//c, Di].
-
-    A query at p sees V = p + 1 tokens: its V // c complete blocks compete (top block_topk by the summed ReLU
-    score), the V mod c tail tokens are always kept. Scores and masks are computed for all queries at once.
-    """
-    keys = torch.arange(s, device=qi.device)
-    causal = keys[None, :] <= qpos[:, None]
-    nvis = (qpos + 1) // c  # [Q] complete visible blocks
-    nb = bk.shape[0]
-    if nb == 0 or int(nvis.max()) <= block_topk:
-        return causal  # every complete block fits the budget: plain causal attention
-    scores = torch.relu(torch.einsum("qhd,bd->qhb", qi.float(), bk.float())).sum(1) / math.sqrt(qi.shape[-1])
-    visible = torch.arange(nb, device=qi.device)[None, :] < nvis[:, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    # everything at or above the k-th best visible score; rows with nvis <= k get kth = -inf: all visible
-    kth = scores.topk(min(block_topk, nb), dim=-1).values[:, -1:]
-    chosen = (scores > kth) | ((scores == kth) & visible)  # [Q, nb]
-    # a tie at the k-th score (ReLU makes zeros common) is broken as transformers does: topk over exactly the
-    # visible row, batched per visible-block count (only such rows, usually none)
-    tied = chosen.sum(-1) > block_topk
-    for n in torch.unique(nvis[tied]).tolist():
-        rows = tied & (nvis == n)
-        top = scores[rows, :n].topk(block_topk, dim=-1).indices
-        chosen[rows] = torch.zeros_like(chosen[rows]).scatter_(1, top, True)
-    blk = keys // c
-    in_blocks = blk[None, :] < nvis[:, None]
-    chosen_tok = chosen.gather(1, blk.clamp_max(nb - 1)[None, :].expand(qi.shape[0], -1))
-    return causal & (~in_blocks | chosen_tok)
 
 
 class Attention(nn.Module):

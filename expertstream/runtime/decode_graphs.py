@@ -27,7 +27,9 @@ import torch
 
 from expertstream.experts.host_mirror import PackedUpload
 from expertstream.log import get_logger
-from expertstream.models.qwen4_exp import DecoderLayer, Qwen4ExpModel, Rope, kv_bucket
+from expertstream.models.attention import kv_bucket
+from expertstream.models.base import Rope
+from expertstream.models.qwen4_exp import DecoderLayer, Qwen4ExpModel
 from expertstream.models.state import State
 
 log = get_logger(__name__)
