@@ -17,6 +17,7 @@ from expertstream.kernels.dispatch import Fused
 
 INDEXED_ALIASES = text_config.INDEXED_ALIASES
 LAYER_KINDS = ("linear_attention", "indexed_attention")
+ACT = {"silu": F.silu, "sigmoid": torch.sigmoid}  # hidden_act -> activation
 
 
 @dataclass(slots=True)

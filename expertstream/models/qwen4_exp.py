@@ -17,83 +17,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertstream.kernels.gdn_decode import GATES, gdn_gates, gdn_heads, gdn_out
 from expertstream.kernels.hyper import inject
 from expertstream.models.attention import index_mask, kv_bucket
 from expertstream.models.base import (
+    ACT,
     ModelArgs,
     RMSNorm,
     Rope,
     apply_rope,
-    gdn_conv,
-    gdn_step,
     moe_combine,
     rope_cos_sin,
     rope_inv_freq,
     route_topk,
     upload,
 )
-from expertstream.models.gated_delta import conv_step, gated_delta_chunked
+from expertstream.models.gated_delta import GatedDeltaNet, conv_step
 from expertstream.models.hyper_connections import GatedResidual
+from expertstream.models.stages import Stage, run_stages
 from expertstream.models.state import State
 from expertstream.models.weights import Weights
 from expertstream.store.ple import ngram_row_ids, ngram_rows_one
 
-ACT = {"silu": F.silu, "sigmoid": torch.sigmoid}
 # attention score elements materialised per query piece (FP32: 256 MiB), bounds long-prompt memory
 ATTN_PIECE_ELEMS = 1 << 26
-
-
-class GatedDeltaNet(nn.Module):
-    def __init__(self, w: Weights, p: str, a: ModelArgs, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.hk, self.hv = a.linear_num_key_heads, a.linear_num_value_heads
-        self.dk, self.dv = a.linear_key_head_dim, a.linear_value_head_dim
-        key_dim, val_dim = self.hk * self.dk, self.hv * self.dv
-        conv_dim = 2 * key_dim + val_dim
-        self.in_proj = w.fused(
-            [
-                (f"{p}.in_proj_qkv.weight", conv_dim),
-                (f"{p}.in_proj_z.weight", val_dim),
-                (f"{p}.in_proj_b.weight", self.hv),
-                (f"{p}.in_proj_a.weight", self.hv),
-            ],
-            a.hidden_size,
-        )
-        self.conv_w = nn.Buffer(w.get(f"{p}.conv1d.weight", (conv_dim, 1, a.linear_conv_kernel_dim)))
-        self.conv_wt = nn.Buffer(self.conv_w[:, 0].T.float().contiguous())  # [K, conv_dim] for one token
-        self.dt_bias = nn.Buffer(w.get(f"{p}.dt_bias", (self.hv,)))
-        self.neg_A = nn.Buffer(-w.get(f"{p}.A_log", (self.hv,)).float().exp())  # -exp(A_log) [Hv] FP32
-        self.norm_w = nn.Buffer(w.get(f"{p}.norm.weight", (self.dv,)))
-        self.out_proj = w.linear(f"{p}.out_proj.weight", a.hidden_size, val_dim)
-        if a.output_gate_type not in GATES:
-            raise ValueError(f"output_gate_type {a.output_gate_type!r} is not one of {GATES}")
-        self.act, self.act_name = ACT[a.hidden_act], a.hidden_act
-        self.gate, self.eps = a.output_gate_type, a.rms_norm_eps
-        self.kernel = w.kernels
-
-    def forward(self, x: torch.Tensor, st: State) -> torch.Tensor:
-        t = x.shape[0]
-        qkv, z, b, a = self.in_proj(x)  # [T, conv_dim], [T, Hv*Dv], [T, Hv], [T, Hv]
-        # depthwise causal conv over [last K-1 rows | new rows]
-        conv = st.conv[self.layer]
-        if t == 1:
-            qkv = gdn_conv(conv, qkv, self.conv_wt, self.act_name, kernel=self.kernel)
-        else:
-            hist = torch.cat((conv, qkv))
-            conv.copy_(hist[-conv.shape[0] :])
-            qkv = self.act(F.conv1d(hist.T[None], self.conv_w, groups=hist.shape[1])[0].T).float()
-        s = st.rec[self.layer]
-        if t == 1:  # one launch on CUDA (kernels/gdn_decode.py), its torch twin elsewhere
-            o = gdn_step(qkv[0], b[0], a[0], z[0], s, self.neg_A, self.dt_bias, self.norm_w,
-                         num_k_heads=self.hk, eps=self.eps, gate=self.gate,
-                         kernel=self.kernel)[None]  # fmt: skip
-            return self.out_proj(o)
-        beta, g = gdn_gates(b, a, self.neg_A, self.dt_bias)
-        q, k, v = gdn_heads(qkv, self.hk, self.hv, self.dk, self.dv)
-        o = gated_delta_chunked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.T, beta.T, s)
-        return self.out_proj(gdn_out(o.transpose(0, 1), z, self.norm_w, self.eps, self.gate))
 
 
 class Attention(nn.Module):
@@ -168,6 +114,18 @@ class Attention(nn.Module):
     def decode_one(self, x: torch.Tensor, st: State, rope: Rope, kv_len: int) -> torch.Tensor:
         q, qi, gate = self.decode_in(x, st, rope)
         return self.decode_out(q, gate, self.decode_mask(qi, st, kv_len), st, kv_len)
+
+    def decode_stages(self, st: State, kv_len: int) -> list[Stage]:
+        """`decode_one` as stages (models/stages.py): reads u [1, H] and rope, writes y [1, H]."""
+        return [
+            Stage(lambda u, rope: self.decode_in(u, st, rope), ("u", "rope"), ("q", "qi", "gate")),
+            Stage(lambda qi: self.decode_mask(qi, st, kv_len), ("qi",), ("mask",), graphable=False),
+            Stage(
+                lambda q, gate, mask: self.decode_out(q, gate, mask, st, kv_len),
+                ("q", "gate", "mask"),
+                ("y",),
+            ),
+        ]
 
     def decode_in(self, x: torch.Tensor, st: State, rope: Rope) -> tuple[torch.Tensor, ...]:
         """x [1, H] at the device position rope.positions [1] -> q [1, nh, D], indexer q [1, Hi, Di], gate;
@@ -342,6 +300,30 @@ class SparseMoe(nn.Module):
         routing = route_topk(self.gate(u), self.k, self.norm_topk, kernel=self.kernel)
         return routing + self.shared(u) if shared else routing
 
+    def routed_stages(self) -> list[Stage]:
+        """One token's routed sum as stages: reads u [1, H], top_i, top_w, writes routed [1, H]; split at the
+        bank's host work as its `decode_mode` says (experts/bank.py)."""
+        bank, i, k, mode = self.bank, self.layer, self.k, self.bank.decode_mode
+        if mode == "eager":  # all host work (the CPU bank)
+            call = lambda u, ids, w: bank(i, u, ids, w)  # noqa: E731
+            return [Stage(call, ("u", "top_i", "top_w"), ("routed",), graphable=False)]
+        compute = ("u", "top_i", "top_w"), ("routed",)
+        if mode == "fixed":  # every block placed for good: device work alone, its reads counted on the host
+            done = (bank.decode_launched, lambda: bank.decode_fixed_reads(k))
+            return [Stage(lambda u, ids, w: bank.decode_compute(i, u, ids, w), *compute, after=done)]
+        return [  # "staged": only the fetch and the location table stay host work
+            Stage(lambda u, ids: bank.decode_want(i, u, ids), ("u", "top_i"), ("want",)),
+            Stage(lambda want: bank.decode_prepare(i, want, k), ("want",), graphable=False),
+            Stage(lambda u, ids, w: bank.decode_compute(i, u, ids, w), *compute),
+            # the next layer's guesses to VRAM behind this kernel (side stream); then their disk reads
+            Stage(
+                lambda want: bank.decode_stage(i, want, k),
+                ("want",),
+                after=(bank.decode_launched,),
+                join=bank.decode_join,
+            ),
+        ]
+
     def shared(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The shared expert: (its gate [T, 1], its output [T, H])."""
         gate, up, shared_gate = self.shared_in(u)
@@ -362,8 +344,26 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoe(w, f"{p}.mlp", a, i, bank)
         self.kernel = w.kernels
 
-    # The stages of `forward`, also run one by one by the CUDA-graph decode (runtime/decode_graphs.py), which
-    # captures the static-shape stretches between the bank, the QSA block selection and the host inputs.
+    def decode_stages(self, st: State, kv_len: int) -> list[Stage]:
+        """One token through the layer (models/stages.py): reads the streams x, rope and, with a PLE, the
+        layer's raw PLE rows; writes x."""
+        out, i, ple = [], self.mlp.layer, self.ple
+        if ple is not None:
+            # its raw rows came with the token's host inputs: decoding and mixing is device work
+            mix = lambda x, raw: x + ple.mix(x, ple.from_raw(raw, x.dtype), st)  # noqa: E731
+            out.append(Stage(mix, ("x", f"ple_raw{i}"), ("x",)))
+        out.append(Stage(self.attn_hc, ("x",), ("u", "c")))
+        if self.linear_attn is not None:  # recurrent state in place: device work
+            out.append(Stage(lambda u: self.linear_attn(u, st), ("u",), ("y",)))
+        else:
+            out += self.self_attn.decode_stages(st, kv_len)
+        moe = ("x", "u", "c", "top_i", "top_w", "shared_gate", "shared")
+        out.append(Stage(self.moe_in, ("x", "y", "c"), moe))
+        out += self.mlp.routed_stages()
+        out.append(Stage(self.moe_out, ("x", "c", "routed", "shared_gate", "shared"), ("x",)))
+        return out
+
+    # The parts of `forward`, which the one-token stages above and the layer-major prompt run one by one.
     def attention(self, u: torch.Tensor, st: State, rope: Rope) -> torch.Tensor:
         if self.linear_attn is not None:
             return self.linear_attn(u, st)
@@ -437,6 +437,39 @@ class Qwen4ExpModel(nn.Module):
         self.lm_head = w.linear("lm_head.weight", args.vocab_size, args.hidden_size)
         self.inv_freq = rope_inv_freq(args).to(device)
 
+    @property
+    def banks(self) -> list:
+        """The distinct expert banks of the layers (usually one), in layer order."""
+        return list({id(layer.mlp.bank): layer.mlp.bank for layer in self.layers}.values())
+
+    def decode_stages(self, st: State, kv_len: int, send=None) -> list[Stage]:
+        """One token's forward on `st`, QSA over `kv_len` KV rows, as ordered stages (models/stages.py):
+        reads the host id "ids" [1], writes the final mixer output "h" [1, H]. `send({name: host tensor})
+        -> {name: device tensor}` sends the token's host inputs (default: each on its own)."""
+        send = send or (lambda parts: {n: upload(v, self.device, v.dtype) for n, v in parts.items()})
+        ple = [layer.ple for layer in self.layers if layer.ple is not None]
+        inputs = ("row", "positions", *(f"ple_raw{p.layer}" for p in ple))
+
+        def host_inputs(ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            # known from the ids and the state: the embedding row, the position, each PLE layer's raw rows
+            parts = [self.table_rows(ids), torch.tensor([st.pos])] + [p.raw_host(ids, st) for p in ple]
+            sent = send(dict(zip(inputs, parts)))
+            return tuple(sent[n] for n in inputs)
+
+        out = [
+            Stage(host_inputs, ("ids",), inputs, graphable=False),
+            Stage(
+                lambda row, pos: (self.streams(row), self.rope_at(pos)), ("row", "positions"), ("x", "rope")
+            ),
+        ]
+        for bank in self.banks:  # layer 0's guesses to VRAM over its attention (side stream)
+            if bank.decode_mode == "staged":
+                out.append(Stage(bank.decode_stage_first, ("row",), join=bank.decode_join))
+        for layer in self.layers:
+            out += layer.decode_stages(st, kv_len)
+        out.append(Stage(lambda x: self.mixer(x)[0], ("x",), ("h",)))
+        return out
+
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Host ids [T] -> the N streams [T, N*H] on the device, each seeded with the token embedding."""
         return self.streams(self.token_rows(ids))
@@ -466,15 +499,20 @@ class Qwen4ExpModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, st: State, piece: int | None = None) -> torch.Tensor:
-        """ids [T] -> final mixer output [T, H]. With `piece` < T the tokens run layer by layer: each layer's
-        PLE, attention and router take `piece` tokens at a time (their state carries from piece to piece),
-        then the layer's experts run once over all T tokens, so the bank fetches each block once per layer
-        instead of once per piece."""
+        """ids [T] -> final mixer output [T, H]. One token runs `decode_stages`. With `piece` < T the tokens
+        run layer by layer: each layer's PLE, attention and router take `piece` tokens at a time
+        (their state carries from piece to piece), then the layer's experts run once over all T tokens, so
+        the bank fetches each block once per layer instead of once per piece."""
         t = ids.shape[0]
         st.check_room(t)
         # ids stay on the host (embedding rows, PLE hashing, the state's token list): nothing is read back
         ids = ids.cpu()
-        ple = [layer.ple for layer in self.layers if layer.ple is not None and t > 1]
+        if t == 1:
+            stages = self.decode_stages(st, kv_bucket(st.pos + 1, st.max_model_len))
+            h = run_stages(stages, {"ids": ids})["h"]
+            st.advance(ids)
+            return h
+        ple = [layer.ple for layer in self.layers if layer.ple is not None]
         for p in ple:  # every piece's PLE rows are known now: their reads overlap the layers before
             p.read_ahead(ids, st)
         try:
