@@ -122,6 +122,7 @@ class DecodeGraphs:
         self._stream = torch.cuda.Stream(model.device) if capture else None
         self._upload = PackedUpload(model.device)  # the token's host inputs: fixed device tensors
         self.captures = 0  # (state, KV bucket) programs captured so far (stats)
+        self._banks = model.banks  # what a step's program depends on, beside the state and the KV window
 
     def program(self, st: State, kv_len: int) -> list[tuple[bool, list[Stage]]]:
         """The model's stages of one token on `st`, QSA over `kv_len` KV rows, as runs to capture or run."""
@@ -140,7 +141,7 @@ class DecodeGraphs:
         else:
             graphs = self._states.setdefault(st, _StateGraphs())
             # the program (and its graphs) depends on which banks have every block placed for good, and where
-            banks = self.model.banks
+            banks = self._banks
             key = (kv_len, tuple(b.decode_mode == "fixed" for b in banks), tuple(b.resident for b in banks))
             cap = graphs.by_window.get(key)
             if cap is None:
