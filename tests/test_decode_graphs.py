@@ -1,4 +1,5 @@
-"""The CUDA-graph decode program: its stages equal the model's forward (CPU); graphs equal eager (CUDA)."""
+"""The CUDA-graph decode over the model's declared stages: the stages, run eagerly or captured and replayed,
+equal the layers' own forward (CPU); graphs equal eager (CUDA)."""
 
 import gc
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 
 from expertstream.config import EngineConfig
-from expertstream.runtime.decode_graphs import DecodeGraphs, decode_program
+from expertstream.models.batched import forward_many
+from expertstream.runtime import decode_graphs
+from expertstream.runtime.decode_graphs import DecodeGraphs
 from expertstream.runtime.engine import Engine
 from expertstream.store import ExpertStore
 
@@ -21,10 +24,16 @@ def continue_greedy(eng, prompt, n, step=None, st=None):
     return torch.stack(rows), st
 
 
+def layers_step(eng):
+    """One token through the layers' own forward (attention, then the bank's plain call, then the combine:
+    the batched path), not through the declared stages: the reference the stages must equal."""
+    return lambda st, t: eng.model.logits(forward_many(eng.model, [(torch.tensor([t]), st)], 1)[0])[0]
+
+
 def test_program_splits_at_the_eager_points(tiny_workdir):
     eng = Engine(EngineConfig(model=str(tiny_workdir), device="cpu"))
     a = eng.args
-    runs = decode_program(eng.model, eng.new_state(), kv_len=256)
+    runs = DecodeGraphs(eng.model, capture=False).program(eng.new_state(), kv_len=256)
     eager = sum(len(fns) for graphable, fns in runs if not graphable)
     qsa = sum(t != "linear_attention" for t in a.layer_types)
     # the token's host inputs (embedding row, position, PLE rows) + one bank per layer + one block selection
@@ -34,25 +43,52 @@ def test_program_splits_at_the_eager_points(tiny_workdir):
     eng.close()
 
 
-@pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
-def test_stage_program_equals_the_model_bit_for_bit(tiny_workdir):
-    """Past the indexer budget (the QSA top-k), through the PLE layer, across KV windows; CPU fp32."""
+class Rerun:
+    """A CUDA graph's stand-in on the CPU: capturing runs the stages once (as a capture and its first replay
+    do); a later replay runs them again and writes what they return into the tensors the capture returned,
+    as a graph writes into the same memory."""
+
+    def __init__(self, fn):
+        self.fn, self.out, self.fresh = fn, fn(), True
+
+    def replay(self):
+        if self.fresh:
+            self.fresh = False
+            return
+        for name, new in self.fn().items():
+            old = self.out[name]
+            for o, n in zip(old, new) if isinstance(old, tuple) else [(old, new)]:
+                o.copy_(n)
+
+    def pool(self):
+        return None
+
+
+def test_captured_stages_replay_the_layers_forward_bit_for_bit(tiny_workdir, monkeypatch):
+    """The declared stages, as the model's one-token forward runs them and as the runner captures and replays
+    them (a `Rerun` for each graph: every later token flows through the first capture's tensors and the
+    eager stages' static copies), equal the layers' own forward bit for bit across two KV windows."""
+    monkeypatch.setattr(decode_graphs, "_capture_graph", lambda fn, stream, pool: (g := Rerun(fn), g.out))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: None)
     eng = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", max_model_len=512))
-    program = DecodeGraphs(eng.model, capture=False)
-    prompt = [3 + i % 200 for i in range(230)]  # the decode crosses from the 256-row KV window to 512
-    want, st_a = continue_greedy(eng, prompt, 40)
-    got, st_b = continue_greedy(
-        eng, prompt, 40, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
+    graphs = DecodeGraphs(eng.model)
+    prompt = [3 + i % 200 for i in range(250)]  # the decode crosses from the 256-row KV window to 512
+    want, _ = continue_greedy(eng, prompt, 10, step=layers_step(eng))
+    eager, _ = continue_greedy(eng, prompt, 10)
+    got, st = continue_greedy(
+        eng, prompt, 10, step=lambda st, t: eng.model.logits(graphs.step(torch.tensor([t]), st))[0]
     )
-    assert torch.equal(got, want)
-    assert st_a.pos == st_b.pos and st_a.tokens == st_b.tokens
+    assert torch.equal(eager, want) and torch.equal(got, want)
+    assert graphs.captures == 2 and st.pos == 260
     eng.close()
 
 
 @pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device):
     """With the GPU bank (want / prepare / compute stages; the Triton interpreter on a CPU) the program
-    still equals the model's forward, speculation included; only prepare stays eager."""
+    still equals the layers' forward (the bank's plain call), speculation included; only prepare stays
+    eager."""
     pytest.importorskip("triton")
     from expertstream.experts.gpu_bank import GpuExperts
 
@@ -65,13 +101,13 @@ def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_devic
     bank.set_router_weights({i: layer.mlp.gate.weight for i, layer in enumerate(eng.model.layers)})
     for layer in eng.model.layers:
         layer.mlp.bank = bank
-    runs = decode_program(eng.model, eng.new_state(), kv_len=256)
+    runs = DecodeGraphs(eng.model, capture=False).program(eng.new_state(), kv_len=256)
     eager = [fn for graphable, fns in runs if not graphable for fn in fns]
     a = eng.args
     assert len(eager) == 1 + a.num_hidden_layers + sum(t != "linear_attention" for t in a.layer_types)
     program = DecodeGraphs(eng.model, capture=False)
     prompt = [3 + i % 50 for i in range(20)]
-    want, _ = continue_greedy(eng, prompt, 4)
+    want, _ = continue_greedy(eng, prompt, 4, step=layers_step(eng))
     syncs = bank.host_syncs
     got, _ = continue_greedy(
         eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
@@ -98,8 +134,8 @@ def test_slot_bank_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_devic
 @pytest.mark.slow  # minutes under the Triton interpreter on a CPU; seconds on a GPU
 def test_a_fixed_bank_leaves_no_eager_point_and_equals_the_model(tiny_workdir, kernel_device):
     """Every block pinned in the RAM cache for good: once the bank adopts that, its layers are device work
-    alone (no eager point per layer), the tokens equal the model's bit for bit, and its reads are still
-    counted, K per layer and token."""
+    alone (no eager point per layer), the tokens equal the layers' forward bit for bit, and its reads are
+    still counted, K per layer and token."""
     pytest.importorskip("triton")
     from expertstream.experts.gpu_bank import GpuExperts
     from expertstream.store.reader import pinned_alloc
@@ -119,9 +155,10 @@ def test_a_fixed_bank_leaves_no_eager_point_and_equals_the_model(tiny_workdir, k
         layer.mlp.bank = bank
     prompt = [3 + i % 50 for i in range(20)]
     assert bank.decode_mode == "staged"
-    want, _ = continue_greedy(eng, prompt, 4)  # the first decode layer adopts the fixed places
+    # the first decode layer adopts the fixed places
+    want, _ = continue_greedy(eng, prompt, 4, step=layers_step(eng))
     assert bank.decode_mode == "fixed"
-    runs = decode_program(eng.model, eng.new_state(), kv_len=256)
+    runs = DecodeGraphs(eng.model, capture=False).program(eng.new_state(), kv_len=256)
     eager = sum(len(fns) for graphable, fns in runs if not graphable)
     assert eager == 1 + sum(t != "linear_attention" for t in a.layer_types)  # host inputs, QSA selections
     program, reads, syncs = DecodeGraphs(eng.model, capture=False), bank.resident_reads, bank.host_syncs
@@ -214,9 +251,8 @@ def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device, 
     for layer in eng.model.layers:
         layer.mlp.bank = bank
     program = DecodeGraphs(eng.model, capture=False)
-    eng.decode = None  # the reference is the model's forward (on CUDA the engine would step through graphs)
     prompt = [3 + i % 50 for i in range(20)]
-    want, _ = continue_greedy(eng, prompt, 4)
+    want, _ = continue_greedy(eng, prompt, 4, step=layers_step(eng))
     staged = bank.stage_counts()[0]
     got, _ = continue_greedy(
         eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
@@ -232,7 +268,7 @@ def test_staged_stages_equal_the_model_bit_for_bit(tiny_workdir, kernel_device, 
             == (bank.resident_ram_reads - bank.stage_counts()[1] - hits + bank.stage_counts()[0])
             * wd.layout.block_bytes
         )
-    else:  # the program stages what the model's forward does, and layer 0's 2 guesses at each token's start
+    else:  # the program stages what the bank's plain call does, and layer 0's 2 guesses at each token's start
         assert bank.stage_counts()[0] - staged == staged + 4 * 2
     bank.close()
     store.close()

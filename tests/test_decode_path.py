@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -15,6 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from expertstream.experts.bank import ExpertBank
 from expertstream.models import qwen4_exp
 from expertstream.models.base import ModelArgs
 from expertstream.models.qwen4_exp import Qwen4ExpModel
@@ -87,8 +89,19 @@ class DecodeCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class CallBank(ExpertBank):
+    """A bank whose every call goes to `fn` (decodes eagerly: one host stage)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, layer, x, expert_ids, weights):
+        return self.fn(layer, x, expert_ids, weights)
+
+
 def instrument(model, counter: DecodeCounter) -> list:
-    """Attribute ops to `<kind>.<layer>.<part>` sections by module hooks, the PLE's host work to `host`.
+    """Attribute ops to `<kind>.<layer>.<part>` sections by module hooks and, for a layer's decode stages,
+    by the layer (its PLE stage to the PLE), the PLE's host work to `host`.
 
     The bank runs with the counter paused. Returns handles whose remove() undoes it all.
     """
@@ -115,6 +128,30 @@ def instrument(model, counter: DecodeCounter) -> list:
     for name, m in named.items():
         handles += [m.register_forward_pre_hook(enter(name)), m.register_forward_hook(leave)]
 
+    def in_section(name, fn):
+        def call(*a):
+            enter(name)(None, None)
+            try:
+                return fn(*a)
+            finally:
+                leave(None, None, None)
+
+        return call
+
+    def sectioned(name, real):
+        """A layer's decode_stages whose stages count in the layer's section, its PLE stage in the PLE's."""
+        ple = name.replace(".layer", ".ple")
+
+        def decode_stages(*a):
+            stages = real(*a)
+            reads_ple = [any(r.startswith("ple_raw") for r in s.reads) for s in stages]
+            return [
+                dataclasses.replace(s, fn=in_section(ple if p else name, s.fn))
+                for s, p in zip(stages, reads_ple)
+            ]
+
+        return decode_stages
+
     def wrap(fn, pause: bool):
         def call(*a):
             if pause:
@@ -132,8 +169,11 @@ def instrument(model, counter: DecodeCounter) -> list:
 
         return call
 
+    for name, m in named.items():
+        if name.endswith(".layer"):
+            handles.append(_Patch(m, "decode_stages", sectioned(name, m.decode_stages)))
     for layer in model.layers:
-        handles.append(_Patch(layer.mlp, "bank", wrap(layer.mlp.bank, pause=True)))
+        handles.append(_Patch(layer.mlp, "bank", CallBank(wrap(layer.mlp.bank, pause=True))))
         if layer.ple is not None:
             handles.append(_Patch(layer.ple.table, "read", wrap(layer.ple.table.read, pause=False)))
     handles.append(_Patch(qwen4_exp, "ngram_row_ids", wrap(qwen4_exp.ngram_row_ids, pause=False)))
@@ -174,7 +214,8 @@ def tiny_model(workdir, device: str) -> Qwen4ExpModel:
     wd = Workdir(workdir)
     args = ModelArgs.from_dict(wd.text_config)
     tensors = wd.load_resident()
-    return Qwen4ExpModel(args, tensors, zero_bank, PleTable(wd.ple), torch.float32, device, wd.fp8_row_scaled)
+    bank = CallBank(zero_bank)
+    return Qwen4ExpModel(args, tensors, bank, PleTable(wd.ple), torch.float32, device, wd.fp8_row_scaled)
 
 
 def decode_ids(args: ModelArgs, n: int) -> list[int]:
@@ -266,7 +307,7 @@ def main(workdirs: list[str]) -> None:
             ops, kern = per_kind(counter.ops), per_kind(counter.kernels)
             print(f"{wd} {dtype}: ATen ops per decode token at position 220 (bank excluded)")
             for k in ops:
-                print(f"  {k:4s} ops {ops[k]:7.1f}  launching {kern[k]:7.1f}")
+                print(f"  {k:4s} ops {ops[k]:7.1f}  launching {kern.get(k, 0):7.1f}")
             print(f"  total ops {sum(counter.ops.values())}, launching {sum(counter.kernels.values())}")
             if dtype == "float32":
                 ms = time_decode(eng, st, ids[221:300].tolist())
@@ -286,7 +327,7 @@ def time_decode(eng, st, toks: list[int]) -> str:
         return y
 
     for layer in eng.model.layers:
-        layer.mlp.bank = timed
+        layer.mlp.bank = CallBank(timed)
     total, outside = [], []
     for t in toks:
         bank_s, t0 = 0.0, time.perf_counter()

@@ -7,8 +7,9 @@ import torch
 
 from expertstream.experts.cpu_bank import DenseExperts
 from expertstream.formats.fp8 import dequantize_fp8_rows, quantize_fp8_rows
+from expertstream.models.attention import index_mask, kv_bucket
 from expertstream.models.base import ModelArgs
-from expertstream.models.qwen4_exp import Qwen4ExpModel, index_mask, kv_bucket
+from expertstream.models.qwen4_exp import Qwen4ExpModel
 from expertstream.models.state import State
 from expertstream.store.ple import DenseTable
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from expertstream.experts.bank import ExpertBank
 from expertstream.store.policy import Key, LfuPolicy, LruPolicy, most_routed
 
 POLICIES: dict[str, Callable[[], LruPolicy | LfuPolicy]] = {"LRU": LruPolicy, "LFU": LfuPolicy}
@@ -41,8 +42,9 @@ class Trace:
     guessed: list[list[list[int]]]  # [token][layer] -> layer + 1's top-2K by its router, best first ([] last)
 
 
-class RoutingRecorder:
-    """Wraps a bank; records each decode call's routed ids and the next-layer guess, then delegates."""
+class RoutingRecorder(ExpertBank):
+    """Wraps a bank; records each decode call's routed ids and the next-layer guess, then delegates (an
+    eager bank: each decode call is one host stage)."""
 
     def __init__(self, bank, spec):
         self.bank, self.spec = bank, spec

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from expertstream.kernels.dispatch import Fused
 
 INDEXED_ALIASES = text_config.INDEXED_ALIASES
 LAYER_KINDS = ("linear_attention", "indexed_attention")
+ACT = {"silu": F.silu, "sigmoid": torch.sigmoid}  # hidden_act -> activation
 
 
 @dataclass(slots=True)
@@ -145,6 +147,15 @@ def upload(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.T
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device, non_blocking=True)
+
+
+class Rope(NamedTuple):
+    """One call's positions [T] (on the device), their cos / signed sin [T, rotary_dim], and inv_freq."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    inv_freq: torch.Tensor
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:

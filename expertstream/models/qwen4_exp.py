@@ -11,273 +11,35 @@ Shapes: T new tokens, S = tokens in context after them, H hidden, N = hc_count s
 
 from __future__ import annotations
 
-import itertools
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from expertstream.kernels.gdn_decode import GATES, gdn_gates, gdn_heads, gdn_out
 from expertstream.kernels.hyper import inject
+from expertstream.models.attention import index_mask, kv_bucket
 from expertstream.models.base import (
-    FusedLinear,
-    Linear,
+    ACT,
     ModelArgs,
     RMSNorm,
+    Rope,
     apply_rope,
-    gdn_conv,
-    gdn_step,
-    hc_mix,
     moe_combine,
     rope_cos_sin,
     rope_inv_freq,
     route_topk,
     upload,
 )
+from expertstream.models.gated_delta import GatedDeltaNet, conv_step
+from expertstream.models.hyper_connections import GatedResidual
+from expertstream.models.stages import Stage, run_stages
 from expertstream.models.state import State
+from expertstream.models.weights import Weights
 from expertstream.store.ple import ngram_row_ids, ngram_rows_one
 
-ACT = {"silu": F.silu, "sigmoid": torch.sigmoid}
-GDN_CHUNK = 64
 # attention score elements materialised per query piece (FP32: 256 MiB), bounds long-prompt memory
 ATTN_PIECE_ELEMS = 1 << 26
-
-
-class Rope(NamedTuple):
-    """One call's positions [T] (on the device), their cos / signed sin [T, rotary_dim], and inv_freq."""
-
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    inv_freq: torch.Tensor
-
-
-def kv_bucket(s: int, max_len: int) -> int:
-    """KV rows a one-token step attends over when s tokens are in context: the next power of two >= s (at
-    least 256), capped at max_len. Few distinct values, so CUDA graphs are captured per bucket."""
-    return min(max_len, max(256, 1 << (s - 1).bit_length()))
-
-
-class Weights:
-    """HF text names (prefix removed) -> tensors in the run dtype/device; FP8 row-scaled names stay FP8.
-    `kernels`: the modules built from them run the Triton kernels where they can (kernels/dispatch.py)."""
-
-    def __init__(self, tensors: dict, dtype: torch.dtype, device, fp8_row_scaled=(), kernels: bool = False):
-        self.tensors, self.dtype, self.device, self.fp8 = tensors, dtype, device, set(fp8_row_scaled)
-        self.kernels = kernels
-
-    def _checked(self, name: str, shape: tuple | None = None) -> torch.Tensor:
-        if name not in self.tensors:
-            raise KeyError(f"weight {name!r} is missing from the resident weights")
-        t = self.tensors[name]
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        return t
-
-    def get(
-        self, name: str, shape: tuple | None = None, float_dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        t = self._checked(name, shape)
-        dtype = (float_dtype or self.dtype) if t.is_floating_point() else t.dtype
-        return t.to(self.device, dtype)
-
-    def host(self, name: str, shape: tuple) -> torch.Tensor:
-        """An integer buffer kept in host RAM as stored (PLE hashing runs on the host)."""
-        return self._checked(name, shape).cpu()
-
-    def _fp8_rows(self, name: str, out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
-        q = self._checked(name, (out_f, in_f))
-        if q.dtype not in (torch.float8_e4m3fn, torch.uint8):
-            raise ValueError(f"{name!r} is listed as FP8 row-scaled but stored as {q.dtype}")
-        return q.view(torch.float8_e4m3fn), self._checked(f"{name}_scale", (out_f,)).float()
-
-    def linear(self, name: str, out_f: int, in_f: int, bias: bool = False) -> Linear:
-        b = self._bias([(name, out_f)]) if bias else None
-        if name in self.fp8:
-            q, scale = self._fp8_rows(name, out_f, in_f)
-            return Linear(q.to(self.device), scale.to(self.device), b, self.kernels)
-        return Linear(self.get(name, (out_f, in_f)), bias=b)
-
-    def _bias(self, specs: list[tuple[str, int]], biased=()) -> torch.Tensor:
-        """The biases [sum of out_f] of `specs` named in `biased` (all when empty), zeros for the others."""
-        parts = [
-            self.get(n.removesuffix(".weight") + ".bias", (o,))
-            if not biased or n in biased
-            else torch.zeros(o, dtype=self.dtype, device=self.device)
-            for n, o in specs
-        ]
-        return torch.cat(parts)
-
-    def fused(self, specs: list[tuple[str, int]], in_f: int, factor: float = 1.0, biased=()) -> FusedLinear:
-        """Linears on one input, `specs` [(name, out_features)], rows concatenated before the device copy;
-        the names in `biased` add their `.bias` (`attention_bias`).
-
-        `factor` multiplies every output, folded into the weights or row scales (exact for powers of two).
-        """
-        runs = []
-        for fp8, group in itertools.groupby(specs, key=lambda spec: spec[0] in self.fp8):
-            group = list(group)
-            b = self._bias(group, biased) if any(n in biased for n, _ in group) else None
-            b = b.mul_(factor) if b is not None else None
-            if fp8:
-                q, scale = zip(*(self._fp8_rows(n, o, in_f) for n, o in group))
-                q, scale = torch.cat(q).to(self.device), torch.cat(scale).mul_(factor).to(self.device)
-                lin = Linear(q, scale, b, self.kernels)
-            else:
-                ws = [self._checked(n, (o, in_f)) for n, o in group]
-                w = torch.cat([w.to(ws[0].device, self.dtype) for w in ws]).mul_(factor)
-                lin = Linear(w.to(self.device), bias=b)
-            runs.append((lin, [o for _, o in group]))
-        return FusedLinear(runs)
-
-
-class GatedResidual(nn.Module):
-    """Hyper-connection: N streams [T, N*H] -> block input u [T, H] and injection gates c [T, N] (c / 2)."""
-
-    def __init__(self, w: Weights, p: str, a: ModelArgs, inject: bool = True):
-        super().__init__()
-        self.n, self.h = a.hc_count, a.hidden_size
-        nh = self.n * self.h
-        self.norm = RMSNorm(w.get(f"{p}.hc_norm.weight", (nh,)), a.rms_norm_eps, self.h, w.kernels)
-        self.kernel = w.kernels
-        # the low-rank down projection and the injection logits both read xn and are divided by N: one
-        # matmul, the division folded into the rows (exact for a power-of-two N such as the shipped 4)
-        specs = [(f"{p}.input_mix_weight_down.weight", a.hc_lowrank)]
-        specs += [(f"{p}.block_inject_weight.weight", self.n)] if inject else []
-        self.proj = w.fused(specs, nh, factor=1.0 / self.n)
-        self.up = w.linear(f"{p}.input_mix_weight_up.weight", nh, a.hc_lowrank)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        xn = self.norm(x)
-        down, *inj = self.proj(xn)
-        # u = mean over the streams of sigmoid(mix) * xn; the injection weight is 2 * sigmoid(inj), and
-        # `inject` applies the exact factor 2
-        return hc_mix(self.up(F.silu(down)), xn, inj[0] if inj else None, self.n, kernel=self.kernel)
-
-
-def conv_step(hist: torch.Tensor, w_t: torch.Tensor, dilation: int = 1) -> torch.Tensor:
-    """One new row of a depthwise causal conv in FP32: hist [(K-1)*dilation + 1, C], w_t [K, C] -> [1, C].
-
-    A multiply and a sum: F.conv1d for one position takes over 10x longer on the CPU (46 vs 3.5 us, C = 1792).
-    """
-    return (hist[::dilation].float() * w_t).sum(0, keepdim=True).to(hist.dtype)
-
-
-def gated_delta_chunked(q, k, v, g, beta, s, chunk: int = GDN_CHUNK):
-    """Prompt form, FP32. q, k [Hv, T, Dk], v [Hv, T, Dv], g, beta [Hv, T]; s [Hv, Dk, Dv] updated in place.
-
-    Per chunk the delta-rule updates are folded by a unit-lower-triangular solve (the UT transform), then one
-    sequential scan over chunks carries the state. Padding tokens have k = v = beta = g = 0: no effect.
-    """
-    hv, t, dk = k.shape
-    pad = (-t) % chunk
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    nc = (t + pad) // chunk
-    q, k, v = (x.view(hv, nc, chunk, -1) for x in (q, k, v))
-    g, beta = g.view(hv, nc, chunk), beta.view(hv, nc, chunk)
-    kb, vb = k * beta[..., None], v * beta[..., None]
-    gc = g.cumsum(-1)  # [Hv, nc, C] log decay from chunk start
-    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(future, float("-inf")).exp()  # [Hv, nc, C, C]
-    ut = (kb @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(ut, vb, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(ut, kb * gc.exp()[..., None], upper=False, unitriangular=True)
-    attn = (q @ k.transpose(-1, -2)) * decay
-    q_dec = q * gc.exp()[..., None]
-    k_dec = k * (gc[..., -1:] - gc).exp()[..., None]
-    chunk_decay = gc[..., -1].exp()[..., None, None]  # [Hv, nc, 1, 1]
-    out = torch.empty_like(v)
-    for i in range(nc):
-        v_new = u[:, i] - w[:, i] @ s
-        out[:, i] = q_dec[:, i] @ s + attn[:, i] @ v_new
-        s.mul_(chunk_decay[:, i]).add_(k_dec[:, i].transpose(-1, -2) @ v_new)
-    return out.view(hv, nc * chunk, -1)[:, :t]
-
-
-class GatedDeltaNet(nn.Module):
-    def __init__(self, w: Weights, p: str, a: ModelArgs, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.hk, self.hv = a.linear_num_key_heads, a.linear_num_value_heads
-        self.dk, self.dv = a.linear_key_head_dim, a.linear_value_head_dim
-        key_dim, val_dim = self.hk * self.dk, self.hv * self.dv
-        conv_dim = 2 * key_dim + val_dim
-        self.in_proj = w.fused(
-            [
-                (f"{p}.in_proj_qkv.weight", conv_dim),
-                (f"{p}.in_proj_z.weight", val_dim),
-                (f"{p}.in_proj_b.weight", self.hv),
-                (f"{p}.in_proj_a.weight", self.hv),
-            ],
-            a.hidden_size,
-        )
-        self.conv_w = nn.Buffer(w.get(f"{p}.conv1d.weight", (conv_dim, 1, a.linear_conv_kernel_dim)))
-        self.conv_wt = nn.Buffer(self.conv_w[:, 0].T.float().contiguous())  # [K, conv_dim] for one token
-        self.dt_bias = nn.Buffer(w.get(f"{p}.dt_bias", (self.hv,)))
-        self.neg_A = nn.Buffer(-w.get(f"{p}.A_log", (self.hv,)).float().exp())  # -exp(A_log) [Hv] FP32
-        self.norm_w = nn.Buffer(w.get(f"{p}.norm.weight", (self.dv,)))
-        self.out_proj = w.linear(f"{p}.out_proj.weight", a.hidden_size, val_dim)
-        if a.output_gate_type not in GATES:
-            raise ValueError(f"output_gate_type {a.output_gate_type!r} is not one of {GATES}")
-        self.act, self.act_name = ACT[a.hidden_act], a.hidden_act
-        self.gate, self.eps = a.output_gate_type, a.rms_norm_eps
-        self.kernel = w.kernels
-
-    def forward(self, x: torch.Tensor, st: State) -> torch.Tensor:
-        t = x.shape[0]
-        qkv, z, b, a = self.in_proj(x)  # [T, conv_dim], [T, Hv*Dv], [T, Hv], [T, Hv]
-        # depthwise causal conv over [last K-1 rows | new rows]
-        conv = st.conv[self.layer]
-        if t == 1:
-            qkv = gdn_conv(conv, qkv, self.conv_wt, self.act_name, kernel=self.kernel)
-        else:
-            hist = torch.cat((conv, qkv))
-            conv.copy_(hist[-conv.shape[0] :])
-            qkv = self.act(F.conv1d(hist.T[None], self.conv_w, groups=hist.shape[1])[0].T).float()
-        s = st.rec[self.layer]
-        if t == 1:  # one launch on CUDA (kernels/gdn_decode.py), its torch twin elsewhere
-            o = gdn_step(qkv[0], b[0], a[0], z[0], s, self.neg_A, self.dt_bias, self.norm_w,
-                         num_k_heads=self.hk, eps=self.eps, gate=self.gate,
-                         kernel=self.kernel)[None]  # fmt: skip
-            return self.out_proj(o)
-        beta, g = gdn_gates(b, a, self.neg_A, self.dt_bias)
-        q, k, v = gdn_heads(qkv, self.hk, self.hv, self.dk, self.dv)
-        o = gated_delta_chunked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.T, beta.T, s)
-        return self.out_proj(gdn_out(o.transpose(0, 1), z, self.norm_w, self.eps, self.gate))
-
-
-def index_mask(qi: torch.Tensor, qpos: torch.Tensor, bk: torch.Tensor, s: int, c: int, block_topk: int):
-    """QSA key mask [Q, S] for indexer queries qi [Q, Hi, Di] at positions qpos [Q], block keys bk [S//c, Di].
-
-    A query at p sees V = p + 1 tokens: its V // c complete blocks compete (top block_topk by the summed ReLU
-    score), the V mod c tail tokens are always kept. Scores and masks are computed for all queries at once.
-    """
-    keys = torch.arange(s, device=qi.device)
-    causal = keys[None, :] <= qpos[:, None]
-    nvis = (qpos + 1) // c  # [Q] complete visible blocks
-    nb = bk.shape[0]
-    if nb == 0 or int(nvis.max()) <= block_topk:
-        return causal  # every complete block fits the budget: plain causal attention
-    scores = torch.relu(torch.einsum("qhd,bd->qhb", qi.float(), bk.float())).sum(1) / math.sqrt(qi.shape[-1])
-    visible = torch.arange(nb, device=qi.device)[None, :] < nvis[:, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    # everything at or above the k-th best visible score; rows with nvis <= k get kth = -inf: all visible
-    kth = scores.topk(min(block_topk, nb), dim=-1).values[:, -1:]
-    chosen = (scores > kth) | ((scores == kth) & visible)  # [Q, nb]
-    # a tie at the k-th score (ReLU makes zeros common) is broken as transformers does: topk over exactly the
-    # visible row, batched per visible-block count (only such rows, usually none)
-    tied = chosen.sum(-1) > block_topk
-    for n in torch.unique(nvis[tied]).tolist():
-        rows = tied & (nvis == n)
-        top = scores[rows, :n].topk(block_topk, dim=-1).indices
-        chosen[rows] = torch.zeros_like(chosen[rows]).scatter_(1, top, True)
-    blk = keys // c
-    in_blocks = blk[None, :] < nvis[:, None]
-    chosen_tok = chosen.gather(1, blk.clamp_max(nb - 1)[None, :].expand(qi.shape[0], -1))
-    return causal & (~in_blocks | chosen_tok)
 
 
 class Attention(nn.Module):
@@ -352,6 +114,18 @@ class Attention(nn.Module):
     def decode_one(self, x: torch.Tensor, st: State, rope: Rope, kv_len: int) -> torch.Tensor:
         q, qi, gate = self.decode_in(x, st, rope)
         return self.decode_out(q, gate, self.decode_mask(qi, st, kv_len), st, kv_len)
+
+    def decode_stages(self, st: State, kv_len: int) -> list[Stage]:
+        """`decode_one` as stages (models/stages.py): reads u [1, H] and rope, writes y [1, H]."""
+        return [
+            Stage(lambda u, rope: self.decode_in(u, st, rope), ("u", "rope"), ("q", "qi", "gate")),
+            Stage(lambda qi: self.decode_mask(qi, st, kv_len), ("qi",), ("mask",), graphable=False),
+            Stage(
+                lambda q, gate, mask: self.decode_out(q, gate, mask, st, kv_len),
+                ("q", "gate", "mask"),
+                ("y",),
+            ),
+        ]
 
     def decode_in(self, x: torch.Tensor, st: State, rope: Rope) -> tuple[torch.Tensor, ...]:
         """x [1, H] at the device position rope.positions [1] -> q [1, nh, D], indexer q [1, Hi, Di], gate;
@@ -526,6 +300,30 @@ class SparseMoe(nn.Module):
         routing = route_topk(self.gate(u), self.k, self.norm_topk, kernel=self.kernel)
         return routing + self.shared(u) if shared else routing
 
+    def routed_stages(self) -> list[Stage]:
+        """One token's routed sum as stages: reads u [1, H], top_i, top_w, writes routed [1, H]; split at the
+        bank's host work as its `decode_mode` says (experts/bank.py)."""
+        bank, i, k, mode = self.bank, self.layer, self.k, self.bank.decode_mode
+        if mode == "eager":  # all host work (the CPU bank)
+            call = lambda u, ids, w: bank(i, u, ids, w)  # noqa: E731
+            return [Stage(call, ("u", "top_i", "top_w"), ("routed",), graphable=False)]
+        compute = ("u", "top_i", "top_w"), ("routed",)
+        if mode == "fixed":  # every block placed for good: device work alone, its reads counted on the host
+            done = (bank.decode_launched, lambda: bank.decode_fixed_reads(k))
+            return [Stage(lambda u, ids, w: bank.decode_compute(i, u, ids, w), *compute, after=done)]
+        return [  # "staged": only the fetch and the location table stay host work
+            Stage(lambda u, ids: bank.decode_want(i, u, ids), ("u", "top_i"), ("want",)),
+            Stage(lambda want: bank.decode_prepare(i, want, k), ("want",), graphable=False),
+            Stage(lambda u, ids, w: bank.decode_compute(i, u, ids, w), *compute),
+            # the next layer's guesses to VRAM behind this kernel (side stream); then their disk reads
+            Stage(
+                lambda want: bank.decode_stage(i, want, k),
+                ("want",),
+                after=(bank.decode_launched,),
+                join=bank.decode_join,
+            ),
+        ]
+
     def shared(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The shared expert: (its gate [T, 1], its output [T, H])."""
         gate, up, shared_gate = self.shared_in(u)
@@ -546,8 +344,26 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoe(w, f"{p}.mlp", a, i, bank)
         self.kernel = w.kernels
 
-    # The stages of `forward`, also run one by one by the CUDA-graph decode (runtime/decode_graphs.py), which
-    # captures the static-shape stretches between the bank, the QSA block selection and the host inputs.
+    def decode_stages(self, st: State, kv_len: int) -> list[Stage]:
+        """One token through the layer (models/stages.py): reads the streams x, rope and, with a PLE, the
+        layer's raw PLE rows; writes x."""
+        out, i, ple = [], self.mlp.layer, self.ple
+        if ple is not None:
+            # its raw rows came with the token's host inputs: decoding and mixing is device work
+            mix = lambda x, raw: x + ple.mix(x, ple.from_raw(raw, x.dtype), st)  # noqa: E731
+            out.append(Stage(mix, ("x", f"ple_raw{i}"), ("x",)))
+        out.append(Stage(self.attn_hc, ("x",), ("u", "c")))
+        if self.linear_attn is not None:  # recurrent state in place: device work
+            out.append(Stage(lambda u: self.linear_attn(u, st), ("u",), ("y",)))
+        else:
+            out += self.self_attn.decode_stages(st, kv_len)
+        moe = ("x", "u", "c", "top_i", "top_w", "shared_gate", "shared")
+        out.append(Stage(self.moe_in, ("x", "y", "c"), moe))
+        out += self.mlp.routed_stages()
+        out.append(Stage(self.moe_out, ("x", "c", "routed", "shared_gate", "shared"), ("x",)))
+        return out
+
+    # The parts of `forward`, which the one-token stages above and the layer-major prompt run one by one.
     def attention(self, u: torch.Tensor, st: State, rope: Rope) -> torch.Tensor:
         if self.linear_attn is not None:
             return self.linear_attn(u, st)
@@ -621,6 +437,39 @@ class Qwen4ExpModel(nn.Module):
         self.lm_head = w.linear("lm_head.weight", args.vocab_size, args.hidden_size)
         self.inv_freq = rope_inv_freq(args).to(device)
 
+    @property
+    def banks(self) -> list:
+        """The distinct expert banks of the layers (usually one), in layer order."""
+        return list({id(layer.mlp.bank): layer.mlp.bank for layer in self.layers}.values())
+
+    def decode_stages(self, st: State, kv_len: int, send=None) -> list[Stage]:
+        """One token's forward on `st`, QSA over `kv_len` KV rows, as ordered stages (models/stages.py):
+        reads the host id "ids" [1], writes the final mixer output "h" [1, H]. `send({name: host tensor})
+        -> {name: device tensor}` sends the token's host inputs (default: each on its own)."""
+        send = send or (lambda parts: {n: upload(v, self.device, v.dtype) for n, v in parts.items()})
+        ple = [layer.ple for layer in self.layers if layer.ple is not None]
+        inputs = ("row", "positions", *(f"ple_raw{p.layer}" for p in ple))
+
+        def host_inputs(ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            # known from the ids and the state: the embedding row, the position, each PLE layer's raw rows
+            parts = [self.table_rows(ids), torch.tensor([st.pos])] + [p.raw_host(ids, st) for p in ple]
+            sent = send(dict(zip(inputs, parts)))
+            return tuple(sent[n] for n in inputs)
+
+        out = [
+            Stage(host_inputs, ("ids",), inputs, graphable=False),
+            Stage(
+                lambda row, pos: (self.streams(row), self.rope_at(pos)), ("row", "positions"), ("x", "rope")
+            ),
+        ]
+        for bank in self.banks:  # layer 0's guesses to VRAM over its attention (side stream)
+            if bank.decode_mode == "staged":
+                out.append(Stage(bank.decode_stage_first, ("row",), join=bank.decode_join))
+        for layer in self.layers:
+            out += layer.decode_stages(st, kv_len)
+        out.append(Stage(lambda x: self.mixer(x)[0], ("x",), ("h",)))
+        return out
+
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Host ids [T] -> the N streams [T, N*H] on the device, each seeded with the token embedding."""
         return self.streams(self.token_rows(ids))
@@ -650,15 +499,20 @@ class Qwen4ExpModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, st: State, piece: int | None = None) -> torch.Tensor:
-        """ids [T] -> final mixer output [T, H]. With `piece` < T the tokens run layer by layer: each layer's
-        PLE, attention and router take `piece` tokens at a time (their state carries from piece to piece),
-        then the layer's experts run once over all T tokens, so the bank fetches each block once per layer
-        instead of once per piece."""
+        """ids [T] -> final mixer output [T, H]. One token runs `decode_stages`. With `piece` < T the tokens
+        run layer by layer: each layer's PLE, attention and router take `piece` tokens at a time
+        (their state carries from piece to piece), then the layer's experts run once over all T tokens, so
+        the bank fetches each block once per layer instead of once per piece."""
         t = ids.shape[0]
         st.check_room(t)
         # ids stay on the host (embedding rows, PLE hashing, the state's token list): nothing is read back
         ids = ids.cpu()
-        ple = [layer.ple for layer in self.layers if layer.ple is not None and t > 1]
+        if t == 1:
+            stages = self.decode_stages(st, kv_bucket(st.pos + 1, st.max_model_len))
+            h = run_stages(stages, {"ids": ids})["h"]
+            st.advance(ids)
+            return h
+        ple = [layer.ple for layer in self.layers if layer.ple is not None]
         for p in ple:  # every piece's PLE rows are known now: their reads overlap the layers before
             p.read_ahead(ids, st)
         try:
