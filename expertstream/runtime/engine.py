@@ -23,7 +23,7 @@ from expertstream.models.state import State
 from expertstream.runtime.cpu_threads import CpuThreads
 from expertstream.store import ExpertStore
 from expertstream.store.ple import PleTable
-from expertstream.workdir.repack import FP8_DENSE
+from expertstream.workdir.inventory import FP8_DENSE
 from expertstream.workdir.workdir import Workdir, WorkdirError
 
 log = get_logger(__name__)
