@@ -69,6 +69,7 @@ def test_dry_run_passes_and_reports_mxfp4(ds4_pair, tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "experts of all 4 layers MXFP4, group 32" in out and "FAIL" not in out
+    assert "VRAM plan for a 7.20 GiB budget" in out
     assert not (tmp_path / "x").exists()
 
 

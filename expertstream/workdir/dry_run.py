@@ -12,7 +12,7 @@ from pathlib import Path
 
 from expertstream.formats.snapshot import SnapshotError
 from expertstream.memory_plan import GiB, MemoryPlanError, plan_memory
-from expertstream.workdir.inventory import PLE_TABLE, SetupError, layer_types
+from expertstream.workdir.inventory import PLE_TABLE, SetupError
 from expertstream.workdir.repack import (
     COPY_FILES,
     Plan,
@@ -132,8 +132,6 @@ def dry_run(
 
 
 def _vram_plan(plan: Plan, gpu_memory_gb: float | None, utilization: float, max_model_len: int) -> str:
-    if not plan.family.vram_planned:
-        return f"VRAM plan: not made for {plan.family.model_type} (the memory plan lacks its terms)"
     if gpu_memory_gb is None:
         import torch
 
@@ -142,9 +140,10 @@ def _vram_plan(plan: Plan, gpu_memory_gb: float | None, utilization: float, max_
         budget = int(torch.cuda.mem_get_info()[0] * utilization)
     else:
         budget = int(gpu_memory_gb * GiB * utilization)
-    tc = {**plan.snap.text_config, "layer_types": layer_types(plan.snap.text_config)}
     try:
-        mp = plan_memory(tc, _resident_inventory(plan), plan.layout.block_bytes, budget, max_model_len)
+        mp = plan_memory(
+            plan.snap.text_config, _resident_inventory(plan), plan.layout.block_bytes, budget, max_model_len
+        )
     except MemoryPlanError as e:
         return f"VRAM plan: {e}"
     return f"{mp.describe()}\n  (for --max-model-len {max_model_len}, resident weights as stored)"

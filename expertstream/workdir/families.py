@@ -38,7 +38,6 @@ class Family:
         [dict, object], None
     ]  # raises SetupError for a value the engine does not implement
     fp8_dense: re.Pattern | None  # BF16 matrices `--fp8-dense` stores as FP8 rows
-    vram_planned: bool  # memory_plan.plan_memory knows this family's KV, state and workspace terms
     data_checks: tuple[str, ...]  # what setup checks once it reads tensor data (the dry run cannot)
 
     def dims(self, tc: dict) -> tuple[int, int, int]:
@@ -130,7 +129,6 @@ FAMILIES = {
         check_quant=_qwen_quant,
         check_config=_qwen_config,
         fp8_dense=qwen.FP8_DENSE,
-        vram_planned=True,
         data_checks=(
             "the PLE scale's value (positive, finite) and the rows the n-gram head buffers address",
             "every expert's gate and up weight_scale_2 bit-identical and positive",
@@ -149,7 +147,6 @@ FAMILIES = {
         check_quant=_ds4_quant,
         check_config=_ds4_config,
         fp8_dense=None,
-        vram_planned=False,
         data_checks=(),
     ),
 }
