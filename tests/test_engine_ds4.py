@@ -1,6 +1,8 @@
 """The Engine on a ds4-tiny working directory (MXFP4 experts from the store through StreamedExperts) against
 models/deepseek_v4.py on the snapshot's own dequantized weights with dense experts."""
 
+import json
+
 import pytest
 import torch
 
@@ -104,3 +106,12 @@ def test_generate_streams_text(ds4_setup):
     finally:
         engine.close()
     assert len(out) == 6 and out[-1].finish_reason == "length"
+
+
+def test_bench_decode_runs_on_the_workdir(ds4_setup, capsys):
+    from expertstream.cli import main as cli_main
+
+    assert cli_main(["bench", "decode", "--model", str(ds4_setup[1]), "--tokens", "2", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert payload["ram"]["ram_hit_rate"] == 1.0 and payload["ram"]["disk_bytes_per_token"] == 0
+    assert payload["disk"]["tokens"] == payload["ram"]["tokens"]

@@ -450,7 +450,7 @@ def dequantized(
 def engine_model(workdir, args: DeepseekV4Args, bank, dtype: torch.dtype, device) -> DeepseekV4Model:
     """The model over a working directory's resident weights (dense in `dtype` on `device`) and `bank`; the
     routers go to the bank for its next-layer guesses."""
-    weights = {k: v.to(device) for k, v in dequantized(workdir.load_resident(), dtype).items()}
+    weights = dequantized(workdir.load_resident(device=device), dtype)  # decoded where the model runs
     bank.set_router_weights(
         {i: weights[f"layers.{i}.ffn.gate.weight"] for i in range(args.num_hidden_layers)}
     )
