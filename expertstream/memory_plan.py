@@ -157,6 +157,7 @@ def plan_memory(
         The plan; raises MemoryPlanError naming the shortfall if even the minimum does not fit.
     """
     c = text_config
+    # this module sits below formats and models: the family's terms are chosen by its config's model_type
     t = (_ds4_terms if c.get("model_type") == "deepseek_v4" else _qwen4_exp_terms)(
         c, act_bytes, max_model_len
     )

@@ -32,6 +32,7 @@ def test_check_passes_in_fp32_and_its_controls_fail(ds4_pair):
         assert not bad["pass"] and bad["mean_abs_dlogit"] > 100 * report["mean_abs_dlogit"], control
 
 
+@pytest.mark.slow  # three engines and a reference over the text; check above is the fast loop's
 def test_ppl_equals_transformers_and_controls_move_it(ds4_pair):
     snap, wd = ds4_pair
     config = EngineConfig(model=str(wd), device="cpu", max_model_len=64)
