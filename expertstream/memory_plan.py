@@ -79,10 +79,10 @@ class MemoryPlan:
         rows = [
             (
                 "resident weights"
-                + (f" ({len(self.fp8)} matrices FP8 row-scaled)" if self.fp8 else " (BF16)"),
+                + (f" ({len(self.fp8)} matrices FP8 row-scaled)" if self.fp8 else " (as stored)"),
                 self.resident,
             ),
-            ("DeltaNet/conv/PLE state", self.state),
+            ("state (DeltaNet, conv, PLE; sliding window)", self.state),
             ("KV cache", self.kv),
             ("indexer keys", self.indexer_keys),
             ("expert slots", self.slots),
