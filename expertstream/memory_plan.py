@@ -32,11 +32,13 @@ FP8_CANDIDATES = (
     "ple.key_proj.weight",
     "lm_head.weight",
 )
+# DeepSeek-V4 ships its matrices FP8 already; its BF16 head and compressor projections are the candidates
+DS4_FP8_CANDIDATES = ("head.weight", "compressor.wkv.weight", "compressor.wgate.weight")
 # Allocator fragmentation and kernel workspaces the per-token accounting cannot see, e.g. an expert
 # launch's tile padding: up to 64 rows of h per expert (512 x 64 x 640 BF16 = 40 MiB of the 0.29 GiB).
 RESERVE_FRACTION = 0.04
 DECODE_WORKSPACE = 64 * MiB  # one-token activations and the decode graphs' pools (per state; unmeasured)
-ELEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I64": 8, "I32": 4}
+ELEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "U8": 1, "I8": 1, "I64": 8, "I32": 4}
 
 
 class MemoryPlanError(ValueError):
@@ -77,10 +79,10 @@ class MemoryPlan:
         rows = [
             (
                 "resident weights"
-                + (f" ({len(self.fp8)} matrices FP8 row-scaled)" if self.fp8 else " (BF16)"),
+                + (f" ({len(self.fp8)} matrices FP8 row-scaled)" if self.fp8 else " (as stored)"),
                 self.resident,
             ),
-            ("DeltaNet/conv/PLE state", self.state),
+            ("state (DeltaNet, conv, PLE; sliding window)", self.state),
             ("KV cache", self.kv),
             ("indexer keys", self.indexer_keys),
             ("expert slots", self.slots),
@@ -155,55 +157,17 @@ def plan_memory(
         The plan; raises MemoryPlanError naming the shortfall if even the minimum does not fit.
     """
     c = text_config
-    h, n_layers = c["hidden_size"], c["num_hidden_layers"]
-    # without layer_types every full_attention_interval-th layer (4 by default) is indexed, as in transformers
-    # (formats/text_config.layer_types; this module sits below formats)
-    types = c.get("layer_types")
-    n_attn = (
-        sum(t != "linear_attention" for t in types)
-        if types
-        else n_layers // c.get("full_attention_interval", 4)
+    # this module sits below formats and models: the family's terms are chosen by its config's model_type
+    t = (_ds4_terms if c.get("model_type") == "deepseek_v4" else _qwen4_exp_terms)(
+        c, act_bytes, max_model_len
     )
-    n_lin = n_layers - n_attn
-    k = c["num_experts_per_tok"]
-    hc = c.get("hc_count", 1)
-
-    # KV and indexer keys for the whole context, state for one sequence
-    kv = n_attn * 2 * c["num_key_value_heads"] * c["head_dim"] * act_bytes * max_model_len
-    idx = (
-        n_attn
-        * (c.get("indexer_kv_heads") or 0)
-        * (c.get("indexer_head_dim") or 0)
-        * act_bytes
-        * max_model_len
-    )
-    kd, vd = (
-        c["linear_num_key_heads"] * c["linear_key_head_dim"],
-        c["linear_num_value_heads"] * c["linear_value_head_dim"],
-    )
-    conv_ch = 2 * kd + vd
-    state = n_lin * (c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"] * 4)
-    state += n_lin * (c["linear_conv_kernel_dim"] - 1) * conv_ch * act_bytes
-    if c.get("ple_layer_ids"):
-        ple_rows = (c.get("ple_conv_kernel_size", 4) - 1) * c.get("ngram_size", 3)
-        state += len(c["ple_layer_ids"]) * ple_rows * hc * h * act_bytes
+    h, n_layers, k, hc = c["hidden_size"], c["num_hidden_layers"], c["num_experts_per_tok"], t.hc
+    state, kv, idx = t.state, t.kv, t.indexer_keys
     # this layer's K and the previous layer's (its kernel may still read them), and K more so that a prompt
     # pass takes 1.5 K experts (passes take half the slots)
     slots = 3 * k * block_bytes
-
-    # Activation bytes per prompt token at the widest point of a layer, plus the attention mask/score terms.
+    prefill_ws = t.prefill_ws
     i_moe = c["moe_intermediate_size"]
-    per_tok = (
-        act_bytes
-        * (3 * hc * h + conv_ch + vd + 2 * c["num_attention_heads"] * c["head_dim"] + k * (2 * i_moe + h))
-        + 4 * c["linear_num_value_heads"] * 64
-    )  # FP32 chunk state terms of the chunked DeltaNet
-
-    def prefill_ws(piece: int) -> int:
-        mask = piece * max_model_len  # bool selection mask over the visible keys
-        scores = piece * (max_model_len // max(1, c.get("indexer_compress_ratio") or 1)) * 4
-        return piece * per_tok + mask + scores
-
     # Per token of an expert-kernel launch: its (token, k) pairs' rows of h and of the output. A span's
     # experts run after its attention, so their launches may take the piece's whole workspace
     per_moe_tok = act_bytes * k * (2 * i_moe + h)
@@ -213,9 +177,10 @@ def plan_memory(
     # routed sums and the injection run piece by piece
     per_span_tok = act_bytes * (hc * h + h) + 4 * h + 16 * k
 
-    embed = resident.get("embed_tokens.weight")
-    weights = {n: v for n, v in resident.items() if n != "embed_tokens.weight"}
-    fp8 = sorted(n for n, (_, dt) in weights.items() if dt == "F8_E4M3")
+    embed = resident.get(t.embed)
+    weights = {n: v for n, v in resident.items() if n != t.embed}
+    # matrices stored FP8 row-scaled (`<name>_scale`); block-scaled FP8 as shipped is not counted
+    fp8 = sorted(n for n, (_, dt) in weights.items() if dt == "F8_E4M3" and f"{n}_scale" in weights)
     base = sum(_tensor_bytes(s, d) for s, d in weights.values())
     reserve = int(budget_bytes * RESERVE_FRACTION)
     fixed = state + kv + idx + slots + DECODE_WORKSPACE + reserve
@@ -226,7 +191,7 @@ def plan_memory(
     notes: list[str] = []
     # Give up BF16 for the largest matrices, family by family, until a PREFILL_TARGET piece fits (at least
     # the minimum; the smallest piece is the floor when even all-FP8 leaves no more room).
-    for suffix in FP8_CANDIDATES:
+    for suffix in t.fp8_candidates:
         if minimum(base, PREFILL_TARGET) <= budget_bytes:
             break
         for name, (shape, dtype) in weights.items():
@@ -276,7 +241,7 @@ def plan_memory(
             "the expert bytes of one pass; a shorter --max-model-len leaves room for longer spans"
         )
     # more cache rows than the model has experts would hold nothing (a small model on a large GPU)
-    cache_blocks = min(max(0, left // block_bytes), n_layers * c["num_experts"])
+    cache_blocks = min(max(0, left // block_bytes), n_layers * t.num_experts)
     if cache_blocks < left // block_bytes:
         notes.append(
             f"every expert fits in the VRAM cache; {(left - cache_blocks * block_bytes) / GiB:.2f} GiB of "
@@ -336,3 +301,87 @@ def hot_split(n_slots: int, num_experts: int, k: int, num_layers: int) -> tuple[
     p = min(num_experts, max(-(-3 * k // 2), n_slots // 4))
     q = (n_slots - 2 * p) // num_layers
     return (p, q) if q > 0 else (max(1, n_slots // 2), 0)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTerms:
+    """What a family's config costs beside its weights: per-sequence state, KV and indexer keys for the
+    context, the widest activations per prompt token, and the names the plan treats specially."""
+
+    state: int
+    kv: int
+    indexer_keys: int
+    per_token: int  # activation bytes per prompt token at the widest point of a layer
+    scores_per_token: int  # mask and score bytes per prompt token over the visible context
+    hc: int  # residual streams
+    num_experts: int
+    embed: str  # the token embedding's resident name (kept in host RAM)
+    fp8_candidates: tuple[str, ...]
+
+    def prefill_ws(self, piece: int) -> int:
+        return piece * (self.per_token + self.scores_per_token)
+
+
+def _qwen4_exp_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTerms:
+    h, n_layers = c["hidden_size"], c["num_hidden_layers"]
+    # without layer_types every full_attention_interval-th layer (4 by default) is indexed, as in transformers
+    # (formats/text_config.layer_types; this module sits below formats)
+    types = c.get("layer_types")
+    n_attn = (
+        sum(t != "linear_attention" for t in types)
+        if types
+        else n_layers // c.get("full_attention_interval", 4)
+    )
+    n_lin = n_layers - n_attn
+    k = c["num_experts_per_tok"]
+    hc = c.get("hc_count", 1)
+
+    # KV and indexer keys for the whole context, state for one sequence
+    kv = n_attn * 2 * c["num_key_value_heads"] * c["head_dim"] * act_bytes * max_model_len
+    idx = (
+        n_attn
+        * (c.get("indexer_kv_heads") or 0)
+        * (c.get("indexer_head_dim") or 0)
+        * act_bytes
+        * max_model_len
+    )
+    kd, vd = (
+        c["linear_num_key_heads"] * c["linear_key_head_dim"],
+        c["linear_num_value_heads"] * c["linear_value_head_dim"],
+    )
+    conv_ch = 2 * kd + vd
+    state = n_lin * (c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"] * 4)
+    state += n_lin * (c["linear_conv_kernel_dim"] - 1) * conv_ch * act_bytes
+    if c.get("ple_layer_ids"):
+        ple_rows = (c.get("ple_conv_kernel_size", 4) - 1) * c.get("ngram_size", 3)
+        state += len(c["ple_layer_ids"]) * ple_rows * hc * h * act_bytes
+    # Activation bytes per prompt token at the widest point of a layer, plus the attention mask/score terms.
+    i_moe = c["moe_intermediate_size"]
+    per_tok = (
+        act_bytes
+        * (3 * hc * h + conv_ch + vd + 2 * c["num_attention_heads"] * c["head_dim"] + k * (2 * i_moe + h))
+        + 4 * c["linear_num_value_heads"] * 64
+    )  # FP32 chunk state terms of the chunked DeltaNet
+    # bool selection mask over the visible keys, FP32 indexer scores over the compressed blocks
+    scores = max_model_len + (max_model_len // max(1, c.get("indexer_compress_ratio") or 1)) * 4
+    return ModelTerms(state, kv, idx, per_tok, scores, hc, c["num_experts"], "embed_tokens.weight",
+                      FP8_CANDIDATES)  # fmt: skip
+
+
+def _ds4_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTerms:
+    """DeepSeek-V4 (docs/deepseek-v4.md): one shared K=V head; a sliding window of keys per layer; CSA layers
+    keep one entry (head_dim) and one indexer key per 4 tokens, HCA layers one entry per 128."""
+    h, d, hc, k = c["hidden_size"], c["head_dim"], c["hc_mult"], c["num_experts_per_tok"]
+    ratios = c["compress_ratios"][: c["num_hidden_layers"]]
+    csa, hca = ratios.count(4), ratios.count(128)
+    kv = (csa * -(-max_model_len // 4) + hca * -(-max_model_len // 128)) * d * act_bytes
+    idx = csa * -(-max_model_len // 4) * c["index_head_dim"] * act_bytes
+    # the sliding window's keys and each compressor's open window (two for CSA, kv and gate, FP32)
+    state = len(ratios) * c["sliding_window"] * d * act_bytes
+    state += (csa * 2 * 4 * (2 * d + 2 * c["index_head_dim"]) + hca * 128 * 2 * d) * 4
+    nh, i_moe = c["num_attention_heads"], c["moe_intermediate_size"]
+    per_tok = act_bytes * (3 * hc * h + c["q_lora_rank"] + 2 * nh * d + k * (2 * i_moe + h))
+    # FP32 attention scores per head over the window and the indexer's top-k, the indexer's scores
+    scores = 4 * nh * (c["sliding_window"] + c["index_topk"]) + 4 * -(-max_model_len // 4)
+    return ModelTerms(state, kv, idx, per_tok, scores, hc, c["n_routed_experts"], "embed.weight",
+                      DS4_FP8_CANDIDATES)  # fmt: skip

@@ -31,7 +31,8 @@ def pair(tmp_path_factory):
 def _ours(args, weights, experts, ids):
     bank = DenseExperts(*experts, swiglu_limit=args.swiglu_limit)
     with torch.no_grad():
-        return ds4.DeepseekV4Model(args, weights, bank)(ids)
+        model = ds4.DeepseekV4Model(args, weights, bank)
+        return model.logits(model(ids))
 
 
 def _ids(t: int, vocab: int) -> torch.Tensor:
@@ -142,8 +143,13 @@ def test_prefill_then_decode_steps_equal_the_whole_prompt(pair):
     st = ds4.State.new(args)
     with torch.no_grad():
         steps = [model(ids[:125], st)] + [model(ids[t : t + 1], st) for t in range(125, 136)]
-    got = torch.cat(steps)
-    assert st.length == 136 and st.layers[2].comp.entries.shape[0] == 1 and st.layers[0].kv.shape[0] == 8
+    got = model.logits(torch.cat(steps))
+    assert (
+        st.length == 136
+        and st.tokens == ids.tolist()
+        and st.layers[2].comp.entries.shape[0] == 1
+        and st.layers[0].kv.shape[0] == 8
+    )
     assert (got - whole).abs().max() <= FP32_THRESHOLDS.max_abs / 10
     assert (got[125:] - whole[124:-1]).abs().max() > 1  # the rows compared are the positions they claim
 

@@ -48,6 +48,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="decode, prefill: where the synthetic models live (the baseline's too)",
     )
     p.add_argument(
+        "--model",
+        help="decode: an existing working directory to measure instead of the synthetic bench model (a "
+        "family without the CUDA expert bank, e.g. deepseek_v4, runs its eager regimes: ram and disk)",
+    )
+    p.add_argument(
         "--layers",
         type=int,
         default=0,

@@ -442,6 +442,10 @@ def decoding_engine(cfg: EngineConfig, blocks: int):
 def run(args) -> int:
     from expertstream.bench.cli import chosen, emit, regime_slug
 
+    if getattr(args, "model", None):  # an existing working directory, of any family
+        from expertstream.bench import workdir_decode
+
+        return workdir_decode.run(args)
     wd, base = bench_model(args, "decode", args.max_model_len)
     block = wd.layout.block_bytes
     expert_bytes = wd.num_layers * wd.num_experts * block

@@ -21,6 +21,7 @@ import torch
 from expertstream.commands import check_layers
 from expertstream.commands.check_reference import (  # noqa: F401 (build_reference and friends are imported from here)
     build_reference,
+    build_references,
     read_snapshot,
     reference_logits,
     reference_state_dict,
@@ -275,13 +276,10 @@ def run_check(
     passes, conts = run_engines(engine_variants(config, fp8_dense), control, prompts, continuation, layers)
 
     # the references: the FP32 truth, and in BF16 transformers' BF16 twin, sharing one read of the snapshot
-    raw = read_snapshot(snapshot, text, device)
-    truth = build_reference(snapshot, torch.float32, device, lazy_experts=True, raw=raw)
-    twin = (
-        build_reference(snapshot, torch.bfloat16, device, lazy_experts=True, raw=raw)
-        if dtype == "bfloat16"
-        else None
+    truth, *rest = build_references(
+        snapshot, [torch.float32, *([torch.bfloat16] * (dtype == "bfloat16"))], device
     )
+    twin = rest[0] if rest else None
     models = {"truth": truth, **({"transformers bf16": twin} if twin is not None else {})}
     recs = {n: check_layers.record_transformers(m) for n, m in models.items()} if layers else {}
     results = {name: [] for name in [*models][1:] + [*passes]}

@@ -18,6 +18,8 @@ from safetensors import safe_open
 from expertstream.formats import nvfp4
 from expertstream.formats.expert_block import PROJ
 from expertstream.formats.fp8 import e4m3_to_float
+from expertstream.formats.snapshot import Snapshot
+from expertstream.models import deepseek_v4
 
 PREFIX = "model.language_model."
 EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
@@ -28,6 +30,8 @@ UNUSED_RE = re.compile(r"^hyper_connection_mixer\.block_inject_weight\.weight$")
 # tensors the text model does not have: MTP head and vision tower
 SKIP_RE = re.compile(r"^(mtp\.|model\.visual\.)")
 EXPERT_PARTS = ("weight", "weight_scale", "weight_scale_2")
+# model_type -> (snapshot, dtype) -> transformers' model of a family whose model file builds its own truth
+OWN_REFERENCES = {deepseek_v4.MODEL_TYPE: deepseek_v4.transformers_reference}
 
 
 def text_config_of(snapshot: Path) -> dict:
@@ -220,6 +224,18 @@ def build_reference(
         p.data = p.data.to(device, dtype)
     model.to(device)
     return model.eval()
+
+
+def build_references(snapshot: str | Path, dtypes: list[torch.dtype], device: str = "cpu") -> list:
+    """transformers' model of the snapshot in each dtype (the first is the truth), experts dequantized;
+    qwen4_exp's share one read of the snapshot and dequantize each layer's experts as it runs."""
+    snapshot = Path(snapshot)
+    own = OWN_REFERENCES.get(text_config_of(snapshot).get("model_type"))
+    if own is not None:
+        snap = Snapshot(snapshot)
+        return [own(snap, dtype).to(device) for dtype in dtypes]
+    raw = read_snapshot(snapshot, text_config_of(snapshot), device)
+    return [build_reference(snapshot, dtype, device, lazy_experts=True, raw=raw) for dtype in dtypes]
 
 
 @torch.no_grad()

@@ -127,20 +127,24 @@ class ConfigModel:
     num_experts: int
     experts_path: Path | None = None  # none before setup: the drive's rate cannot be measured
 
+    family: object = None  # workdir/families.Family
+
     @classmethod
     def from_config(cls, config: dict) -> ConfigModel:
-        from expertstream.formats.expert_block import ExpertLayout
+        from expertstream.workdir.families import family_of
 
+        family = family_of(config)
         tc = config.get("text_config", config)
-        layout = ExpertLayout.for_dims(tc["hidden_size"], tc["moe_intermediate_size"])
-        return cls(tc, layout.block_bytes, tc["num_hidden_layers"], tc["num_experts"])
+        layers, experts, _ = family.dims(tc)
+        return cls(tc, family.layout(tc).block_bytes, layers, experts, family=family)
+
+    def resident_spec(self) -> dict:
+        return self.family.resident_spec(self.text_config)
 
     def memory_plan(
         self, budget_bytes: int, max_model_len: int, act_bytes: int = 2, max_num_seqs: int = 1
     ) -> MemoryPlan:
-        from expertstream.workdir.inventory import resident_spec
-
-        inventory = {name: (shape, dtype) for name, (dtype, shape) in resident_spec(self.text_config).items()}
+        inventory = {name: (shape, dtype) for name, (dtype, shape) in self.resident_spec().items()}
         return plan_memory(
             self.text_config,
             inventory,
@@ -185,14 +189,14 @@ def load_model(source: str):
         try:
             return ConfigModel.from_config(json.loads(path.read_text())), False
         except (ValueError, KeyError) as e:
-            raise CLIError(f"{path} is not a qwen4_exp config.json ({type(e).__name__}: {e})") from None
+            raise CLIError(f"{path} is not a config.json plan reads ({type(e).__name__}: {e})") from None
     if path.is_dir() and not (path / "manifest.json").is_file() and (path / "config.json").is_file():
         return load_model(str(path / "config.json"))  # a snapshot, not set up yet
     if not path.exists() and HUB_ID.fullmatch(source):
         try:
             return ConfigModel.from_config(_fetch_config(source)), False
-        except KeyError as e:
-            raise CLIError(f"the config.json of {source} lacks {e}: not a qwen4_exp model") from None
+        except (ValueError, KeyError) as e:
+            raise CLIError(f"the config.json of {source} is not one plan reads ({e})") from None
     check_workdir(source)
     from expertstream.workdir.workdir import Workdir
 
@@ -292,11 +296,10 @@ def report(
 def disk_report(model: ConfigModel) -> str:
     """What `setup` will write for a model known by its config alone (about; the resident part in BF16)."""
     from expertstream.memory_plan import ELEM_BYTES
-    from expertstream.workdir.inventory import resident_spec
 
     experts = model.num_layers * model.num_experts * model.block_bytes
     resident = 0
-    for dtype, shape in resident_spec(model.text_config).values():
+    for dtype, shape in model.resident_spec().values():
         n = ELEM_BYTES[dtype]
         for d in shape:
             n *= d
@@ -304,7 +307,7 @@ def disk_report(model: ConfigModel) -> str:
     return (
         f"setup writes about {(experts + resident) / 1e9:.1f} GB: experts.bin {experts / 1e9:.1f} GB "
         f"({model.num_layers} layers x {model.num_experts} experts x {model.block_bytes:,} B), resident "
-        f"weights {resident / 1e9:.1f} GB in BF16 (the PLE table is read from the snapshot in place)"
+        f"weights {resident / 1e9:.1f} GB as shipped (a PLE table is read from the snapshot in place)"
     )
 
 
@@ -316,7 +319,7 @@ def main(args: argparse.Namespace) -> int:
         args.model = resolve_model(args.model)
     model, is_workdir = load_model(args.model)
     tc = model.text_config
-    max_len = min(cfg.max_model_len, tc.get("max_position_embeddings", cfg.max_model_len))
+    max_len = min(cfg.max_model_len, tc.get("max_position_embeddings") or cfg.max_model_len)
     try:
         act = 4 if cfg.dtype == "float32" else 2  # the engine's activations: bf16 on a GPU unless asked
         plan = model.memory_plan(_budget(cfg), max_len, act, cfg.max_num_seqs)

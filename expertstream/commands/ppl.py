@@ -124,9 +124,9 @@ def run_ppl(
         "engine": {**asdict(ours), "tokens_per_s": ours.tokens_per_s},
     }
     if reference:
-        from expertstream.commands.check import build_reference
+        from expertstream.commands.check_reference import build_references
 
-        ref = reference_perplexity(build_reference(reference), ids, window, stride)
+        ref = reference_perplexity(build_references(reference, [torch.float32])[0], ids, window, stride)
         log.info("reference: ppl %.4f, %.1f tok/s", ref.ppl, ref.tokens_per_s)
         report["reference"] = {**asdict(ref), "tokens_per_s": ref.tokens_per_s, "snapshot": str(reference)}
         report["ppl_ratio"] = ours.ppl / ref.ppl

@@ -93,6 +93,7 @@ class StreamedExperts(ExpertBank):
             `set_router_weights` and a store with `prefetch`).
         threads: callable -> the threads the CPU kernel may use now (`CpuThreads`); None: one.
         kernels: the guesses' top-k through its Triton kernel where it can run.
+        swiglu_limit: clamp gate x above and up x on both sides first (DeepSeek-V4), None: no clamp.
     """
 
     def __init__(
@@ -104,6 +105,7 @@ class StreamedExperts(ExpertBank):
         speculation_width: float = 1.0,
         threads: Callable[[], int] | None = None,
         kernels: bool = False,
+        swiglu_limit: float | None = None,
     ):
         self.layout, self.store, self.dtype = workdir.layout, store, dtype
         self.weight_scale_2 = workdir.expert_scales()[0]  # [L, E, 3] FP32
@@ -114,7 +116,11 @@ class StreamedExperts(ExpertBank):
         self.spec = Speculator(self.layout.block_bytes, speculation_width, kernels) if spec else None
         self.host_syncs = 0  # `.tolist()` reads of the routing (device syncs when it runs on a GPU)
         self.threads = threads or (lambda: 1)
-        self.kernel = cpu_moe.library() is not None  # the C kernel where it builds
+        self.swiglu_limit = swiglu_limit
+        # the C kernel (NVFP4, unclamped SwiGLU) where it builds; MXFP4 blocks are decoded by their layout in
+        # torch
+        nvfp4 = self.layout.fmt == "nvfp4" and swiglu_limit is None
+        self.kernel = nvfp4 and cpu_moe.library() is not None
 
     def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:
         """Routers {layer: W [E, H]} on the compute device in the activation dtype, for speculation."""
@@ -184,6 +190,7 @@ class StreamedExperts(ExpertBank):
                     experts,
                     lambda e: self._decode(layer, e, self._wait(by_expert[e]), x.device),
                     None if rows is None else list(zip(cut[:-1], cut[1:])),
+                    self.swiglu_limit,
                 )
                 if rows is None:
                     return part

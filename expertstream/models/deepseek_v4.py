@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertstream.formats import mxfp4
-from expertstream.formats.snapshot import Snapshot
+from expertstream.formats.snapshot import Snapshot as Checkpoint
+from expertstream.models.state import Snapshot
 
+MODEL_TYPE = "deepseek_v4"
 KINDS = {0: "sliding", 4: "csa", 128: "hca"}  # compress_ratios value -> attention kind
 
 
@@ -59,6 +61,7 @@ class DeepseekV4Args:
     compress_rope_theta: float = 160000.0
     rope_scaling: dict | None = None
     eos_token_id: int | list[int] = 1
+    max_position_embeddings: int | None = None  # None: no limit the engine enforces
 
     @classmethod
     def from_dict(cls, d: dict) -> DeepseekV4Args:
@@ -111,7 +114,7 @@ def inv_freq(a: DeepseekV4Args, compressed: bool) -> torch.Tensor:
 
 def rope(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Interleaved RoPE on the trailing rope slice of x [T, heads, D] (pairs 2i, 2i+1), positions pos [T]."""
-    ang = pos.float()[:, None] * freq  # [T, rd/2]
+    ang = pos.float()[:, None] * freq.to(pos.device)  # [T, rd/2]
     cos = ang.cos().repeat_interleave(2, -1)[:, None]
     sin = ang.sin().repeat_interleave(2, -1)[:, None]
     sin = -sin if inverse else sin
@@ -165,7 +168,8 @@ class Compressor(nn.Module):
             kv, gate = torch.cat([prev_kv, kv[..., d:]], 1), torch.cat([prev_gate, gate[..., d:]], 1)
         mixed = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(1)
         first = st.entries.shape[0]
-        new = rope(rms_norm(mixed, self.norm, self.eps)[:, None], (first + torch.arange(n)) * m, freq)[:, 0]
+        idx = first + torch.arange(n, device=x.device)
+        new = rope(rms_norm(mixed, self.norm, self.eps)[:, None], idx * m, freq)[:, 0]
         st.entries = torch.cat([st.entries, new])
         return st.entries
 
@@ -183,14 +187,65 @@ class LayerState:
 
 @dataclass
 class State:
-    """A sequence across calls (prefill, then decode token by token)."""
+    """A sequence across calls (prefill, then decode token by token), with the engine's state interface:
+    `pos`, `tokens`, `check_room`, `reset`, `snapshot` and `restore` (as models/state.State)."""
 
     layers: list[LayerState]
     length: int = 0
+    max_model_len: int | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def new(cls, args: DeepseekV4Args) -> State:
-        return cls([LayerState() for _ in range(args.num_hidden_layers)])
+    def new(cls, args: DeepseekV4Args, max_model_len: int | None = None) -> State:
+        return cls([LayerState() for _ in range(args.num_hidden_layers)], max_model_len=max_model_len)
+
+    @property
+    def pos(self) -> int:
+        return self.length
+
+    def check_room(self, n: int) -> None:
+        if self.max_model_len is not None and self.length + n > self.max_model_len:
+            raise ValueError(
+                f"{self.length} tokens in context + {n} new exceed max_model_len {self.max_model_len}; "
+                "start a new conversation or raise --max-model-len"
+            )
+
+    def reset(self) -> None:
+        self.layers = [LayerState() for _ in self.layers]
+        self.length, self.tokens = 0, []
+
+    def _flat(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, ls in enumerate(self.layers):
+            for name, val in (("kv", ls.kv), ("pos", ls.pos)):
+                if val is not None:
+                    out[f"{i}.{name}"] = val
+            for comp in ("comp", "index"):
+                cs = getattr(ls, comp)
+                for f in ("kv", "gate", "entries"):
+                    if getattr(cs, f) is not None:
+                        out[f"{i}.{comp}.{f}"] = getattr(cs, f)
+                if cs.prev is not None:
+                    out[f"{i}.{comp}.prev.kv"], out[f"{i}.{comp}.prev.gate"] = cs.prev
+        return out
+
+    def snapshot(self) -> Snapshot:
+        tensors = {k: v.to("cpu", copy=True) for k, v in self._flat().items()}
+        return Snapshot(tensors, self.length, list(self.tokens))
+
+    def restore(self, snap: Snapshot) -> None:
+        """Return to the snapshot's point; continuing from here reproduces what followed the snapshot."""
+        device = next((t.device for t in self._flat().values()), None)
+        t = {k: v.to(device) if device is not None else v.clone() for k, v in snap.tensors.items()}
+        self.reset()
+        for i, ls in enumerate(self.layers):
+            ls.kv, ls.pos = t.get(f"{i}.kv"), t.get(f"{i}.pos")
+            for comp in ("comp", "index"):
+                cs = getattr(ls, comp)
+                cs.kv, cs.gate, cs.entries = (t.get(f"{i}.{comp}.{f}") for f in ("kv", "gate", "entries"))
+                if f"{i}.{comp}.prev.kv" in t:
+                    cs.prev = (t[f"{i}.{comp}.prev.kv"], t[f"{i}.{comp}.prev.gate"])
+        self.length, self.tokens = snap.pos, list(snap.tokens)
 
 
 class Attention(nn.Module):
@@ -217,7 +272,7 @@ class Attention(nn.Module):
         s = F.relu(torch.einsum("thc,nc->thn", q.float(), keys.float())) * a.index_head_dim**-0.5
         wts = F.linear(x, self.index_w).float() * a.index_n_heads**-0.5  # [T, heads]
         score = (s * wts[..., None]).sum(1)  # [T, n]
-        ready = torch.arange(keys.shape[0])[None] < ((pos + 1) // 4)[:, None]
+        ready = torch.arange(keys.shape[0], device=pos.device)[None] < ((pos + 1) // 4)[:, None]
         top = score.masked_fill(~ready, float("-inf")).topk(min(a.index_topk, keys.shape[0]), -1).indices
         return torch.zeros_like(ready).scatter_(1, top, True) & ready
 
@@ -241,7 +296,10 @@ class Attention(nn.Module):
             if self.kind == "csa":
                 seen = self.selected(x, qr, pos, st)
             else:
-                seen = torch.arange(entries.shape[0])[None] < ((pos + 1) // self.compressor.ratio)[:, None]
+                n = entries.shape[0]
+                seen = (
+                    torch.arange(n, device=pos.device)[None] < ((pos + 1) // self.compressor.ratio)[:, None]
+                )
             kv, mask = torch.cat([kv, entries]), torch.cat([mask, seen], 1)
         logits = torch.einsum("thd,sd->hts", q, kv) * a.head_dim**-0.5
         logits = logits.masked_fill(~mask, float("-inf"))
@@ -333,11 +391,16 @@ class DeepseekV4Model(nn.Module):
         # the block output spread over the streams plus the Sinkhorn-mixed residual streams [T, hc, H]
         return post.to(y.dtype)[..., None] * y[:, None] + comb.to(y.dtype).transpose(-1, -2) @ streams
 
-    def forward(self, ids: torch.Tensor, st: State | None = None) -> torch.Tensor:
-        """ids [T] -> logits [T, V]; with `st`, the tokens continue that sequence (and st is updated)."""
+    def forward(self, ids: torch.Tensor, st: State | None = None, piece: int | None = None) -> torch.Tensor:
+        """ids [T] -> final hidden [T, H] (before the head: `logits`); with `st`, the tokens continue that
+        sequence (and st is updated). `piece`: run the prompt that many tokens at a time (same result)."""
+        st = st or State.new(self.a)
+        if piece and ids.shape[0] > piece:
+            return torch.cat([self.forward(ids[i : i + piece], st) for i in range(0, ids.shape[0], piece)])
         a, w, eps = self.a, self.w, self.a.rms_norm_eps
-        st = st or State.new(a)
-        pos = st.length + torch.arange(ids.shape[0])
+        st.tokens.extend(ids.tolist())
+        ids = ids.to(w["embed.weight"].device)
+        pos = st.length + torch.arange(ids.shape[0], device=ids.device)
         st.length += ids.shape[0]
         x = w["embed.weight"][ids]
         streams = x[:, None].expand(-1, a.hc_mult, -1).contiguous()
@@ -356,29 +419,51 @@ class DeepseekV4Model(nn.Module):
             )
         flat = rms_norm(streams.flatten(1).float(), None, eps)
         pre = torch.sigmoid(F.linear(flat, w["hc_head_fn"].float()) * w["hc_head_scale"] + w["hc_head_base"])
-        h = ((pre + a.hc_eps)[..., None] * streams).sum(1).to(streams.dtype)
-        return F.linear(rms_norm(h, w["norm.weight"], eps), w["head.weight"])
+        return ((pre + a.hc_eps)[..., None] * streams).sum(1).to(streams.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden [T, H] -> FP32 logits [T, V]."""
+        return F.linear(
+            rms_norm(h, self.w["norm.weight"], self.a.rms_norm_eps), self.w["head.weight"]
+        ).float()
 
 
 def _is_expert(name: str) -> bool:
     return ".ffn.experts." in name
 
 
-def load_weights(snap: Snapshot, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Every non-expert tensor under its checkpoint name, FP8 blocks dequantized, floats in `dtype`
-    (integer tables stay integers)."""
+def dequantized(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (FP8 weights with their `.scale`) -> every weight dense in `dtype`, FP8 blocks
+    dequantized, scales dropped (integer tables stay integers)."""
     out = {}
-    for name, info in snap.tensors.items():
-        if _is_expert(name) or name.endswith(".scale") or name.startswith("mtp."):
+    for name, t in tensors.items():
+        if name.endswith(".scale"):
             continue
-        t = snap.read(name)
-        if info.dtype == "F8_E4M3":
-            t = mxfp4.dequantize_fp8_blocks_e8m0(t, snap.read(name.removesuffix(".weight") + ".scale"))
+        if t.dtype == torch.float8_e4m3fn:
+            t = mxfp4.dequantize_fp8_blocks_e8m0(t, tensors[name.removesuffix(".weight") + ".scale"])
         out[name] = t.to(dtype) if t.is_floating_point() else t
     return out
 
 
-def dense_experts(snap: Snapshot, args: DeepseekV4Args, dtype: torch.dtype = torch.float32):
+def engine_model(workdir, args: DeepseekV4Args, bank, dtype: torch.dtype, device) -> DeepseekV4Model:
+    """The model over a working directory's resident weights (dense in `dtype` on `device`) and `bank`; the
+    routers go to the bank for its next-layer guesses."""
+    weights = dequantized(workdir.load_resident(device=device), dtype)  # decoded where the model runs
+    bank.set_router_weights(
+        {i: weights[f"layers.{i}.ffn.gate.weight"] for i in range(args.num_hidden_layers)}
+    )
+    return DeepseekV4Model(args, weights, bank)
+
+
+def load_weights(snap: Checkpoint, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every non-expert tensor of the checkpoint under its name, dense (see `dequantized`); MTP is skipped."""
+    names = [n for n in snap.tensors if not _is_expert(n) and not n.startswith("mtp.")]
+    return dequantized({n: snap.read(n) for n in names}, dtype)
+
+
+def dense_experts(snap: Checkpoint, args: DeepseekV4Args, dtype: torch.dtype = torch.float32):
     """Per layer gate_up [E, 2I, H] (w1 then w3) and down [E, H, I], dequantized (MXFP4 or BF16 twin)."""
 
     def read(name: str) -> torch.Tensor:
@@ -442,7 +527,7 @@ def hf_state_dict(weights: dict, gate_up: list, down: list) -> dict[str, torch.T
     return out
 
 
-def transformers_reference(snap: Snapshot, dtype: torch.dtype = torch.float32):
+def transformers_reference(snap: Checkpoint, dtype: torch.dtype = torch.float32):
     """transformers' DeepseekV4ForCausalLM (eager attention) holding the snapshot's dequantized weights."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding

@@ -17,6 +17,7 @@ from expertstream.formats.fp8 import quantize_fp8_rows
 from expertstream.formats.text_config import check_config
 from expertstream.log import get_logger
 from expertstream.memory_plan import MemoryPlan, gpu_budget
+from expertstream.models import deepseek_v4
 from expertstream.models.base import ModelArgs
 from expertstream.models.batched import forward_many
 from expertstream.models.qwen4_exp import Qwen4ExpModel
@@ -24,7 +25,7 @@ from expertstream.models.state import State
 from expertstream.runtime.cpu_threads import CpuThreads
 from expertstream.store import ExpertStore
 from expertstream.store.ple import PleTable
-from expertstream.workdir.repack import FP8_DENSE
+from expertstream.workdir.inventory import FP8_DENSE
 from expertstream.workdir.workdir import Workdir, WorkdirError
 
 log = get_logger(__name__)
@@ -87,9 +88,18 @@ class Engine:
     def __init__(self, config: EngineConfig, control: str = "none", vram_cache_blocks: int | None = None):
         t0 = time.perf_counter()
         self.workdir = Workdir(config.model)
-        check_config(self.workdir.config, self.workdir.path / "config.json", WorkdirError)
-        self.args = ModelArgs.from_dict(self.workdir.text_config)
-        if config.max_model_len > self.args.max_position_embeddings:
+        # a family without the CUDA bank's kernels (MXFP4 experts) runs the eager torch path on any device
+        self.streamed_only = streamed_only = self.workdir.manifest["model_type"] == deepseek_v4.MODEL_TYPE
+        if streamed_only:
+            try:
+                self.args = deepseek_v4.DeepseekV4Args.from_dict(self.workdir.config)
+            except ValueError as e:
+                raise WorkdirError(f"{self.workdir.path / 'config.json'}: {e}") from e
+        else:
+            check_config(self.workdir.config, self.workdir.path / "config.json", WorkdirError)
+            self.args = ModelArgs.from_dict(self.workdir.text_config)
+        limit = self.args.max_position_embeddings
+        if limit is not None and config.max_model_len > limit:
             log.info(
                 "max_model_len %d clamped to the model's max_position_embeddings %d",
                 config.max_model_len,
@@ -98,10 +108,10 @@ class Engine:
             config = dataclasses.replace(config, max_model_len=self.args.max_position_embeddings)
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
-        gpu = self.device.type == "cuda" and config.kernels != "torch"
+        gpu = self.device.type == "cuda" and config.kernels != "torch" and not streamed_only
         # the small ops, FP8 matmuls and guesses: Triton where the expert kernels run, or when asked for
-        kernels = gpu or config.kernels == "triton"
-        self.plan = self._plan_gpu_memory() if self.device.type == "cuda" else None
+        kernels = (gpu or config.kernels == "triton") and not streamed_only
+        self.plan = self._plan_gpu_memory() if gpu else None
         # sequences a scheduler may run together (each a state from new_state())
         self.max_num_seqs = self.plan.max_num_seqs if self.plan else config.max_num_seqs
         alloc = {}
@@ -152,6 +162,7 @@ class Engine:
                     config.speculation_width,
                     threads=self.cpu_threads,
                     kernels=kernels,
+                    swiglu_limit=self.args.swiglu_limit if streamed_only else None,
                 )
 
             if config.stage_guesses > 0:
@@ -171,6 +182,13 @@ class Engine:
             span, chunk = config.prefill_span or max(span, piece), None
         self.set_prefill(piece, span, chunk)
         self.ple = None
+        self.decode = None  # one-token steps through CUDA graphs (runtime/decode_graphs.py)
+        self._tokenizer = None
+        if streamed_only:
+            self.model = deepseek_v4.engine_model(self.workdir, self.args, self.bank, self.dtype, self.device)
+            log.info("loaded %s on %s (%s) in %.1f s", self.workdir.path, self.device, self.dtype,
+                     time.perf_counter() - t0)  # fmt: skip
+            return
         if self.args.ple_layer_ids:
             if self.workdir.ple is None:
                 raise ValueError(
@@ -194,12 +212,10 @@ class Engine:
         self.model = Qwen4ExpModel(
             self.args, tensors, self.bank, self.ple, self.dtype, self.device, fp8, kernels
         )
-        self.decode = None  # one-token steps through CUDA graphs (runtime/decode_graphs.py)
         if self.device.type == "cuda" and not config.enforce_eager:
             from expertstream.runtime.decode_graphs import DecodeGraphs
 
             self.decode = DecodeGraphs(self.model)
-        self._tokenizer = None
         log.info(
             "loaded %s on %s (%s) in %.1f s",
             self.workdir.path,
@@ -255,6 +271,8 @@ class Engine:
 
     def new_state(self) -> State:
         """An empty conversation with KV and indexer keys preallocated for max_model_len."""
+        if self.streamed_only:
+            return deepseek_v4.State.new(self.args, self.config.max_model_len)
         return State(self.args, self.config.max_model_len, self.dtype, self.device)
 
     def forward(self, state: State, ids, all_logits: bool = False) -> torch.Tensor:
@@ -296,7 +314,10 @@ class Engine:
                 raise ValueError(f"forward_batch takes at most {self.prefill_span} ids a sequence")
             else:
                 batch.append((i, ids, state))
-        if batch:
+        if batch and self.streamed_only:  # no layer-major batched pass for it: one sequence at a time
+            for i, ids, state in batch:
+                out[i] = self.forward(state, ids)
+        elif batch:
             hs = forward_many(self.model, [(ids, st) for _, ids, st in batch], self.prefill_piece)
             for (i, _, _), h in zip(batch, hs):
                 out[i] = self.model.logits(h[-1:])[0]

@@ -12,22 +12,15 @@ from pathlib import Path
 
 from expertstream.formats.snapshot import SnapshotError
 from expertstream.memory_plan import GiB, MemoryPlanError, plan_memory
-from expertstream.workdir.inventory import PLE_TABLE, SCALARS, SetupError, layer_types
+from expertstream.workdir.inventory import PLE_TABLE, SetupError
 from expertstream.workdir.repack import (
     COPY_FILES,
-    FP8_DENSE,
     Plan,
-    _rname,
+    _fp8_dense,
     budget_report,
     disk_free,
     disk_needed,
     plan_setup,
-)
-
-# what the real setup checks once it reads tensor data (the dry run cannot)
-DATA_CHECKS = (
-    "the PLE scale's value (positive, finite) and the rows the n-gram head buffers address",
-    "every expert's gate and up weight_scale_2 bit-identical and positive",
 )
 
 
@@ -39,7 +32,8 @@ def _families(plan: Plan) -> list[tuple[str, int, int, int]]:
     nbytes = dict.fromkeys(count, 0)
     for name, info in plan.snap.tensors.items():  # one pass: the real snapshot has ~300k tensors
         if name in plan.experts:
-            key = "scalars" if plan.experts[name][2].endswith(SCALARS) else "experts"
+            scalar = plan.family.scalars and plan.experts[name][2].endswith(plan.family.scalars)
+            key = "scalars" if scalar else "experts"
         elif name in resident:
             key = "resident"
         elif f".{PLE_TABLE}." in name:
@@ -56,7 +50,7 @@ def _families(plan: Plan) -> list[tuple[str, int, int, int]]:
         nbytes[key] += info.nbytes
     rows = [
         ("routed experts -> experts.bin", "experts", L * E * bb),
-        ("expert scalars -> expert_scales.safetensors", "scalars", L * E * len(SCALARS) * 3 * 4),
+        ("expert scalars -> expert_scales.safetensors", "scalars", L * E * 2 * 3 * 4),
         ("resident text weights -> resident.safetensors", "resident", plan.resident_bytes),
         ("PLE table and scale (read in place)", "ple", 0),
         ("MTP (dropped)", "mtp", 0),
@@ -70,8 +64,8 @@ def _resident_inventory(plan: Plan) -> dict[str, tuple[tuple[int, ...], str]]:
     """The header resident.safetensors would get (workdir names), as `plan_memory` takes it."""
     out = {}
     for info in plan.resident:
-        name = _rname(info)
-        if plan.fp8_dense and FP8_DENSE.fullmatch(name):
+        name = plan.family.rname(info.name)
+        if plan.fp8_dense and _fp8_dense(plan.family, name):
             out[name] = (info.shape, "F8_E4M3")
             out[f"{name}_scale"] = ((info.shape[0],), "F32")
         else:
@@ -107,7 +101,9 @@ def dry_run(
     checked.append(f"free disk for {workdir}: {_gb(need)} needed, {_gb(free)} free")
     lines += ["checks:"] + [f"  ok    {c}" for c in checked[:-1]]
     lines.append(f"  {'ok  ' if disk_ok else 'FAIL'}  {checked[-1]}")
-    lines += ["left to setup (they need tensor data):"] + [f"  -     {c}" for c in DATA_CHECKS]
+    if plan.family.data_checks:
+        lines.append("left to setup (they need tensor data):")
+        lines += [f"  -     {c}" for c in plan.family.data_checks]
 
     lines.append("inventory:")
     lines.append(f"  {'family':<48} {'tensors':>9} {'snapshot':>13} {'workdir':>13}")
@@ -144,9 +140,10 @@ def _vram_plan(plan: Plan, gpu_memory_gb: float | None, utilization: float, max_
         budget = int(torch.cuda.mem_get_info()[0] * utilization)
     else:
         budget = int(gpu_memory_gb * GiB * utilization)
-    tc = {**plan.snap.text_config, "layer_types": layer_types(plan.snap.text_config)}
     try:
-        mp = plan_memory(tc, _resident_inventory(plan), plan.layout.block_bytes, budget, max_model_len)
+        mp = plan_memory(
+            plan.snap.text_config, _resident_inventory(plan), plan.layout.block_bytes, budget, max_model_len
+        )
     except MemoryPlanError as e:
         return f"VRAM plan: {e}"
     return f"{mp.describe()}\n  (for --max-model-len {max_model_len}, resident weights as stored)"

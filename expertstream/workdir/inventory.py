@@ -13,14 +13,15 @@ import re
 
 from expertstream.errors import UserError
 from expertstream.formats import nvfp4
-from expertstream.formats.expert_block import PROJ, ExpertLayout
+from expertstream.formats.expert_block import PROJ
 from expertstream.formats.snapshot import DTYPES, Snapshot, TensorInfo, read_tensor
 
-MODEL_TYPES = ("qwen4_exp",)
 PREFIX = "model.language_model."
 ATTENTION_TYPES = ("full_attention", "indexed_attention", "qwen_sparse_attention")  # all mean gated GQA + QSA
 PLE_TABLE = "ple_embedding.ngram_embedding"
 SCALARS = ("weight_scale_2", "input_scale")
+# the big GDN matrices that --fp8-dense stores as E4M3 with one FP32 scale per output row
+FP8_DENSE = re.compile(r"layers\.\d+\.linear_attn\.(in_proj_qkv|in_proj_z|out_proj)\.weight")
 EXPERT_TENSOR = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)")
 
 
@@ -218,32 +219,6 @@ def check_tensor(info: TensorInfo | None, name: str, dtype: str, shape: tuple, s
             f"expected {dtype} {list(shape)}"
         )
     return info
-
-
-def check_model_type(snap: Snapshot) -> None:
-    if snap.config.get("model_type") not in MODEL_TYPES:
-        raise SetupError(
-            f"{snap.path / 'config.json'}: model_type {snap.config.get('model_type')!r} is not supported "
-            f"(supported: {', '.join(MODEL_TYPES)})"
-        )
-
-
-def expert_tensors(snap: Snapshot, layout: ExpertLayout) -> dict[str, tuple[int, int, str]]:
-    """Check every routed-expert tensor; returns snapshot name -> (layer, expert, "gate_proj.weight" etc.)."""
-    tc, codes = snap.text_config, {"uint8": "U8", "float8_e4m3fn": "F8_E4M3"}
-    experts = {}
-    for l in range(config_value(tc, "num_hidden_layers")):
-        for e in range(config_value(tc, "num_experts")):
-            for part in layout.parts:
-                name = f"{PREFIX}layers.{l}.mlp.experts.{e}.{part.name}"
-                check_tensor(snap.tensors.get(name), name, codes[part.dtype], part.shape, snap)
-                experts[name] = (l, e, part.name)
-            for proj in PROJ:
-                for s in SCALARS:
-                    name = f"{PREFIX}layers.{l}.mlp.experts.{e}.{proj}.{s}"
-                    check_tensor(snap.tensors.get(name), name, "F32", (), snap)
-                    experts[name] = (l, e, f"{proj}.{s}")
-    return experts
 
 
 def plan_ple(snap: Snapshot, tc: dict, read_data: bool = True) -> tuple[dict | None, list[TensorInfo]]:

@@ -11,7 +11,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import struct
 from collections import deque
@@ -33,25 +32,16 @@ from expertstream.formats.snapshot import (
     header_bytes,
     iter_tensor_bytes,
 )
-from expertstream.formats.text_config import check_config
 from expertstream.log import get_logger
 from expertstream.workdir.checksum import ALGORITHM, checksum, file_checksum
+from expertstream.workdir.families import Family, family_of
 from expertstream.workdir.inventory import (
     EXPERT_TENSOR,
-    PLE_TABLE,
-    PREFIX,
-    SCALARS,
     SetupError,
-    check_model_type,
-    check_quant_config,
     check_side_files,
     check_tensor,
-    config_value,
-    expert_tensors,
     plan_ple,
     ple_heads,
-    resident_spec,
-    snapshot_name,
 )
 from expertstream.workdir.workdir import EXPERT_SCALES, FORMAT, MANIFEST, PLE_COPY, VERSION, write_manifest
 
@@ -67,8 +57,6 @@ COPY_FILES = (
     "merges.txt",
     "chat_template.jinja",
 )
-# the big GDN matrices that --fp8-dense stores as E4M3 with one FP32 scale per output row
-FP8_DENSE = re.compile(r"layers\.\d+\.linear_attn\.(in_proj_qkv|in_proj_z|out_proj)\.weight")
 REPLACED = ("experts.bin", "resident.safetensors", EXPERT_SCALES, PLE_COPY)
 WRITES_IN_FLIGHT = 8  # blocks queued to the writer thread (bounds RAM to ~8 blocks)
 PROGRESS = "setup.progress.json"  # blocks durably written so far: a rerun after an interruption skips them
@@ -78,6 +66,7 @@ PROGRESS_EVERY = 256  # blocks between journal updates (~700 MB for the real mod
 @dataclass(slots=True)
 class Plan:
     snap: Snapshot
+    family: Family
     layout: ExpertLayout
     num_layers: int
     num_experts: int
@@ -106,51 +95,47 @@ def plan_setup(
         f"{len(shards)} safetensors headers read: {len(snap.tensors):,} tensors, each inside its file "
         f"({sum(p.stat().st_size for p in shards) / 1e9:.2f} GB)"
     )
-    check_model_type(snap)
-    check_config(snap.config, snap.path / "config.json", SetupError)
+    family = family_of(snap.config, snap.path / "config.json")
+    family.check_config(snap.config, snap.path / "config.json")
     done.append(f"{', '.join(check_side_files(snap))}: parse")
     tc = snap.text_config
-    L, E = config_value(tc, "num_hidden_layers"), config_value(tc, "num_experts")
-    check_quant_config(snap, L)
-    done.append(
-        f"config.json: model_type {snap.config['model_type']}; experts of all {L} layers NVFP4, group 16"
-    )
-    layout = ExpertLayout.for_dims(config_value(tc, "hidden_size"), config_value(tc, "moe_intermediate_size"))
-    experts = expert_tensors(snap, layout)
+    L, E, K = family.dims(tc)
+    done.append(f"config.json: model_type {family.model_type}; {family.check_quant(snap, L)}")
+    layout = family.layout(tc)
+    experts = family.expert_tensors(snap, layout)
     done.append(f"{len(experts):,} routed-expert tensors ({L} layers x {E} experts): dtypes and shapes")
 
-    spec = resident_spec(tc)
+    spec = family.resident_spec(tc)
     for name, (dtype, shape) in spec.items():
-        check_tensor(snap.tensors.get(snapshot_name(name)), snapshot_name(name), dtype, shape, snap)
+        sname = family.snapshot_name(name)
+        check_tensor(snap.tensors.get(sname), sname, dtype, shape, snap)
     done.append(f"{len(spec):,} resident tensors the model needs: dtypes and shapes from text_config")
     # every text tensor except experts and the PLE table; vision (model.visual.*) and MTP (mtp.*) are dropped
-    resident = [
-        info
-        for name, info in snap.tensors.items()
-        if (name.startswith(PREFIX) and name not in experts and f".{PLE_TABLE}." not in name)
-        or name == "lm_head.weight"
-    ]
+    resident = [info for name, info in snap.tensors.items() if family.is_text(name) and name not in experts]
     # an expert tensor outside the config's layers x experts means the config and the weights disagree
-    stray = [i.name for i in resident if EXPERT_TENSOR.search(i.name)]
+    stray = [i.name for i in resident if EXPERT_TENSOR.search(i.name) or ".ffn.experts." in i.name]
     if stray:
         raise SetupError(f"{snap.path}: unexpected expert tensor {stray[0]} (expert count or names differ?)")
     resident.sort(key=lambda i: (str(i.path), i.offset))
 
     bf16 = sum(i.nbytes for i in resident)
     fp8 = bf16 - sum(
-        i.nbytes - math.prod(i.shape) - 4 * i.shape[0] for i in resident if FP8_DENSE.fullmatch(_rname(i))
+        i.nbytes - math.prod(i.shape) - 4 * i.shape[0]
+        for i in resident
+        if _fp8_dense(family, family.rname(i.name))
     )
-    ple, ple_infos = plan_ple(snap, tc, read_data)
+    ple, ple_infos = plan_ple(snap, tc, read_data) if family.model_type == "qwen4_exp" else (None, [])
     if ple is not None:
         done.append(
             f"PLE table: {len(ple_infos)} F8_E4M3 shards, {ple['rows']:,} rows x {ple['width']} and its scale"
         )
     return Plan(
         snap=snap,
+        family=family,
         layout=layout,
         num_layers=L,
         num_experts=E,
-        top_k=config_value(tc, "num_experts_per_tok"),
+        top_k=K,
         experts=experts,
         resident=resident,
         fp8_dense=fp8_dense,
@@ -162,8 +147,8 @@ def plan_setup(
     )
 
 
-def _rname(info: TensorInfo) -> str:
-    return info.name[len(PREFIX) :] if info.name.startswith(PREFIX) else info.name
+def _fp8_dense(family: Family, name: str) -> bool:
+    return family.fp8_dense is not None and family.fp8_dense.fullmatch(name) is not None
 
 
 def _existing_dir(p: Path) -> Path:
@@ -238,7 +223,9 @@ def _write_experts(
     bb = layout.block_bytes
     checksums = [done.get(i, 0) for i in range(L * E)]
     written = dict(done)  # index -> crc of blocks on disk (journaled after the next fsync)
-    scalars = torch.full((2, L, E, 3), float("nan"), dtype=torch.float32)  # weight_scale_2, input_scale
+    # weight_scale_2, input_scale (NVFP4); 1, the identity, for a format without global scales (MXFP4)
+    scalar_names = plan.family.scalars
+    scalars = torch.full((2, L, E, 3), float("nan") if scalar_names else 1.0, dtype=torch.float32)
     pending: dict[tuple[int, int], list] = {}  # (layer, expert) -> [block bytearray, parts still missing]
     journal = path.parent / PROGRESS
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if done else os.O_TRUNC), 0o644)
@@ -258,7 +245,7 @@ def _write_experts(
 
     def needed(name: str) -> bool:
         l, e, sub = plan.experts[name]
-        return l * E + e not in done or sub.split(".")[1] in SCALARS
+        return l * E + e not in done or sub.split(".")[-1] in scalar_names
 
     try:
         os.ftruncate(fd, L * E * bb)
@@ -269,18 +256,19 @@ def _write_experts(
             for info, data in iter_tensor_bytes(plan.snap.tensors[n] for n in plan.experts if needed(n)):
                 l, e, sub = plan.experts[info.name]
                 resumed = l * E + e in done
-                parts = len(PROJ) * len(SCALARS) + (0 if resumed else len(layout.parts))
+                parts = len(PROJ) * len(scalar_names) + (0 if resumed else len(layout.parts))
                 slot = pending.setdefault((l, e), [None if resumed else bytearray(bb), parts])
                 proj, kind = sub.split(".")
-                if kind in SCALARS:
-                    scalars[SCALARS.index(kind), l, e, PROJ.index(proj)] = struct.unpack("<f", data)[0]
+                if kind in scalar_names:
+                    scalars[scalar_names.index(kind), l, e, PROJ.index(proj)] = struct.unpack("<f", data)[0]
                 else:
                     part = layout.part(sub)
                     slot[0][part.offset : part.offset + part.nbytes] = data
                 slot[1] -= 1
                 if slot[1]:
                     continue
-                _check_scales(scalars[0, l, e], plan, l, e)
+                if scalar_names:
+                    _check_scales(scalars[0, l, e], plan, l, e)
                 del pending[(l, e)]
                 if resumed:
                     continue
@@ -310,7 +298,7 @@ def _write_experts(
 
 
 def _check_scales(ws2: torch.Tensor, plan: Plan, l: int, e: int) -> None:
-    name = f"{PREFIX}layers.{l}.mlp.experts.{e}"
+    name = f"{plan.family.prefix}layers.{l}.mlp.experts.{e}"
     if not bool(torch.isfinite(ws2).all() and (ws2 > 0).all()):
         raise SetupError(f"{plan.snap.path}: {name} has weight_scale_2 {ws2.tolist()}, not positive finite")
     # the kernels fuse gate and up under one global scale, as the export promises
@@ -326,8 +314,8 @@ def _write_resident(plan: Plan, path: Path, progress: bool) -> tuple[list[str], 
     file's CRC32C, taken as it is written)."""
     entries, fp8 = [], []
     for info in plan.resident:
-        name = _rname(info)
-        if plan.fp8_dense and FP8_DENSE.fullmatch(name):
+        name = plan.family.rname(info.name)
+        if plan.fp8_dense and _fp8_dense(plan.family, name):
             entries += [(name, "F8_E4M3", info.shape), (f"{name}_scale", "F32", (info.shape[0],))]
             fp8.append(name)
         else:
@@ -339,7 +327,7 @@ def _write_resident(plan: Plan, path: Path, progress: bool) -> tuple[list[str], 
         f.write(head)
         crc = checksum(head)
         for info, data in iter_tensor_bytes(plan.resident):
-            if _rname(info) in fp8_set:
+            if plan.family.rname(info.name) in fp8_set:
                 q, scale = quantize_fp8_rows(bytes_to_tensor(info, data))
                 chunks = [q.view(torch.uint8).numpy(), scale.numpy()]
             else:

@@ -20,7 +20,8 @@ from expertstream.formats.expert_block import PROJ
 from expertstream.formats.snapshot import Snapshot, SnapshotError, read_tensor
 from expertstream.log import get_logger
 from expertstream.workdir.checksum import ALGORITHM, checksum
-from expertstream.workdir.inventory import PREFIX, SCALARS, plan_ple
+from expertstream.workdir.families import family_of
+from expertstream.workdir.inventory import plan_ple
 from expertstream.workdir.workdir import Workdir, WorkdirError
 
 log = get_logger(__name__)
@@ -40,10 +41,12 @@ def _check_scales(wd: Workdir, snap: Snapshot | None, blocks: list[tuple[int, in
         f"weight_scale_2 of (layer {l}, expert {e}) projection {PROJ[j]} is {ws2[l, e, j].item()}"
         for l, e, j in bad
     ]
+    family = family_of(wd.config)
     for l, e in blocks if snap else ():
         for j, proj in enumerate(PROJ):
-            for s, got in zip(SCALARS, (ws2, inp)):
-                ref = read_tensor(snap.info(f"{PREFIX}layers.{l}.mlp.experts.{e}.{proj}.{s}")).item()
+            for s, got in zip(family.scalars, (ws2, inp)):
+                name = f"{family.prefix}layers.{l}.mlp.experts.{e}.{proj}.{s}"
+                ref = read_tensor(snap.info(name)).item()
                 if got[l, e, j].item() != ref:
                     problems.append(
                         f"{s} of (layer {l}, expert {e}) {proj}: {got[l, e, j].item()} != snapshot {ref}"
@@ -53,8 +56,9 @@ def _check_scales(wd: Workdir, snap: Snapshot | None, blocks: list[tuple[int, in
 
 def _compare_block(wd: Workdir, snap: Snapshot, l: int, e: int, block: bytes) -> list[str]:
     problems = []
+    names = {part: name for name, part in family_of(wd.config).expert_name(l, e).items()}
     for part in wd.layout.parts:
-        info = snap.info(f"{PREFIX}layers.{l}.mlp.experts.{e}.{part.name}")
+        info = snap.info(names[part.name])
         ref = read_tensor(info).view(torch.uint8).numpy().tobytes()
         if block[part.offset : part.offset + part.nbytes] != ref:
             problems.append(

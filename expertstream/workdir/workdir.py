@@ -15,7 +15,8 @@ from expertstream.formats.expert_block import ExpertLayout
 from expertstream.formats.snapshot import SnapshotError, read_header
 from expertstream.memory_plan import MemoryPlan, plan_memory
 from expertstream.workdir.checksum import ALGORITHM, file_checksum
-from expertstream.workdir.inventory import SetupError, resident_spec
+from expertstream.workdir.families import family_of
+from expertstream.workdir.inventory import SetupError
 
 FORMAT = "expertstream-workdir"
 VERSION = 2  # 2: CRC32C of every block and every file (1: crc32 of the blocks only)
@@ -169,7 +170,8 @@ class Workdir:
     def resident_problems(self) -> list[str]:
         """Resident tensors missing or of another dtype or shape than config.json asks, one line each."""
         try:
-            stored, spec = read_header(self.resident_path), resident_spec(self.text_config)
+            stored = read_header(self.resident_path)
+            spec = family_of(self.config, self.path / "config.json").resident_spec(self.text_config)
         except (SnapshotError, SetupError) as e:
             return [str(e)]
         name_of, problems = self.resident_path.name, []

@@ -1,0 +1,117 @@
+"""The Engine on a ds4-tiny working directory (MXFP4 experts from the store through StreamedExperts) against
+models/deepseek_v4.py on the snapshot's own dequantized weights with dense experts."""
+
+import json
+
+import pytest
+import torch
+
+from expertstream.config import EngineConfig
+from expertstream.experts.cpu_bank import DenseExperts
+from expertstream.formats.snapshot import Snapshot
+from expertstream.generate import SamplingParams, stream_generate
+from expertstream.models import deepseek_v4 as ds4
+from expertstream.runtime.engine import Engine
+from expertstream.synth.deepseek_v4 import write_synthetic_ds4
+from expertstream.workdir.repack import setup_workdir
+
+
+@pytest.fixture(scope="module")
+def ds4_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds4eng")
+    snap = write_synthetic_ds4(root / "snap", "ds4-tiny", seed=3)
+    return snap, setup_workdir(snap, root / "wd", progress=False)
+
+
+def _engine(wd, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(wd), device="cpu", max_model_len=512, ram_cache_gb=0.01), **kw)
+
+
+def _reference(snap_dir):
+    snap = Snapshot(snap_dir)
+    args = ds4.DeepseekV4Args.from_dict(snap.config)
+    bank = DenseExperts(*ds4.dense_experts(snap, args), swiglu_limit=args.swiglu_limit)
+    return ds4.DeepseekV4Model(args, ds4.load_weights(snap), bank), args
+
+
+def _ids(t: int, vocab: int) -> torch.Tensor:
+    return (torch.arange(t) * 11 + 5) % vocab
+
+
+class CountingBank:
+    """Wraps a bank and records which layers called it."""
+
+    def __init__(self, bank):
+        self.bank, self.layers = bank, []
+
+    def __call__(self, layer, x, ids, w, **kw):
+        self.layers.append(layer)
+        return self.bank(layer, x, ids, w, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.bank, name)
+
+
+def test_engine_equals_the_model_on_the_snapshot_prompt_and_decode(ds4_setup):
+    snap, wd = ds4_setup
+    ref, args = _reference(snap)
+    ids = _ids(150, args.vocab_size)
+    with torch.no_grad():
+        want = ref.logits(ref(ids))
+    engine = _engine(wd)
+    try:
+        # every MoE layer, hash-routed (0, 1) and top-k (2, 3), goes through the engine's streamed bank
+        counting = CountingBank(engine.bank)
+        for moe in engine.model.moe:
+            moe.bank = counting
+        state = engine.new_state()
+        with torch.no_grad():
+            prompt = engine.forward(state, ids[:140], all_logits=True)
+            steps = [engine.forward(state, ids[t : t + 1]) for t in range(140, 150)]
+        assert sorted(set(counting.layers)) == list(range(args.num_hidden_layers))
+        assert args.num_hash_layers == 2
+        got = torch.cat([prompt, torch.stack(steps)])
+        assert (got - want).abs().max() <= 1e-3
+        assert state.pos == 150 and state.tokens == ids.tolist()
+        # a snapshot taken mid-conversation continues exactly as the original did
+        snap_state = engine.new_state()
+        engine.forward(snap_state, ids[:137])
+        saved = snap_state.snapshot()
+        a = engine.forward(snap_state, ids[137:139])
+        snap_state.restore(saved)
+        assert torch.equal(engine.forward(snap_state, ids[137:139]), a)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("control", ["swap-nibbles", "no-experts"])
+def test_expert_controls_break_the_logits(ds4_setup, control):
+    snap, wd = ds4_setup
+    logits = {}
+    for c in ("none", control):
+        engine = _engine(wd, control=c)
+        ids = _ids(60, engine.args.vocab_size)
+        try:
+            with torch.no_grad():
+                logits[c] = engine.forward(engine.new_state(), ids, all_logits=True)
+        finally:
+            engine.close()
+    assert (logits["none"] - logits[control]).abs().max() > 1.0
+
+
+def test_generate_streams_text(ds4_setup):
+    engine = _engine(ds4_setup[1])
+    try:
+        out = list(stream_generate(engine, "And God said", SamplingParams(max_tokens=6, temperature=0)))
+    finally:
+        engine.close()
+    assert len(out) == 6 and out[-1].finish_reason == "length"
+
+
+def test_bench_decode_runs_on_the_workdir(ds4_setup, capsys):
+    from expertstream.cli import main as cli_main
+
+    assert cli_main(["bench", "decode", "--model", str(ds4_setup[1]), "--tokens", "2", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert payload["ram"]["ram_hit_rate"] == 1.0 and payload["ram"]["disk_bytes_per_token"] == 0
+    assert payload["disk"]["tokens"] == payload["ram"]["tokens"]
