@@ -36,6 +36,9 @@ FP8_CANDIDATES = (
 # launch's tile padding: up to 64 rows of h per expert (512 x 64 x 640 BF16 = 40 MiB of the 0.29 GiB).
 RESERVE_FRACTION = 0.04
 DECODE_WORKSPACE = 64 * MiB  # one-token activations and the decode graphs' pools (per state; unmeasured)
+# Tokens of one block of the shared KV pool (models/kv_pool.py): a sequence's range is whole blocks, and a
+# block holds whole indexer blocks (compress ratios divide it)
+KV_BLOCK = 256
 ELEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I64": 8, "I32": 4}
 
 
@@ -49,9 +52,9 @@ class MemoryPlan:
     resident: int
     fp8: list[str]
     embed_on_host: bool
-    state: int  # DeltaNet recurrent + conv, PLE context
-    kv: int  # attention K/V for max_model_len
-    indexer_keys: int
+    state: int  # DeltaNet recurrent + conv, PLE context, of one sequence
+    kv: int  # attention K/V of the shared pool's kv_pool_tokens
+    indexer_keys: int  # indexer keys of the shared pool's kv_pool_tokens
     slots: int  # three banks of K expert slots: this layer, the previous one, and half a prompt pass
     decode_workspace: int
     prefill_piece: int
@@ -61,13 +64,14 @@ class MemoryPlan:
     reserve: int
     vram_cache_blocks: int
     block_bytes: int
-    max_num_seqs: int = 1  # sequences whose state, KV and indexer keys the plan holds (at least 1)
+    max_num_seqs: int = 1  # sequences whose state and decode workspace the plan holds (at least 1)
+    kv_pool_tokens: int = 0  # tokens of KV and indexer keys the sequences share (at least max_model_len)
     notes: list[str] = field(default_factory=list)
 
     @property
     def seq_bytes(self) -> int:
-        """VRAM one sequence holds: its state, KV, indexer keys and decode workspace."""
-        return self.state + self.kv + self.indexer_keys + self.decode_workspace
+        """VRAM one more sequence holds for itself: its state and decode workspace (its KV is the pool's)."""
+        return self.state + self.decode_workspace
 
     @property
     def vram_cache(self) -> int:
@@ -81,12 +85,12 @@ class MemoryPlan:
                 self.resident,
             ),
             ("DeltaNet/conv/PLE state", self.state),
-            ("KV cache", self.kv),
-            ("indexer keys", self.indexer_keys),
+            (f"KV pool ({self.kv_pool_tokens:,} tokens, shared by the sequences)", self.kv),
+            ("indexer keys (of the pool's tokens)", self.indexer_keys),
             ("expert slots", self.slots),
             ("decode workspace", self.decode_workspace),
             (
-                f"{self.max_num_seqs - 1} more sequences (state, KV, keys, workspace)",
+                f"{self.max_num_seqs - 1} more sequences (state, workspace)",
                 (self.max_num_seqs - 1) * self.seq_bytes,
             ),
             (
@@ -137,6 +141,7 @@ def plan_memory(
     max_model_len: int,
     act_bytes: int = 2,
     max_num_seqs: int = 1,
+    kv_pool_tokens: int | None = None,
 ) -> MemoryPlan:
     """Plan the GPU memory.
 
@@ -146,10 +151,15 @@ def plan_memory(
             ones appear as F8_E4M3 plus their `_scale`).
         block_bytes: bytes of one repacked expert block.
         budget_bytes: VRAM the engine may use.
-        max_model_len: context to reserve KV and indexer keys for.
+        max_model_len: the context of one sequence; the KV pool holds at least that many tokens.
         act_bytes: bytes per activation element (2 for bf16).
-        max_num_seqs: sequences that run together (each a whole-context state); the first is part of the
-            minimum, the others come out of what the prefill workspace leaves, before the VRAM cache.
+        max_num_seqs: sequences that run together. Each has a fixed-size state of its own (DeltaNet, conv,
+            PLE, decode workspace); their attention KV and indexer keys come from one shared pool that
+            sequences take blocks of as their contexts grow. The first sequence and a pool of max_model_len
+            tokens are part of the minimum; the other sequences' states come out of what the prefill
+            workspace leaves, then the pool grows toward max_num_seqs x max_model_len tokens with at most
+            half of what is left (the rest is the VRAM cache).
+        kv_pool_tokens: the pool's tokens instead (at least max_model_len).
 
     Returns:
         The plan; raises MemoryPlanError naming the shortfall if even the minimum does not fit.
@@ -168,15 +178,16 @@ def plan_memory(
     k = c["num_experts_per_tok"]
     hc = c.get("hc_count", 1)
 
-    # KV and indexer keys for the whole context, state for one sequence
-    kv = n_attn * 2 * c["num_key_value_heads"] * c["head_dim"] * act_bytes * max_model_len
-    idx = (
-        n_attn
-        * (c.get("indexer_kv_heads") or 0)
-        * (c.get("indexer_head_dim") or 0)
-        * act_bytes
-        * max_model_len
-    )
+    # KV and indexer keys per pooled token (the pool starts with one whole context), state per sequence
+    kv_tok = n_attn * 2 * c["num_key_value_heads"] * c["head_dim"] * act_bytes
+    idx_tok = n_attn * (c.get("indexer_kv_heads") or 0) * (c.get("indexer_head_dim") or 0) * act_bytes
+    pool_tok = kv_tok + idx_tok
+    pool_min = -(-max_model_len // KV_BLOCK) * KV_BLOCK
+    if kv_pool_tokens is not None and kv_pool_tokens < max_model_len:
+        raise MemoryPlanError(
+            f"a KV pool of {kv_pool_tokens} tokens cannot hold one {max_model_len}-token context"
+        )
+    pool = pool_min if kv_pool_tokens is None else -(-kv_pool_tokens // KV_BLOCK) * KV_BLOCK
     kd, vd = (
         c["linear_num_key_heads"] * c["linear_key_head_dim"],
         c["linear_num_value_heads"] * c["linear_value_head_dim"],
@@ -218,7 +229,7 @@ def plan_memory(
     fp8 = sorted(n for n, (_, dt) in weights.items() if dt == "F8_E4M3")
     base = sum(_tensor_bytes(s, d) for s, d in weights.values())
     reserve = int(budget_bytes * RESERVE_FRACTION)
-    fixed = state + kv + idx + slots + DECODE_WORKSPACE + reserve
+    fixed = state + pool * pool_tok + slots + DECODE_WORKSPACE + reserve
 
     def minimum(weight_bytes: int, piece: int = PREFILL_PIECES[-1]) -> int:
         return weight_bytes + fixed + prefill_ws(piece)
@@ -237,7 +248,7 @@ def plan_memory(
         raise MemoryPlanError(
             f"a {budget_bytes / GiB:.2f} GiB VRAM budget cannot hold this model with a {max_model_len}-token "
             f"context: it needs at least {minimum(base) / GiB:.2f} GiB (weights {base / GiB:.2f} GiB, KV and "
-            f"indexer keys {(kv + idx) / GiB:.2f} GiB); raise --gpu-memory-gb or lower --max-model-len"
+            f"indexer keys {pool * pool_tok / GiB:.2f} GiB); raise --gpu-memory-gb or lower --max-model-len"
         )
     left = budget_bytes - base - fixed
 
@@ -261,13 +272,23 @@ def plan_memory(
     chunk = min(span, max(piece, prefill_ws(piece) // per_moe_tok // piece * piece))
     workspace_used = prefill_ws(piece) + (span - piece) * per_span_tok
     left += workspace - workspace_used  # what rounding the span left goes to the cache
-    seq_bytes = state + kv + idx + DECODE_WORKSPACE
+    seq_bytes = state + DECODE_WORKSPACE
     seqs = 1 + max(0, min(max_num_seqs - 1, left // seq_bytes))
     left -= (seqs - 1) * seq_bytes
     if seqs < max_num_seqs:
         notes.append(
-            f"{seqs} of --max-num-seqs {max_num_seqs} sequences fit ({seq_bytes / GiB:.2f} GiB each with a "
-            f"{max_model_len}-token context); a shorter --max-model-len or a larger budget holds more"
+            f"{seqs} of --max-num-seqs {max_num_seqs} sequences fit ({seq_bytes / GiB:.2f} GiB of state "
+            "each beside the shared KV pool); a larger budget holds more"
+        )
+    if kv_pool_tokens is None:  # the pool grows toward a whole context a sequence, in whole blocks
+        more = min((seqs - 1) * pool_min, left // 2 // pool_tok // KV_BLOCK * KV_BLOCK)
+        pool += more
+        left -= more * pool_tok
+    if seqs > 1 and pool < seqs * max_model_len:
+        notes.append(
+            f"the {seqs} sequences share a KV pool of {pool:,} tokens: one reaches the whole "
+            f"{max_model_len}-token context; while the pool is full, a sequence waits for room (its KV "
+            "goes to host RAM and comes back), streaming and earlier requests first"
         )
     if span < max_model_len:  # a longer prompt fetches each expert once per span
         notes.append(
@@ -291,8 +312,8 @@ def plan_memory(
         fp8=sorted(fp8),
         embed_on_host=embed is not None,
         state=state,
-        kv=kv,
-        indexer_keys=idx,
+        kv=pool * kv_tok,
+        indexer_keys=pool * idx_tok,
         slots=slots,
         decode_workspace=DECODE_WORKSPACE,
         prefill_piece=piece,
@@ -303,6 +324,7 @@ def plan_memory(
         vram_cache_blocks=cache_blocks,
         block_bytes=block_bytes,
         max_num_seqs=seqs,
+        kv_pool_tokens=pool,
         notes=notes,
     )
 

@@ -221,7 +221,8 @@ class DecodeGraphs:
             self.warm = True
         else:
             graphs = self._states.setdefault(st, _StateGraphs())
-            key = (kv_len, fixed, tuple(b.resident for b in self._banks))
+            # the state's KV may move within the pool: graphs read it where they were captured
+            key = (kv_len, st.kv_address, fixed, tuple(b.resident for b in self._banks))
             cap = graphs.by_window.get(key)
             if cap is None:
                 cap = graphs.by_window[key] = self._capture(graphs, st, step, kv_len)

@@ -18,6 +18,7 @@ from expertstream.log import get_logger
 from expertstream.memory_plan import MemoryPlan, gpu_budget
 from expertstream.models.base import ModelArgs
 from expertstream.models.batched import forward_many
+from expertstream.models.kv_pool import KVPool
 from expertstream.models.qwen4_exp import Qwen4ExpModel
 from expertstream.models.state import State
 from expertstream.runtime.cpu_threads import CpuThreads
@@ -103,6 +104,10 @@ class Engine:
         self.plan = self._plan_gpu_memory() if self.device.type == "cuda" else None
         # sequences a scheduler may run together (each a state from new_state())
         self.max_num_seqs = self.plan.max_num_seqs if self.plan else config.max_num_seqs
+        # their attention KV: one pool, each sequence's range growing with its context (models/kv_pool.py)
+        pool = self.plan.kv_pool_tokens if self.plan else config.kv_pool_tokens
+        pool = pool or self.max_num_seqs * config.max_model_len
+        self.kv_pool = KVPool(self.args, pool, config.max_model_len, self.dtype, self.device)
         alloc = {}
         if gpu:
             from expertstream.experts.gpu_bank import GpuExperts
@@ -209,7 +214,7 @@ class Engine:
         held = torch.cuda.memory_reserved(self.device)
         budget = gpu_budget(c.gpu_memory_gb, c.gpu_memory_utilization, free, total)
         act = torch.finfo(self.dtype).bits // 8
-        plan = self.workdir.memory_plan(budget, c.max_model_len, act, c.max_num_seqs)
+        plan = self.workdir.memory_plan(budget, c.max_model_len, act, c.max_num_seqs, c.kv_pool_tokens)
         # the allocator's limit is per process, so it covers what this process already holds plus the budget
         torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + held) / total), self.device.index or 0)
         log.info("%s", plan.describe())
@@ -246,8 +251,8 @@ class Engine:
         self.bank.set_prefill_chunk(chunk or piece)
 
     def new_state(self) -> State:
-        """An empty conversation with KV and indexer keys preallocated for max_model_len."""
-        return State(self.args, self.config.max_model_len, self.dtype, self.device)
+        """An empty conversation; its KV comes from the engine's pool as it grows."""
+        return State(self.args, self.config.max_model_len, self.dtype, self.device, self.kv_pool)
 
     def forward(self, state: State, ids, all_logits: bool = False) -> torch.Tensor:
         """Feed a prompt or one token and advance `state`.
@@ -329,6 +334,6 @@ class Engine:
         self.store.close()
         if self.ple is not None:
             self.ple.close()
-        self.model = self.decode = None
+        self.model = self.decode = self.kv_pool = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -140,6 +140,15 @@ class Scheduler:
             log.error("generation failed", exc_info=e)
         req.future.set_exception(e)
 
+    def _kv_room(self, req: _Request, n: int) -> bool:
+        """Room in the shared KV pool for req's next n tokens: idle states and running requests of lower
+        priority go to host RAM to make it, never one that goes before req."""
+        pool = getattr(req.state, "pool", None)
+        if pool is None:
+            return True
+        ahead = {id(r.state) for r in self._running if r.priority < req.priority}
+        return pool.fit(req.state, req.state.pos + n, lambda o: id(o) not in ahead)
+
     def _step(self) -> None:
         """One engine call for every running request that has room in it."""
         engine = self.backend.engine
@@ -147,10 +156,11 @@ class Scheduler:
         batch, prompt_tokens = [], 0
         for req in sorted(self._running, key=lambda r: r.priority):
             ids = req.gen.next_input()
-            if len(ids) > 1:
-                if budget is not None and prompt_tokens and prompt_tokens + len(ids) > budget:
-                    continue  # its span goes in the next pass (spans are never cut: same sums as alone)
-                prompt_tokens += len(ids)
+            if len(ids) > 1 and budget is not None and prompt_tokens and prompt_tokens + len(ids) > budget:
+                continue  # its span goes in the next pass (spans are never cut: same sums as alone)
+            if not self._kv_room(req, len(ids)):
+                continue  # its KV waits in host RAM until the pool has room
+            prompt_tokens += len(ids) if len(ids) > 1 else 0
             batch.append((req, ids))
         items = [(req.state, ids) for req, ids in batch]
         try:
