@@ -146,7 +146,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.max_model_len:
             raise ValueError(
-                f"kv_pool_tokens {self.kv_pool_tokens} cannot hold one max_model_len {self.max_model_len} context"
+                f"kv_pool_tokens {self.kv_pool_tokens} cannot hold one {self.max_model_len}-token context"
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -90,7 +90,7 @@ class MemoryPlan:
             ("expert slots", self.slots),
             ("decode workspace", self.decode_workspace),
             (
-                f"{self.max_num_seqs - 1} more sequences (state, workspace)",
+                f"{self.max_num_seqs - 1} more sequence{'s' * (self.max_num_seqs != 2)} (state, workspace)",
                 (self.max_num_seqs - 1) * self.seq_bytes,
             ),
             (
