@@ -16,9 +16,10 @@ MAX_LEN = 512
 
 @pytest.fixture(scope="module")
 def engine(tiny_workdir):
-    # a pool of one context and one block more: two sequences past 256 tokens cannot both stay
+    # a pool of one context and one block more: two sequences past 256 tokens cannot both stay. Threads
+    # fixed: the CPU sums depend on the thread count, which auto re-measures as the box's load changes
     cfg = EngineConfig(model=str(tiny_workdir), device="cpu", max_model_len=MAX_LEN, max_num_seqs=3,
-                       kv_pool_tokens=MAX_LEN + KV_BLOCK)  # fmt: skip
+                       threads=2, kv_pool_tokens=MAX_LEN + KV_BLOCK)  # fmt: skip
     engine = Engine(cfg)
     yield engine
     engine.close()
