@@ -42,14 +42,16 @@ class KVPool:
         layers = [i for i, t in enumerate(args.layer_types) if t != "linear_attention"]
         kv = (args.num_key_value_heads, args.head_dim)
 
-        def zeros(n, *shape):
-            return {i: torch.zeros(n, *shape, dtype=dtype, device=device) for i in layers}
+        # uninitialised: a range is zeroed past its filled rows when it is placed (host pages stay
+        # uncommitted until a sequence takes them)
+        def empty(n, *shape):
+            return {i: torch.empty(n, *shape, dtype=dtype, device=device) for i in layers}
 
         self.rows = {
-            "k": zeros(rows, *kv),
-            "v": zeros(rows, *kv),
-            "idx_k": zeros(rows, args.indexer_head_dim),
-            "blk_k": zeros(rows // self.c, args.indexer_head_dim),
+            "k": empty(rows, *kv),
+            "v": empty(rows, *kv),
+            "idx_k": empty(rows, args.indexer_head_dim),
+            "blk_k": empty(rows // self.c, args.indexer_head_dim),
         }
         # state -> (first block, blocks), least recently fitted first; a state that dies frees its range
         self._held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -173,9 +173,10 @@ class _StateGraphs:
 
     def __init__(self):
         self.pool = None  # the first capture's pool, named by the later ones
-        # (KV window, per bank: every block placed for good, and where blocks reside): a bank that becomes
-        # fixed gets a program without its eager point per layer, one that becomes resident in RAM a program
-        # with its staging copies (decided while capturing), each captured anew
+        # (KV window, KV address in the pool, per bank: every block placed for good, and where blocks
+        # reside): a bank that becomes fixed gets a program without its eager point per layer, one that
+        # becomes resident in RAM a program with its staging copies (decided while capturing), each captured
+        # anew; a capture that outlives a move of the state's KV is dropped
         self.by_window: dict[tuple, _Captured] = {}
 
 
@@ -225,6 +226,8 @@ class DecodeGraphs:
             key = (kv_len, st.kv_address, fixed, tuple(b.resident for b in self._banks))
             cap = graphs.by_window.get(key)
             if cap is None:
+                # graphs of the state's KV at another address read rows it no longer holds
+                graphs.by_window = {k: c for k, c in graphs.by_window.items() if k[1] == st.kv_address}
                 cap = graphs.by_window[key] = self._capture(graphs, st, step, kv_len)
             else:
                 self._replay(cap, step)
