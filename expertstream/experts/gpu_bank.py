@@ -25,6 +25,7 @@ import torch
 from expertstream.experts.bank import BankCounters, ExpertBank
 from expertstream.experts.host_mirror import HostMirror
 from expertstream.experts.pass_tables import PassTables
+from expertstream.experts.segments import run_segments
 from expertstream.experts.speculation import Speculator
 from expertstream.experts.vram_cache import VramExpertCache
 from expertstream.formats.expert_block import PROJ
@@ -197,12 +198,22 @@ class GpuExperts(ExpertBank):
     def stall_seconds(self) -> float:
         return self.cache.stats.wait_seconds
 
+    # takes `segments`: several sequences' one-token rows share fetches (experts/segments.py)
+    segmented = True
+
     def __call__(
-        self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+        self,
+        layer: int,
+        x: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        segments: list[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         if self.control == "no-experts":
             return torch.zeros_like(x)
-        # x [T, H], expert_ids [T, K], weights [T, K] fp32
+        # x [T, H], expert_ids [T, K], weights [T, K] fp32; segments: row ranges [a, b) of several sequences
+        if segments is not None and len(segments) > 1:
+            return run_segments(self, layer, x, expert_ids, weights, segments)
         self._cache_reads = x.shape[0] == 1
         if x.shape[0] == 1:
             return self._decode(layer, x, expert_ids, weights)
