@@ -581,7 +581,8 @@ class GpuExperts(ExpertBank):
         seconds = (self.decode_seconds, self.sync_seconds, self.spec_seconds)
         ram_reads = self.resident_ram_reads - hits - hot  # RAM reads neither staged nor hot
         # in BankCounters' field order
-        return BankCounters(*seconds, self.bytes_in_place, self.resident_reads, ram_reads, staged, hits, hot)
+        return BankCounters(*seconds, self.bytes_in_place, self.resident_reads, ram_reads, staged, hits, hot,
+                            self.cache.stats.bytes_copied)  # fmt: skip
 
     def close(self) -> None:
         self._mark_launched()

@@ -59,6 +59,7 @@ class EngineStats:
     staged_blocks: int  # next-layer guesses copied to VRAM staging rows (decode, every block in RAM)
     stage_hits: int  # routed blocks decode read from staging rows
     hot_hits: int  # routed blocks decode read from the hot set (every block in RAM, a large VRAM cache)
+    copied_bytes: int  # expert bytes copied from host RAM into VRAM slots (with bus_read_bytes: the bus)
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
