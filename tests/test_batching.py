@@ -22,9 +22,12 @@ PROMPT_LENS = (37, 5, 60)
 
 @pytest.fixture(scope="module", params=[None, 16], ids=["one-piece", "layer-major"])
 def engine(request, tiny_workdir):
-    # piece 16: prompts longer than a piece run layer by layer in pieces, as a GPU plan cuts them
+    # piece 16: prompts longer than a piece run layer by layer in pieces, as a GPU plan cuts them. Threads
+    # fixed: the CPU sums depend on the thread count, which auto re-measures as the box's load changes
     engine = Engine(
-        EngineConfig(model=str(tiny_workdir), device="cpu", max_model_len=512, prefill_piece=request.param)
+        EngineConfig(
+            model=str(tiny_workdir), device="cpu", max_model_len=512, prefill_piece=request.param, threads=2
+        )
     )
     yield engine
     engine.close()
@@ -177,7 +180,9 @@ def test_server_clients_in_parallel_equal_each_alone(tiny_workdir):
 
     from expertstream.server.app import create_app
 
-    engine = Engine(EngineConfig(model=str(tiny_workdir), device="cpu", max_model_len=512, max_num_seqs=3))
+    engine = Engine(
+        EngineConfig(model=str(tiny_workdir), device="cpu", max_model_len=512, max_num_seqs=3, threads=2)
+    )
     server = LiveServer(create_app(real_settings(), engine.tokenizer, lambda: engine))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
     asks = [("Hello there", 10, True), ("Count to five", 7, False), ("Why is the sky blue", 12, True)]
