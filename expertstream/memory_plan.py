@@ -236,9 +236,13 @@ def plan_memory(
 
     notes: list[str] = []
     # Give up BF16 for the largest matrices, family by family, until a PREFILL_TARGET piece fits (at least
-    # the minimum; the smallest piece is the floor when even all-FP8 leaves no more room).
+    # the minimum; the smallest piece is the floor when even all-FP8 leaves no more room), and then, when
+    # several sequences are asked for, until a second sequence's state fits beside it too (never the LM
+    # head for that: concurrency does not buy logits' precision); else a budget that keeps more BF16 could
+    # hold one sequence where a smaller one holds two
+    second = (state + DECODE_WORKSPACE) * (max_num_seqs > 1)
     for suffix in FP8_CANDIDATES:
-        if minimum(base, PREFILL_TARGET) <= budget_bytes:
+        if minimum(base, PREFILL_TARGET) + (second if suffix != "lm_head.weight" else 0) <= budget_bytes:
             break
         for name, (shape, dtype) in weights.items():
             if name.endswith(suffix) and dtype in ("BF16", "F16") and len(shape) == 2:

@@ -114,3 +114,17 @@ def test_the_8gib_plan_of_the_real_model_holds_two_sequences_at_32k():
     assert "KV pool (33,792 tokens" in plan.describe() and "2 sequences share a KV pool" in plan.describe()
     with pytest.raises(ValueError, match="cannot hold one 32768-token context"):
         plan_memory(real_text_config(), real_resident(), BLOCK, 8 * GiB, 32768, kv_pool_tokens=16384)
+
+
+def test_from_the_first_budget_that_holds_two_every_larger_one_does():
+    from test_memory_plan import BLOCK, real_resident, real_text_config
+
+    def plan(gib):
+        return plan_memory(real_text_config(), real_resident(), BLOCK, int(gib * GiB), 32768, max_num_seqs=4)
+
+    # the second sequence's state may cost BF16 matrices (the attention projections), never the LM head
+    budgets = [7.2 + 0.1 * i for i in range(49)]
+    seqs = [plan(b).max_num_seqs for b in budgets]
+    first = next(i for i, n in enumerate(seqs) if n >= 2)
+    assert budgets[first] < 7.5 and min(seqs[first:]) >= 2
+    assert seqs[0] == 1 and "lm_head.weight" not in plan(7.2).fp8  # the default 0.9 x 8 GiB: one at 32k
