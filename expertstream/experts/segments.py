@@ -26,7 +26,8 @@ def run_segments(bank, layer: int, x, expert_ids, weights, segments: list[tuple[
 def decode_rows(bank, layer: int, x, expert_ids, weights) -> torch.Tensor:
     """One-token rows x [S, H] of S sequences: their experts' union fetched once (`decode_prepare` of all
     their ids, in groups whose union fits half the slots, since the previous group's stay protected), then
-    each row's sum by the one-token kernel (`decode_compute`), as alone. -> [S, H]."""
+    each row's sum by the one-token kernel (`decode_compute`), as alone; no next-layer guesses (they follow
+    one token's input). -> [S, H]."""
     bank._cache_reads = True  # decode misses are cached in RAM
     half = max(bank.k, bank.cache.n_slots // 2)
     groups: list[tuple[list[int], set[int]]] = []
