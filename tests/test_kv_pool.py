@@ -128,3 +128,20 @@ def test_from_the_first_budget_that_holds_two_every_larger_one_does():
     first = next(i for i, n in enumerate(seqs) if n >= 2)
     assert budgets[first] < 7.5 and min(seqs[first:]) >= 2
     assert seqs[0] == 1 and "lm_head.weight" not in plan(7.2).fp8  # the default 0.9 x 8 GiB: one at 32k
+
+
+def test_plan_of_the_real_config_shows_two_sequences_sharing_the_pool(tiny_snapshot, tmp_path, capsys):
+    import json
+
+    from test_memory_plan import real_text_config
+
+    from expertstream.cli import main as cli_main
+
+    cfg = json.loads((tiny_snapshot / "config.json").read_text())
+    cfg["text_config"].update(real_text_config(), max_position_embeddings=262144)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["plan", str(tmp_path / "config.json"), "--gpu-memory-gb", "8", "--gpu-memory-utilization", "1"]
+    assert cli_main([*argv, "--disk-gbps", "3", "--pcie-gbps", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "KV pool (33,792 tokens, shared by the sequences)" in out and "1 more sequence (state" in out
+    assert "2 of --max-num-seqs 4 sequences fit" in out

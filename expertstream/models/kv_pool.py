@@ -58,10 +58,6 @@ class KVPool:
         self._swapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # state -> host rows
         self.moves = self.swaps = 0  # ranges moved, and swapped out (stats)
 
-    @property
-    def tokens(self) -> int:
-        return self.blocks * KV_BLOCK
-
     def attach(self, st) -> None:
         """Give a new state empty views (no range yet)."""
         self._view(st, 0, 0)
