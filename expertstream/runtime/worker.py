@@ -4,7 +4,10 @@ Each engine step feeds every running request its next input in one `engine.forwa
 prefill span of the requests still reading their prompts and the last token of the ones generating, so one
 layer-major pass serves them all and each expert block is fetched once per layer for the whole step. At most
 `engine.max_num_seqs` requests run; the rest wait, streaming ones ahead of the others, and a full wait list
-is refused at once (the server answers 429) instead of piling up requests. HTTP handlers only translate.
+is refused at once (the server answers 429) instead of piling up requests. The running requests' KV shares
+the engine's pool (models/kv_pool.py): each step makes room for each request in priority order, swapping
+idle states and requests of lower priority to host RAM; a request it cannot make room for sits the step out.
+HTTP handlers only translate.
 """
 
 from __future__ import annotations
