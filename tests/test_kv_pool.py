@@ -145,3 +145,36 @@ def test_plan_of_the_real_config_shows_two_sequences_sharing_the_pool(tiny_snaps
     out = capsys.readouterr().out
     assert "KV pool (33,792 tokens, shared by the sequences)" in out and "1 more sequence (state" in out
     assert "2 of --max-num-seqs 4 sequences fit" in out
+
+
+def test_a_full_pool_never_swaps_a_streaming_request_out_for_a_task(engine, monkeypatch):
+    backend = EngineBackend(lambda: engine, max_queue=8, state_cache_bytes=0)
+    backend.loaded.result(30)
+    pool, swapped, fitting, running = engine.kv_pool, [], [], []
+    real_swap, real_fit = pool.swap_out, pool.fit
+
+    def fit(st, *a, **kw):
+        fitting.append(st)
+        try:
+            return real_fit(st, *a, **kw)
+        finally:
+            fitting.pop()
+
+    def swap_out(st):  # a state swapped out for another (not its own round trip while the others move)
+        if st is not fitting[-1] and not (running and running[-1].done()):  # the chat still running
+            swapped.append(st.tokens[:8])  # whose it was: its first prompt tokens
+        real_swap(st)
+
+    monkeypatch.setattr(pool, "fit", fit)
+    monkeypatch.setattr(pool, "swap_out", swap_out)
+    task_ids, chat_ids = ids_of(engine, 240, 30), ids_of(engine, 230, 31)
+
+    def submit(ids, streaming):
+        return backend.submit(ids, SamplingParams(max_tokens=80), lambda *_: None, lambda: False, streaming)
+
+    # both grow past 256 tokens: one context and one block cannot hold both ranges
+    task, chat = submit(task_ids, streaming=False), submit(chat_ids, streaming=True)
+    running.append(chat)
+    chat.result(120)
+    task.result(120)
+    assert task_ids[:8] in swapped and chat_ids[:8] not in swapped
