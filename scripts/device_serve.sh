@@ -17,15 +17,17 @@ t0=$(date +%s)
 python3 -c "from pathlib import Path; from expertstream.bench.model import ensure_model; ensure_model(Path('$W'), $L)" \
   > $OUT/model.txt 2>&1 || { tail -5 $OUT/model.txt; exit 1; }
 echo "model: $L full-shape layers in $(( $(date +%s) - t0 )) s" | tee -a $OUT/model.txt
-# --max-tokens: the tasks without a limit (follow-ups, tags) stop there; a random model never ends a turn
 PLAN="--gpu-memory-gb ${GPU_GB:-4} --max-model-len 32768 --ram-cache-gb 2"
-python3 -m expertstream plan $W/full-$L-wd $PLAN 2>&1 | grep -v INFO > $OUT/plan.txt
+timeout 60 python3 -m expertstream plan $W/full-$L-wd $PLAN 2>&1 | grep -v INFO > $OUT/plan.txt
+# a random model never ends a turn: the tasks without a limit (follow-ups, tags) stop at --max-tokens, the
+# title at --title-tokens (Open WebUI's 1000 would take most of the run)
 ARGS="$PLAN --max-tokens 64"
 for mode in graphs eager; do
   extra=$([ $mode = eager ] && echo --enforce-eager)
   t0=$(date +%s)
-  timeout ${SERVE_S:-140} python3 -m expertstream bench serve $W/full-$L-wd --serve-args "$ARGS $extra" \
-    --serve-log $OUT/server_$mode.log --chat-tokens 32 --tokens 32 --json > $OUT/serve_$mode.txt 2>&1
+  timeout ${SERVE_S:-150} python3 -m expertstream bench serve $W/full-$L-wd --serve-args "$ARGS $extra" \
+    --serve-log $OUT/server_$mode.log --chat-tokens 32 --title-tokens 128 --tokens 32 --json \
+    > $OUT/serve_$mode.txt 2>&1
   echo "rc $? in $(( $(date +%s) - t0 )) s" >> $OUT/serve_$mode.txt
   grep -v '^{' $OUT/serve_$mode.txt | tail -22
 done

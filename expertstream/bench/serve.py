@@ -138,7 +138,9 @@ def _background(*calls) -> list[threading.Thread]:
     return threads
 
 
-def chat_rows(url: str, model: str, chat_tokens: int, lead_s: float) -> tuple[list[dict], list]:
+def chat_rows(
+    url: str, model: str, chat_tokens: int, lead_s: float, title_tokens: int = 1000
+) -> tuple[list[dict], list]:
     """The first message and a follow-up, alone and then with Open WebUI's tasks around them."""
     tools = openwebui_tools()
 
@@ -150,7 +152,7 @@ def chat_rows(url: str, model: str, chat_tokens: int, lead_s: float) -> tuple[li
         first = [{"role": "user", "content": user}]
         threads = []
         if with_tasks:  # the title task, then the chat `lead_s` later (Open WebUI's order)
-            threads = _background((task, url, model, "title", first, 1000, tasks))
+            threads = _background((task, url, model, "title", first, title_tokens, tasks))
             time.sleep(lead_s)
         r1 = stream_chat(url, body(first))
         history = first + [{"role": "assistant", "content": r1["text"]}]
@@ -262,7 +264,7 @@ def run(args) -> int:
         stream_chat(
             url, {"model": model_id, "messages": [{"role": "user", "content": USERS[0]}], "max_tokens": 4}
         )
-        rows, tasks = chat_rows(url, model_id, args.chat_tokens, args.task_lead)
+        rows, tasks = chat_rows(url, model_id, args.chat_tokens, args.task_lead, args.title_tokens)
         tput = throughput_rows(url, model_id, args.tokens or 32, block)
     finally:
         server.close()
