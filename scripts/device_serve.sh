@@ -6,13 +6,17 @@
 # own) and with --enforce-eager (the sequences' one-token rows share one fetch of their experts' union a
 # layer, experts/segments.py). The budget (GPU_GB, 4 GiB by default) and the 2 GiB RAM cache hold less than
 # the model's experts, so that blocks cross the bus and come from disk (with every block in RAM, decode
-# reads them in place, per sequence). About 6 minutes; needs .whl/ carried; writes under $OUT.
+# reads them in place, per sequence). First tests/test_shared_fetch.py on the GPU. About 6 minutes; needs
+# .whl/ carried; writes under $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/expertstream-bench
 L=${LAYERS:-4}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > $OUT/gpu.txt
+# the CUDA bank's shared fetch on the GPU (on the CPU these run through the Triton interpreter)
+timeout 90 python3 -m pytest -p no:cacheprovider -rf tests/test_shared_fetch.py 2>&1 | tail -5 \
+  | tee $OUT/shared_fetch_tests.txt
 t0=$(date +%s)
 python3 -c "from pathlib import Path; from expertstream.bench.model import ensure_model; ensure_model(Path('$W'), $L)" \
   > $OUT/model.txt 2>&1 || { tail -5 $OUT/model.txt; exit 1; }
