@@ -6,16 +6,17 @@
 # own) and with --enforce-eager (the sequences' one-token rows share one fetch of their experts' union a
 # layer, experts/segments.py). The budget (GPU_GB, 4 GiB by default) and the 2 GiB RAM cache hold less than
 # the model's experts, so that blocks cross the bus and come from disk (with every block in RAM, decode
-# reads them in place, per sequence). First tests/test_shared_fetch.py on the GPU. About 6 minutes; needs
-# .whl/ carried; writes under $OUT.
+# reads them in place, per sequence). First tests/test_shared_fetch.py on the GPU. At most TOTAL_S (350 s)
+# after the install; needs .whl/ carried; writes under $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/expertstream-bench
 L=${LAYERS:-4}
+START=$(date +%s)  # the whole run stays within TOTAL_S: the two serve runs share what is left
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > $OUT/gpu.txt
 # the CUDA bank's shared fetch on the GPU (on the CPU these run through the Triton interpreter)
-timeout 90 python3 -m pytest -p no:cacheprovider -rf tests/test_shared_fetch.py 2>&1 | tail -5 \
+timeout 60 python3 -m pytest -p no:cacheprovider -rf tests/test_shared_fetch.py 2>&1 | tail -5 \
   | tee $OUT/shared_fetch_tests.txt
 t0=$(date +%s)
 python3 -c "from pathlib import Path; from expertstream.bench.model import ensure_model; ensure_model(Path('$W'), $L)" \
@@ -26,13 +27,16 @@ timeout 60 python3 -m expertstream plan $W/full-$L-wd $PLAN 2>&1 | grep -v INFO 
 # a random model never ends a turn: the tasks without a limit (follow-ups, tags) stop at --max-tokens, the
 # title at --title-tokens (Open WebUI's 1000 would take most of the run)
 ARGS="$PLAN --max-tokens 64"
+runs=2
 for mode in graphs eager; do
   extra=$([ $mode = eager ] && echo --enforce-eager)
   t0=$(date +%s)
-  timeout ${SERVE_S:-150} python3 -m expertstream bench serve $W/full-$L-wd --serve-args "$ARGS $extra" \
+  limit=$(( (${TOTAL_S:-350} - (t0 - START)) / runs ))
+  runs=$(( runs - 1 ))
+  timeout $limit python3 -m expertstream bench serve $W/full-$L-wd --serve-args "$ARGS $extra" \
     --serve-log $OUT/server_$mode.log --chat-tokens 32 --title-tokens 128 --tokens 32 --json \
     > $OUT/serve_$mode.txt 2>&1
-  echo "rc $? in $(( $(date +%s) - t0 )) s" >> $OUT/serve_$mode.txt
+  echo "rc $? in $(( $(date +%s) - t0 )) s of $limit" >> $OUT/serve_$mode.txt
   grep -v '^{' $OUT/serve_$mode.txt | tail -22
 done
 head -16 $OUT/plan.txt
