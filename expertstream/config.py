@@ -34,8 +34,15 @@ class EngineConfig:
     max_num_seqs: int = field(
         default=4,
         metadata={
-            "help": "sequences that run together, each with its own state and KV (vLLM's name); on a GPU "
-            "the VRAM plan lowers it to what fits"
+            "help": "sequences that run together (vLLM's name), each with its own state, their KV from one "
+            "shared pool; on a GPU the VRAM plan lowers it to what fits"
+        },
+    )
+    kv_pool_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "tokens of attention KV the sequences share, taken in blocks as contexts grow (at least "
+            "--max-model-len; default: the VRAM plan's, or on the CPU --max-num-seqs whole contexts)"
         },
     )
     gpu_memory_gb: float | None = field(
@@ -137,6 +144,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.max_model_len:
+            raise ValueError(
+                f"kv_pool_tokens {self.kv_pool_tokens} cannot hold one {self.max_model_len}-token context"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not 0 < self.gpu_memory_utilization <= 1:

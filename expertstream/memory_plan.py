@@ -38,6 +38,9 @@ DS4_FP8_CANDIDATES = ("head.weight", "compressor.wkv.weight", "compressor.wgate.
 # launch's tile padding: up to 64 rows of h per expert (512 x 64 x 640 BF16 = 40 MiB of the 0.29 GiB).
 RESERVE_FRACTION = 0.04
 DECODE_WORKSPACE = 64 * MiB  # one-token activations and the decode graphs' pools (per state; unmeasured)
+# Tokens of one block of the shared KV pool (models/kv_pool.py): a sequence's range is whole blocks, and a
+# block holds whole indexer blocks (compress ratios divide it)
+KV_BLOCK = 256
 ELEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "U8": 1, "I8": 1, "I64": 8, "I32": 4}
 
 
@@ -51,9 +54,9 @@ class MemoryPlan:
     resident: int
     fp8: list[str]
     embed_on_host: bool
-    state: int  # DeltaNet recurrent + conv, PLE context
-    kv: int  # attention K/V for max_model_len
-    indexer_keys: int
+    state: int  # DeltaNet recurrent + conv, PLE context, of one sequence
+    kv: int  # attention K/V of the shared pool's kv_pool_tokens
+    indexer_keys: int  # indexer keys of the shared pool's kv_pool_tokens
     slots: int  # three banks of K expert slots: this layer, the previous one, and half a prompt pass
     decode_workspace: int
     prefill_piece: int
@@ -63,13 +66,16 @@ class MemoryPlan:
     reserve: int
     vram_cache_blocks: int
     block_bytes: int
-    max_num_seqs: int = 1  # sequences whose state, KV and indexer keys the plan holds (at least 1)
+    max_num_seqs: int = 1  # sequences whose state and decode workspace the plan holds (at least 1)
+    kv_pool_tokens: int = 0  # tokens of KV and indexer keys the sequences share (at least max_model_len)
     notes: list[str] = field(default_factory=list)
 
     @property
     def seq_bytes(self) -> int:
-        """VRAM one sequence holds: its state, KV, indexer keys and decode workspace."""
-        return self.state + self.kv + self.indexer_keys + self.decode_workspace
+        """VRAM one more sequence holds for itself: its state and decode workspace, and its KV where the
+        family has no shared pool (kv_pool_tokens 0)."""
+        own = 0 if self.kv_pool_tokens else self.kv + self.indexer_keys
+        return self.state + self.decode_workspace + own
 
     @property
     def vram_cache(self) -> int:
@@ -82,13 +88,18 @@ class MemoryPlan:
                 + (f" ({len(self.fp8)} matrices FP8 row-scaled)" if self.fp8 else " (as stored)"),
                 self.resident,
             ),
-            ("state (DeltaNet, conv, PLE; sliding window)", self.state),
-            ("KV cache", self.kv),
-            ("indexer keys", self.indexer_keys),
+            ("state of one sequence (DeltaNet, conv, PLE; sliding window)", self.state),
+            (
+                f"KV pool ({self.kv_pool_tokens:,} tokens, shared by the sequences)"
+                if self.kv_pool_tokens
+                else "KV cache (of one sequence's context)",
+                self.kv,
+            ),
+            ("indexer keys" + " (of the pool's tokens)" * bool(self.kv_pool_tokens), self.indexer_keys),
             ("expert slots", self.slots),
             ("decode workspace", self.decode_workspace),
             (
-                f"{self.max_num_seqs - 1} more sequences (state, KV, keys, workspace)",
+                f"{self.max_num_seqs - 1} more sequence{'s' * (self.max_num_seqs != 2)} (state, workspace)",
                 (self.max_num_seqs - 1) * self.seq_bytes,
             ),
             (
@@ -139,6 +150,7 @@ def plan_memory(
     max_model_len: int,
     act_bytes: int = 2,
     max_num_seqs: int = 1,
+    kv_pool_tokens: int | None = None,
 ) -> MemoryPlan:
     """Plan the GPU memory.
 
@@ -148,10 +160,15 @@ def plan_memory(
             ones appear as F8_E4M3 plus their `_scale`).
         block_bytes: bytes of one repacked expert block.
         budget_bytes: VRAM the engine may use.
-        max_model_len: context to reserve KV and indexer keys for.
+        max_model_len: the context of one sequence; the KV pool holds at least that many tokens.
         act_bytes: bytes per activation element (2 for bf16).
-        max_num_seqs: sequences that run together (each a whole-context state); the first is part of the
-            minimum, the others come out of what the prefill workspace leaves, before the VRAM cache.
+        max_num_seqs: sequences that run together. Each has a fixed-size state of its own (DeltaNet, conv,
+            PLE, decode workspace); their attention KV and indexer keys come from one shared pool that
+            sequences take blocks of as their contexts grow. The first sequence and a pool of max_model_len
+            tokens are part of the minimum; the other sequences' states come out of what the prefill
+            workspace leaves, then the pool grows toward max_num_seqs x max_model_len tokens with at most
+            half of what is left (the rest is the VRAM cache).
+        kv_pool_tokens: the pool's tokens instead (at least max_model_len).
 
     Returns:
         The plan; raises MemoryPlanError naming the shortfall if even the minimum does not fit.
@@ -162,7 +179,17 @@ def plan_memory(
         c, act_bytes, max_model_len
     )
     h, n_layers, k, hc = c["hidden_size"], c["num_hidden_layers"], c["num_experts_per_tok"], t.hc
-    state, kv, idx = t.state, t.kv, t.indexer_keys
+    kv_tok, idx_tok = t.kv_per_token, t.indexer_keys_per_token
+    state = t.state + t.own_kv + t.own_indexer_keys  # of each sequence, beside the pool
+    # KV and indexer keys per pooled token (the pool starts with one whole context), state per sequence
+    pool_tok = kv_tok + idx_tok
+    pool_min = -(-max_model_len // KV_BLOCK) * KV_BLOCK
+    if kv_pool_tokens is not None and kv_pool_tokens < max_model_len:
+        raise MemoryPlanError(
+            f"a KV pool of {kv_pool_tokens} tokens cannot hold one {max_model_len}-token context"
+        )
+    pool = pool_min if kv_pool_tokens is None else -(-kv_pool_tokens // KV_BLOCK) * KV_BLOCK
+    pool *= pool_tok > 0  # a family without a shared pool keeps each sequence's KV in its state
     # this layer's K and the previous layer's (its kernel may still read them), and K more so that a prompt
     # pass takes 1.5 K experts (passes take half the slots)
     slots = 3 * k * block_bytes
@@ -183,16 +210,20 @@ def plan_memory(
     fp8 = sorted(n for n, (_, dt) in weights.items() if dt == "F8_E4M3" and f"{n}_scale" in weights)
     base = sum(_tensor_bytes(s, d) for s, d in weights.values())
     reserve = int(budget_bytes * RESERVE_FRACTION)
-    fixed = state + kv + idx + slots + DECODE_WORKSPACE + reserve
+    fixed = state + pool * pool_tok + slots + DECODE_WORKSPACE + reserve
 
     def minimum(weight_bytes: int, piece: int = PREFILL_PIECES[-1]) -> int:
         return weight_bytes + fixed + prefill_ws(piece)
 
     notes: list[str] = []
     # Give up BF16 for the largest matrices, family by family, until a PREFILL_TARGET piece fits (at least
-    # the minimum; the smallest piece is the floor when even all-FP8 leaves no more room).
+    # the minimum; the smallest piece is the floor when even all-FP8 leaves no more room), and then, when
+    # several sequences are asked for, until a second sequence's state fits beside it too (never the LM
+    # head for that: concurrency does not buy logits' precision); else a budget that keeps more BF16 could
+    # hold one sequence where a smaller one holds two
+    second = (state + DECODE_WORKSPACE) * (max_num_seqs > 1)
     for suffix in t.fp8_candidates:
-        if minimum(base, PREFILL_TARGET) <= budget_bytes:
+        if minimum(base, PREFILL_TARGET) + (second if suffix != t.head else 0) <= budget_bytes:
             break
         for name, (shape, dtype) in weights.items():
             if name.endswith(suffix) and dtype in ("BF16", "F16") and len(shape) == 2:
@@ -201,8 +232,9 @@ def plan_memory(
     if minimum(base) > budget_bytes:
         raise MemoryPlanError(
             f"a {budget_bytes / GiB:.2f} GiB VRAM budget cannot hold this model with a {max_model_len}-token "
-            f"context: it needs at least {minimum(base) / GiB:.2f} GiB (weights {base / GiB:.2f} GiB, KV and "
-            f"indexer keys {(kv + idx) / GiB:.2f} GiB); raise --gpu-memory-gb or lower --max-model-len"
+            f"context: it needs at least {minimum(base) / GiB:.2f} GiB (weights {base / GiB:.2f} GiB, state, "
+            f"KV and indexer keys {(state + pool * pool_tok) / GiB:.2f} GiB); raise --gpu-memory-gb or lower "
+            "--max-model-len"
         )
     left = budget_bytes - base - fixed
 
@@ -226,13 +258,25 @@ def plan_memory(
     chunk = min(span, max(piece, prefill_ws(piece) // per_moe_tok // piece * piece))
     workspace_used = prefill_ws(piece) + (span - piece) * per_span_tok
     left += workspace - workspace_used  # what rounding the span left goes to the cache
-    seq_bytes = state + kv + idx + DECODE_WORKSPACE
+    seq_bytes = state + DECODE_WORKSPACE
     seqs = 1 + max(0, min(max_num_seqs - 1, left // seq_bytes))
     left -= (seqs - 1) * seq_bytes
     if seqs < max_num_seqs:
         notes.append(
-            f"{seqs} of --max-num-seqs {max_num_seqs} sequences fit ({seq_bytes / GiB:.2f} GiB each with a "
-            f"{max_model_len}-token context); a shorter --max-model-len or a larger budget holds more"
+            f"{seqs} of --max-num-seqs {max_num_seqs} sequences fit ({seq_bytes / GiB:.2f} GiB of state "
+            f"each{' beside the shared KV pool' * bool(pool_tok)}); a larger budget holds more"
+        )
+    if (
+        kv_pool_tokens is None and pool_tok
+    ):  # the pool grows toward a whole context a sequence, in whole blocks
+        more = min((seqs - 1) * pool_min, left // 2 // pool_tok // KV_BLOCK * KV_BLOCK)
+        pool += more
+        left -= more * pool_tok
+    if pool_tok and seqs > 1 and pool < seqs * max_model_len:
+        notes.append(
+            f"the {seqs} sequences share a KV pool of {pool:,} tokens: one reaches the whole "
+            f"{max_model_len}-token context; while the pool is full, a sequence waits for room (its KV "
+            "goes to host RAM and comes back), streaming and earlier requests first"
         )
     if span < max_model_len:  # a longer prompt fetches each expert once per span
         notes.append(
@@ -255,9 +299,9 @@ def plan_memory(
         resident=base,
         fp8=sorted(fp8),
         embed_on_host=embed is not None,
-        state=state,
-        kv=kv,
-        indexer_keys=idx,
+        state=t.state,
+        kv=pool * kv_tok + t.own_kv,
+        indexer_keys=pool * idx_tok + t.own_indexer_keys,
         slots=slots,
         decode_workspace=DECODE_WORKSPACE,
         prefill_piece=piece,
@@ -268,6 +312,7 @@ def plan_memory(
         vram_cache_blocks=cache_blocks,
         block_bytes=block_bytes,
         max_num_seqs=seqs,
+        kv_pool_tokens=pool,
         notes=notes,
     )
 
@@ -308,14 +353,17 @@ class ModelTerms:
     """What a family's config costs beside its weights: per-sequence state, KV and indexer keys for the
     context, the widest activations per prompt token, and the names the plan treats specially."""
 
-    state: int
-    kv: int
-    indexer_keys: int
+    state: int  # of one sequence
+    kv_per_token: int  # attention K/V per token of the shared pool (0: each sequence's KV is its own)
+    indexer_keys_per_token: int
+    own_kv: int  # K/V and indexer keys each sequence holds for the whole context outside the pool
+    own_indexer_keys: int
     per_token: int  # activation bytes per prompt token at the widest point of a layer
     scores_per_token: int  # mask and score bytes per prompt token over the visible context
     hc: int  # residual streams
     num_experts: int
     embed: str  # the token embedding's resident name (kept in host RAM)
+    head: str  # the LM head's resident name (never FP8 to make room for more sequences)
     fp8_candidates: tuple[str, ...]
 
     def prefill_ws(self, piece: int) -> int:
@@ -336,15 +384,9 @@ def _qwen4_exp_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTer
     k = c["num_experts_per_tok"]
     hc = c.get("hc_count", 1)
 
-    # KV and indexer keys for the whole context, state for one sequence
-    kv = n_attn * 2 * c["num_key_value_heads"] * c["head_dim"] * act_bytes * max_model_len
-    idx = (
-        n_attn
-        * (c.get("indexer_kv_heads") or 0)
-        * (c.get("indexer_head_dim") or 0)
-        * act_bytes
-        * max_model_len
-    )
+    # KV and indexer keys per token (of the shared pool), state for one sequence
+    kv = n_attn * 2 * c["num_key_value_heads"] * c["head_dim"] * act_bytes
+    idx = n_attn * (c.get("indexer_kv_heads") or 0) * (c.get("indexer_head_dim") or 0) * act_bytes
     kd, vd = (
         c["linear_num_key_heads"] * c["linear_key_head_dim"],
         c["linear_num_value_heads"] * c["linear_value_head_dim"],
@@ -364,8 +406,8 @@ def _qwen4_exp_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTer
     )  # FP32 chunk state terms of the chunked DeltaNet
     # bool selection mask over the visible keys, FP32 indexer scores over the compressed blocks
     scores = max_model_len + (max_model_len // max(1, c.get("indexer_compress_ratio") or 1)) * 4
-    return ModelTerms(state, kv, idx, per_tok, scores, hc, c["num_experts"], "embed_tokens.weight",
-                      FP8_CANDIDATES)  # fmt: skip
+    return ModelTerms(state, kv, idx, 0, 0, per_tok, scores, hc, c["num_experts"], "embed_tokens.weight",
+                      "lm_head.weight", FP8_CANDIDATES)  # fmt: skip
 
 
 def _ds4_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTerms:
@@ -383,5 +425,6 @@ def _ds4_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTerms:
     per_tok = act_bytes * (3 * hc * h + c["q_lora_rank"] + 2 * nh * d + k * (2 * i_moe + h))
     # FP32 attention scores per head over the window and the indexer's top-k, the indexer's scores
     scores = 4 * nh * (c["sliding_window"] + c["index_topk"]) + 4 * -(-max_model_len // 4)
-    return ModelTerms(state, kv, idx, per_tok, scores, hc, c["n_routed_experts"], "embed.weight",
-                      DS4_FP8_CANDIDATES)  # fmt: skip
+    # its compressed KV is the sequence's own, preallocated for the context (models/deepseek_v4.py): no pool
+    return ModelTerms(state, 0, 0, kv, idx, per_tok, scores, hc, c["n_routed_experts"], "embed.weight",
+                      "head.weight", DS4_FP8_CANDIDATES)  # fmt: skip

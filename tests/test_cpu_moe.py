@@ -106,3 +106,17 @@ def test_bench_cpu_times_a_full_shape_layer(monkeypatch):
     monkeypatch.setattr(cpu, "SPREAD", 1)  # one layer's blocks: CI has no GB to spare
     ms, gbps = cpu.kernel_rate(threads=2, tokens=1, rounds=1)
     assert ms > 0 and gbps > 0
+
+
+@pytest.mark.parametrize("t", [2, 3, 4, 8])
+def test_a_tokens_sum_does_not_depend_on_the_tokens_beside_it(t):
+    # batched decode runs several sequences' tokens in one call; each must get the bits it gets alone (the
+    # T = 1, 2, 4 copies and the generic loop must not fuse multiply-adds differently)
+    layout = ExpertLayout.for_dims(96, 48)
+    blocks, ws2 = random_blocks(layout, 5, seed=20 + t)
+    g = torch.Generator().manual_seed(200 + t)
+    x = torch.randn(t, 96, generator=g)
+    wt = torch.rand(5, t, generator=g) * (torch.rand(5, t, generator=g) < 0.6)
+    together = cpu_moe.moe(blocks, ws2, wt, x, layout, 2)
+    alone = torch.cat([cpu_moe.moe(blocks, ws2, wt[:, i : i + 1], x[i : i + 1], layout, 2) for i in range(t)])
+    assert torch.equal(together, alone)

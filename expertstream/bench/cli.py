@@ -77,6 +77,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--task-lead", type=float, default=2.0, help="serve: seconds between the title task and the chat"
     )
     p.add_argument(
+        "--title-tokens",
+        type=int,
+        default=1000,
+        help="serve: max_tokens of the title task (Open WebUI's 1000; a random model never ends a turn)",
+    )
+    p.add_argument(
         "--text", type=Path, help="routing: text to teacher-force (default: the snapshot's heldout.txt)"
     )
     p.add_argument(

@@ -138,7 +138,9 @@ def _background(*calls) -> list[threading.Thread]:
     return threads
 
 
-def chat_rows(url: str, model: str, chat_tokens: int, lead_s: float) -> tuple[list[dict], list]:
+def chat_rows(
+    url: str, model: str, chat_tokens: int, lead_s: float, title_tokens: int = 1000
+) -> tuple[list[dict], list]:
     """The first message and a follow-up, alone and then with Open WebUI's tasks around them."""
     tools = openwebui_tools()
 
@@ -150,7 +152,7 @@ def chat_rows(url: str, model: str, chat_tokens: int, lead_s: float) -> tuple[li
         first = [{"role": "user", "content": user}]
         threads = []
         if with_tasks:  # the title task, then the chat `lead_s` later (Open WebUI's order)
-            threads = _background((task, url, model, "title", first, 1000, tasks))
+            threads = _background((task, url, model, "title", first, title_tokens, tasks))
             time.sleep(lead_s)
         r1 = stream_chat(url, body(first))
         history = first + [{"role": "assistant", "content": r1["text"]}]
@@ -169,21 +171,29 @@ def chat_rows(url: str, model: str, chat_tokens: int, lead_s: float) -> tuple[li
     return rows, tasks
 
 
-def _lookups(url: str) -> int:
-    text = httpx.get(url + "/metrics").text
-    vals = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("expertstream_expert_cache_hits_total", "expertstream_expert_cache_misses_total"):
-            vals[name] = float(value)
-    return int(sum(vals.values()))
+COUNTERS = {  # /metrics counter -> the column it feeds
+    "expertstream_expert_cache_hits_total": "lookups",
+    "expertstream_expert_cache_misses_total": "lookups",
+    "expertstream_expert_bus_bytes_total": "bus",
+    'expertstream_disk_read_bytes_total{kind="experts"}': "disk",
+}
+
+
+def _counters(url: str) -> dict[str, float]:
+    """Expert lookups of the RAM store, bytes over the bus to the GPU, and expert bytes read from disk."""
+    out = dict.fromkeys(COUNTERS.values(), 0.0)
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in COUNTERS:
+            out[COUNTERS[name]] += float(value)
+    return out
 
 
 def throughput_rows(url: str, model: str, tokens: int, block_bytes: int | None) -> list[dict]:
     """N requests started together (completions of plain-text openings, greedy, `tokens` each)."""
     rows = []
     for n in (1, 2, 4):
-        before, results = _lookups(url), [None] * n
+        before, results = _counters(url), [None] * n
 
         def one(i, results):
             body = {"model": model, "prompt": OPENINGS[i], "max_tokens": tokens, "temperature": 0}
@@ -192,7 +202,7 @@ def throughput_rows(url: str, model: str, tokens: int, block_bytes: int | None) 
         threads = _background(*[(one, i, results) for i in range(n)])
         for t in threads:
             t.join()
-        blocks = _lookups(url) - before
+        moved = {k: v - before[k] for k, v in _counters(url).items()}
         total = sum(r["tokens"] for r in results)
         span = max(r["end"] for r in results) - min(r["first"] for r in results)
         steps = max(r["tokens"] for r in results)  # the batch steps once per token of its longest request
@@ -201,8 +211,10 @@ def throughput_rows(url: str, model: str, tokens: int, block_bytes: int | None) 
                 n=n,
                 tokens=total,
                 tps=(total - n) / max(span, 1e-9),
-                blocks_per_step=blocks / steps,
-                mb_per_step=blocks * block_bytes / steps / 1e6 if block_bytes else None,
+                blocks_per_step=moved["lookups"] / steps,
+                mb_per_step=moved["lookups"] * block_bytes / steps / 1e6 if block_bytes else None,
+                bus_mb_per_step=moved["bus"] / steps / 1e6,
+                disk_mb_per_step=moved["disk"] / steps / 1e6,
             )
         )
     return rows
@@ -226,12 +238,16 @@ def table(rows: list[dict], tasks: list, tput: list[dict], tools_tokens: int) ->
         "",
         "Background tasks: " + ", ".join(f"{k} {s:.1f} s ({n} tokens)" for k, s, n in tasks),
         "",
-        "| concurrent requests | tokens | aggregate decode tok/s | expert blocks per step | MB per step |",
-        "|---:|---:|---:|---:|---:|",
+        "| concurrent requests | tokens | aggregate decode tok/s | expert blocks per step | MB per step | "
+        "bus MB per step | disk MB per step |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in tput:
         mb = f"{r['mb_per_step']:.1f}" if r["mb_per_step"] is not None else "-"
-        out.append(f"| {r['n']} | {r['tokens']} | {r['tps']:.1f} | {r['blocks_per_step']:.0f} | {mb} |")
+        out.append(
+            f"| {r['n']} | {r['tokens']} | {r['tps']:.1f} | {r['blocks_per_step']:.0f} | {mb} | "
+            f"{r['bus_mb_per_step']:.1f} | {r['disk_mb_per_step']:.1f} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -248,7 +264,7 @@ def run(args) -> int:
         stream_chat(
             url, {"model": model_id, "messages": [{"role": "user", "content": USERS[0]}], "max_tokens": 4}
         )
-        rows, tasks = chat_rows(url, model_id, args.chat_tokens, args.task_lead)
+        rows, tasks = chat_rows(url, model_id, args.chat_tokens, args.task_lead, args.title_tokens)
         tput = throughput_rows(url, model_id, args.tokens or 32, block)
     finally:
         server.close()

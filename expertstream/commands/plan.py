@@ -142,7 +142,12 @@ class ConfigModel:
         return self.family.resident_spec(self.text_config)
 
     def memory_plan(
-        self, budget_bytes: int, max_model_len: int, act_bytes: int = 2, max_num_seqs: int = 1
+        self,
+        budget_bytes: int,
+        max_model_len: int,
+        act_bytes: int = 2,
+        max_num_seqs: int = 1,
+        kv_pool_tokens: int | None = None,
     ) -> MemoryPlan:
         inventory = {name: (shape, dtype) for name, (dtype, shape) in self.resident_spec().items()}
         return plan_memory(
@@ -153,6 +158,7 @@ class ConfigModel:
             max_model_len,
             act_bytes,
             max_num_seqs,
+            kv_pool_tokens,
         )
 
 
@@ -322,7 +328,7 @@ def main(args: argparse.Namespace) -> int:
     max_len = min(cfg.max_model_len, tc.get("max_position_embeddings") or cfg.max_model_len)
     try:
         act = 4 if cfg.dtype == "float32" else 2  # the engine's activations: bf16 on a GPU unless asked
-        plan = model.memory_plan(_budget(cfg), max_len, act, cfg.max_num_seqs)
+        plan = model.memory_plan(_budget(cfg), max_len, act, cfg.max_num_seqs, cfg.kv_pool_tokens)
     except MemoryPlanError as e:
         print(e)
         return 1

@@ -38,6 +38,7 @@ class BankCounters:
     staged_blocks: int = 0  # next-layer guesses copied to VRAM staging rows
     stage_hits: int = 0  # routed blocks decode read from staging rows
     hot_hits: int = 0  # routed blocks decode read from the hot set
+    copied_bytes: int = 0  # expert bytes the copy engine moved from host RAM into VRAM slots
 
 
 class ExpertBank(ABC):

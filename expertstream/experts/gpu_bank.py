@@ -22,6 +22,7 @@ from expertstream.experts.bank import BankCounters, ExpertBank
 from expertstream.experts.gpu_prefill import PrefillPasses
 from expertstream.experts.gpu_residency import Residency
 from expertstream.experts.gpu_staging import Staging
+from expertstream.experts.segments import run_segments
 from expertstream.experts.speculation import Speculator
 from expertstream.experts.vram_cache import VramExpertCache
 from expertstream.kernels import nvfp4_moe
@@ -144,10 +145,20 @@ class GpuExperts(ExpertBank):
     def stall_seconds(self) -> float:
         return self.cache.stats.wait_seconds
 
+    # takes `segments`: several sequences' one-token rows share fetches (experts/segments.py)
+    segmented = True
+
     def __call__(
-        self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+        self,
+        layer: int,
+        x: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        segments: list[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
-        # x [T, H], expert_ids [T, K], weights [T, K] fp32
+        # x [T, H], expert_ids [T, K], weights [T, K] fp32; segments: row ranges [a, b) of several sequences
+        if segments is not None and len(segments) > 1:
+            return run_segments(self, layer, x, expert_ids, weights, segments)
         if x.shape[0] == 1:
             return self._decode(layer, x, expert_ids, weights)
         self._cache_reads = False
@@ -340,7 +351,8 @@ class GpuExperts(ExpertBank):
         seconds = (self.decode_seconds, self.sync_seconds, self.spec_seconds)
         ram_reads = self.resident_ram_reads - hits - hot  # RAM reads neither staged nor hot
         # in BankCounters' field order
-        return BankCounters(*seconds, self.bytes_in_place, self.resident_reads, ram_reads, staged, hits, hot)
+        return BankCounters(*seconds, self.bytes_in_place, self.resident_reads, ram_reads, staged, hits, hot,
+                            self.cache.stats.bytes_copied)  # fmt: skip
 
     def close(self) -> None:
         self._mark_launched()

@@ -19,8 +19,9 @@ def forward_many(model, items: list[tuple[torch.Tensor, State]], piece: int) -> 
     router on that sequence's state, then the bank once over all rows (each expert block fetched once
     per layer for all of them). Dense work and the bank's per-sequence sums take the rows `forward` of
     one sequence gives them, so each sequence's output is the same as alone."""
+    states = [st for _, st in items]
     for ids, st in items:
-        st.check_room(ids.shape[0])
+        st.check_room(ids.shape[0], keep=states)  # room in the KV pool, never at another's expense
     items = [(ids.cpu(), st) for ids, st in items]
     lens = [ids.shape[0] for ids, _ in items]
     offs = [sum(lens[:i]) for i in range(len(items))]

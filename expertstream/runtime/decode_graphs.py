@@ -101,9 +101,10 @@ class _StateGraphs:
 
     def __init__(self):
         self.pool = None  # the first capture's pool, named by the later ones
-        # (KV window, per bank: every block placed for good, and where blocks reside): a bank that becomes
-        # fixed gets a program without its eager point per layer, one that becomes resident in RAM a program
-        # with its staging copies (decided while capturing), each captured anew
+        # (KV window, KV address in the pool, per bank: every block placed for good, and where blocks
+        # reside): a bank that becomes fixed gets a program without its eager point per layer, one that
+        # becomes resident in RAM a program with its staging copies (decided while capturing), each captured
+        # anew; a capture that outlives a move of the state's KV is dropped
         self.by_window: dict[tuple, _Captured] = {}
 
 
@@ -140,11 +141,19 @@ class DecodeGraphs:
             self.warm = True
         else:
             graphs = self._states.setdefault(st, _StateGraphs())
-            # the program (and its graphs) depends on which banks have every block placed for good, and where
+            # the program (and its graphs) depends on which banks have every block placed for good, and where;
+            # the state's KV may move within the pool: graphs read it where they were captured
             banks = self._banks
-            key = (kv_len, tuple(b.decode_mode == "fixed" for b in banks), tuple(b.resident for b in banks))
+            key = (
+                kv_len,
+                st.kv_address,
+                tuple(b.decode_mode == "fixed" for b in banks),
+                tuple(b.resident for b in banks),
+            )
             cap = graphs.by_window.get(key)
             if cap is None:
+                # graphs of the state's KV at another address read rows it no longer holds
+                graphs.by_window = {k: c for k, c in graphs.by_window.items() if k[1] == st.kv_address}
                 cap = graphs.by_window[key] = self._capture(graphs, st, ids, kv_len)
             else:
                 self._replay(cap, ids)

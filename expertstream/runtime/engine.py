@@ -20,6 +20,7 @@ from expertstream.memory_plan import MemoryPlan, gpu_budget
 from expertstream.models import deepseek_v4
 from expertstream.models.base import ModelArgs
 from expertstream.models.batched import forward_many
+from expertstream.models.kv_pool import KVPool
 from expertstream.models.qwen4_exp import Qwen4ExpModel
 from expertstream.models.state import State
 from expertstream.runtime.cpu_threads import CpuThreads
@@ -60,6 +61,7 @@ class EngineStats:
     staged_blocks: int  # next-layer guesses copied to VRAM staging rows (decode, every block in RAM)
     stage_hits: int  # routed blocks decode read from staging rows
     hot_hits: int  # routed blocks decode read from the hot set (every block in RAM, a large VRAM cache)
+    copied_bytes: int  # expert bytes copied from host RAM into VRAM slots (with bus_read_bytes: the bus)
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -114,6 +116,13 @@ class Engine:
         self.plan = self._plan_gpu_memory() if gpu else None
         # sequences a scheduler may run together (each a state from new_state())
         self.max_num_seqs = self.plan.max_num_seqs if self.plan else config.max_num_seqs
+        # their attention KV: one pool, each sequence's range growing with its context (models/kv_pool.py)
+        pool = self.plan.kv_pool_tokens if self.plan else config.kv_pool_tokens
+        pool = pool or self.max_num_seqs * config.max_model_len
+        # deepseek_v4's compressed KV is each state's own (models/deepseek_v4.py)
+        self.kv_pool = (
+            None if streamed_only else KVPool(self.args, pool, config.max_model_len, self.dtype, self.device)
+        )
         alloc = {}
         if gpu:
             from expertstream.experts.gpu_bank import GpuExperts
@@ -233,7 +242,7 @@ class Engine:
         held = torch.cuda.memory_reserved(self.device)
         budget = gpu_budget(c.gpu_memory_gb, c.gpu_memory_utilization, free, total)
         act = torch.finfo(self.dtype).bits // 8
-        plan = self.workdir.memory_plan(budget, c.max_model_len, act, c.max_num_seqs)
+        plan = self.workdir.memory_plan(budget, c.max_model_len, act, c.max_num_seqs, c.kv_pool_tokens)
         # the allocator's limit is per process, so it covers what this process already holds plus the budget
         torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + held) / total), self.device.index or 0)
         log.info("%s", plan.describe())
@@ -270,10 +279,11 @@ class Engine:
         self.bank.set_prefill_chunk(chunk or piece)
 
     def new_state(self) -> State:
-        """An empty conversation with KV and indexer keys preallocated for max_model_len."""
+        """An empty conversation; its KV comes from the engine's pool as it grows (deepseek_v4: preallocated
+        for max_model_len)."""
         if self.streamed_only:
             return deepseek_v4.State.new(self.args, self.config.max_model_len)
-        return State(self.args, self.config.max_model_len, self.dtype, self.device)
+        return State(self.args, self.config.max_model_len, self.dtype, self.device, self.kv_pool)
 
     def forward(self, state: State, ids, all_logits: bool = False) -> torch.Tensor:
         """Feed a prompt or one token and advance `state`.
@@ -358,6 +368,6 @@ class Engine:
         self.store.close()
         if self.ple is not None:
             self.ple.close()
-        self.model = self.decode = None
+        self.model = self.decode = self.kv_pool = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

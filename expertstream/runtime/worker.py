@@ -4,7 +4,10 @@ Each engine step feeds every running request its next input in one `engine.forwa
 prefill span of the requests still reading their prompts and the last token of the ones generating, so one
 layer-major pass serves them all and each expert block is fetched once per layer for the whole step. At most
 `engine.max_num_seqs` requests run; the rest wait, streaming ones ahead of the others, and a full wait list
-is refused at once (the server answers 429) instead of piling up requests. HTTP handlers only translate.
+is refused at once (the server answers 429) instead of piling up requests. The running requests' KV shares
+the engine's pool (models/kv_pool.py): each step makes room for each request in priority order, swapping
+idle states and requests of lower priority to host RAM; a request it cannot make room for sits the step out.
+HTTP handlers only translate.
 """
 
 from __future__ import annotations
@@ -140,6 +143,15 @@ class Scheduler:
             log.error("generation failed", exc_info=e)
         req.future.set_exception(e)
 
+    def _kv_room(self, req: _Request, n: int) -> bool:
+        """Room in the shared KV pool for req's next n tokens: idle states and running requests of lower
+        priority go to host RAM to make it, never one that goes before req."""
+        pool = getattr(req.state, "pool", None)
+        if pool is None:
+            return True
+        ahead = {id(r.state) for r in self._running if r.priority < req.priority}
+        return pool.fit(req.state, req.state.pos + n, lambda o: id(o) not in ahead)
+
     def _step(self) -> None:
         """One engine call for every running request that has room in it."""
         engine = self.backend.engine
@@ -147,10 +159,11 @@ class Scheduler:
         batch, prompt_tokens = [], 0
         for req in sorted(self._running, key=lambda r: r.priority):
             ids = req.gen.next_input()
-            if len(ids) > 1:
-                if budget is not None and prompt_tokens and prompt_tokens + len(ids) > budget:
-                    continue  # its span goes in the next pass (spans are never cut: same sums as alone)
-                prompt_tokens += len(ids)
+            if len(ids) > 1 and budget is not None and prompt_tokens and prompt_tokens + len(ids) > budget:
+                continue  # its span goes in the next pass (spans are never cut: same sums as alone)
+            if not self._kv_room(req, len(ids)):
+                continue  # its KV waits in host RAM until the pool has room
+            prompt_tokens += len(ids) if len(ids) > 1 else 0
             batch.append((req, ids))
         items = [(req.state, ids) for req, ids in batch]
         try:

@@ -75,7 +75,9 @@ class Metrics:
                 ("expert_cache_misses_total", C, "Expert lookups read from disk.", stats.misses),
                 ("expert_cache_hit_rate", G, "Expert cache hits / lookups.", expert_rate),
                 ("io_stall_seconds_total", C, "Seconds spent waiting on expert reads.", stats.stall_seconds),
-            ]
+                ("expert_bus_bytes_total", C, "Expert bytes moved from host RAM to the GPU: copies into VRAM "
+                 "and kernels' reads in place (0 on the CPU).", stats.copied_bytes + stats.bus_read_bytes),
+            ]  # fmt: skip
         lines: list[str] = []
         for name, kind, help_text, value in families:
             # a bare number is the one unlabelled sample; a list holds labelled samples

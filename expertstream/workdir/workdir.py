@@ -201,13 +201,18 @@ class Workdir:
         return t["weight_scale_2"], t["input_scale"]
 
     def memory_plan(
-        self, budget_bytes: int, max_model_len: int, act_bytes: int = 2, max_num_seqs: int = 1
+        self,
+        budget_bytes: int,
+        max_model_len: int,
+        act_bytes: int = 2,
+        max_num_seqs: int = 1,
+        kv_pool_tokens: int | None = None,
     ) -> MemoryPlan:
         """The VRAM plan for this model under a budget (`plan_memory` on the resident file's header: nothing
         is loaded). Raises MemoryPlanError when the budget cannot hold the minimum."""
         inventory = {n: (i.shape, i.dtype) for n, i in read_header(self.resident_path).items()}
         return plan_memory(self.text_config, inventory, self.layout.block_bytes, budget_bytes, max_model_len,
-                           act_bytes, max_num_seqs)  # fmt: skip
+                           act_bytes, max_num_seqs, kv_pool_tokens)  # fmt: skip
 
     def load_resident(self, names: list[str] | None = None, device: str | torch.device = "cpu") -> dict:
         """Resident tensors by HF text name (prefix removed); an FP8 row-scaled name brings `<name>_scale`."""
