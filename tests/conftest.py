@@ -52,3 +52,17 @@ def tiny_workdir(tiny_snapshot, tmp_path_factory):
     out = tmp_path_factory.mktemp("work") / "tiny"
     setup_workdir(tiny_snapshot, out)
     return out
+
+
+@pytest.fixture(scope="session", params=[(64, 32), (96, 48)], ids=["h64i32", "h96i48"])
+def moe_bank(request):
+    """(layout, slots [6, block_bytes], ws2 [6, 3]): six random NVFP4 expert blocks of H x I on the kernels'
+    device; 96 x 48 leaves partial groups and row blocks."""
+    from kernel_helpers import random_slots
+
+    from expertstream.formats.expert_block import ExpertLayout
+
+    h, i = request.param
+    layout = ExpertLayout.for_dims(h, i, align=64)
+    slots, ws2 = random_slots(layout, 6, seed=h)
+    return layout, slots, ws2
