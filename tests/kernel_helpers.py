@@ -1,5 +1,6 @@
 """Pieces the kernel tests share: the device, tolerances, random NVFP4 expert blocks, decode in one call."""
 
+import pytest
 import torch
 
 from expertstream.formats.expert_block import ExpertLayout
@@ -8,6 +9,15 @@ from expertstream.kernels import nvfp4_moe_decode, nvfp4_moe_decode_ref
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: accumulation-order noise only; fp16: 2^-11 rounding of x, h and the output
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+
+
+# for tests of launch mechanics, which no shape changes: the bank of conftest.moe_bank at 64 x 32 in the quick
+# loop, and at 96 x 48 (partial groups and row blocks) too in the full suite
+LAUNCH_MECHANICS = pytest.mark.parametrize(
+    "moe_bank",
+    [pytest.param((64, 32), id="h64i32"), pytest.param((96, 48), id="h96i48", marks=pytest.mark.slow)],
+    indirect=True,
+)
 
 
 def cfg(n_gu: int, g_gu: int, n_down: int, g_down: int, warps: int = 2) -> dict:
@@ -44,6 +54,24 @@ def decode(x, slots, slot_ids, ws2, w, layout, **kw):
 def decode_ref(x, slots, slot_ids, ws2, w, layout):
     loc = torch.arange(slots.shape[0], dtype=torch.int32, device=slots.device)
     return nvfp4_moe_decode_ref(x, slot_ids, loc, ws2, w, layout, slots)
+
+
+class FailingKernel:
+    """Stands in for a Triton kernel whose form with `flag` set fails to compile: every launch's `flag` goes
+    to `calls`; a launch without it runs `real` (when given)."""
+
+    def __init__(self, flag: str, real=None):
+        self.flag, self.real, self.calls = flag, real, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append(kw[self.flag])
+            if kw[self.flag]:
+                raise RuntimeError("ptxas: unsupported instruction")
+            if self.real is not None:
+                self.real[grid](*args, **kw)
+
+        return launch
 
 
 def six_expert_prompt(layout, tokens: int, seed: int):

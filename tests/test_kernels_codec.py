@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from kernel_helpers import DEV
+from kernel_helpers import DEV, FailingKernel
 
 from expertstream.formats import fp8, nvfp4
 from expertstream.kernels import codec, e2m1_uses_ptx
@@ -57,25 +57,15 @@ def test_ptx_e2m1_only_from_sm100():
 
 
 def test_ptx_compile_failure_falls_back_to_software(monkeypatch):
-    calls = []
-
-    class FakeKernel:
-        def __getitem__(self, grid):
-            def launch(*args, USE_PTX, **kw):
-                calls.append(USE_PTX)
-                if USE_PTX:
-                    raise RuntimeError("ptxas: unsupported instruction")
-
-            return launch
-
+    kernel = FailingKernel("USE_PTX")
     monkeypatch.setattr(codec, "device_capability", lambda dev: (10, 0))
     monkeypatch.setattr(codec, "_PTX_FAILED", set())
-    codec.launch_e2m1(FakeKernel(), (1,), torch.device("cpu"))
-    codec.launch_e2m1(FakeKernel(), (1,), torch.device("cpu"))
-    assert calls == [True, False, False]  # PTX tried once, then software for good
+    codec.launch_e2m1(kernel, (1,), torch.device("cpu"))
+    codec.launch_e2m1(kernel, (1,), torch.device("cpu"))
+    assert kernel.calls == [True, False, False]  # PTX tried once, then software for good
     monkeypatch.setattr(codec, "device_capability", lambda dev: (9, 0))
-    codec.launch_e2m1(FakeKernel(), (1,), torch.device("cpu"))
-    assert calls[-1] is False
+    codec.launch_e2m1(kernel, (1,), torch.device("cpu"))
+    assert kernel.calls[-1] is False
 
 
 def test_import_without_triton_and_launchers_raise():

@@ -3,7 +3,7 @@ CPU); the FP8 twin against dequantize-then-matmul in float64."""
 
 import pytest
 import torch
-from kernel_helpers import DEV, close
+from kernel_helpers import DEV, FailingKernel, close
 
 from expertstream.formats import fp8
 from expertstream.kernels import codec, fp8_rows_matmul, fp8_rows_matmul_ref, matvec16, matvec16_ref
@@ -42,19 +42,8 @@ def test_fp8_native_compile_failure_falls_back_to_bit_ops(monkeypatch):
     # and for good; the result is the bit-op form's (the interpreter runs it here)
     from expertstream.kernels import fp8_gemv
 
-    real, calls = fp8_gemv._fp8_gemv_kernel, []
-
-    class Failing:
-        def __getitem__(self, grid):
-            def launch(*args, NATIVE, **kw):
-                calls.append(NATIVE)
-                if NATIVE:
-                    raise RuntimeError("unsupported conversion")
-                real[grid](*args, NATIVE=NATIVE, **kw)
-
-            return launch
-
-    monkeypatch.setattr(fp8_gemv, "_fp8_gemv_kernel", Failing())
+    kernel = FailingKernel("NATIVE", real=fp8_gemv._fp8_gemv_kernel)
+    monkeypatch.setattr(fp8_gemv, "_fp8_gemv_kernel", kernel)
     monkeypatch.setattr(fp8_gemv, "device_capability", lambda dev: (9, 0))
     monkeypatch.setattr(codec, "_NATIVE_FAILED", set())
     g = torch.Generator().manual_seed(5)
@@ -63,7 +52,7 @@ def test_fp8_native_compile_failure_falls_back_to_bit_ops(monkeypatch):
     for _ in range(2):
         got = fp8_rows_matmul(x, q, scale)
         close(got, fp8_rows_matmul_ref(x, q, scale), torch.float32)
-    assert calls == [True, False, False] and not codec.e4m3_native((9, 0))
+    assert kernel.calls == [True, False, False] and not codec.e4m3_native((9, 0))
 
 
 @pytest.mark.parametrize("native", NATIVE)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_helpers import DEV, cfg, close, decode, decode_ref
+from kernel_helpers import DEV, LAUNCH_MECHANICS, cfg, close, decode, decode_ref
 
 from expertstream.kernels import nvfp4_moe_decode, nvfp4_moe_decode_ref, nvfp4_moe_prefill_ref
 
@@ -29,6 +29,7 @@ def test_decode_matches_ref(moe_bank, dtype, slot_ids):
     close(got, decode_ref(x[None], slots, ids, ws2, w, layout), dtype)
 
 
+@LAUNCH_MECHANICS
 def test_decode_reads_host_rows_like_slots(moe_bank):
     # experts 0-2 in VRAM slots, 3-5 in (pinned) host rows, listed in another order: the kernel and its
     # twin follow the location table, and the sum equals the all-slots one bit for bit
@@ -53,6 +54,7 @@ def test_decode_reads_host_rows_like_slots(moe_bank):
     assert not torch.allclose(bad, got)
 
 
+@LAUNCH_MECHANICS
 def test_decode_launch_shape_is_the_same_wherever_the_blocks_are(moe_bank, monkeypatch):
     # the tuned launch shape sets the order of the sums: blocks in host rows must take the shape (and give
     # the bits) of blocks in slots, so that the decode regimes (VRAM, RAM, disk) choose the same tokens
@@ -95,6 +97,7 @@ def test_refs_equal_float64_dequantize_then_matmul(moe_bank):
     torch.testing.assert_close(dec.double(), want[2], rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+@LAUNCH_MECHANICS
 def test_swapped_nibbles_fail(moe_bank):
     # must-fail control: the same comparison catches a block decoded with its nibbles swapped
     layout, slots, ws2 = moe_bank
@@ -109,6 +112,7 @@ def test_swapped_nibbles_fail(moe_bank):
         close(got, decode_ref(x, slots, ids, ws2, w, layout), torch.float32)
 
 
+@LAUNCH_MECHANICS
 def test_decode_is_deterministic(moe_bank):
     # the partials are summed in a fixed order (by whichever program of a row block finishes last, in expert
     # order): two calls give the same bits (other splits round differently: on the GPU the compiler fuses

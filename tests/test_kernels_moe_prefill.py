@@ -3,7 +3,7 @@ against their plain-torch twins (interpreter on CPU)."""
 
 import pytest
 import torch
-from kernel_helpers import DEV, close, decode, random_slots, six_expert_prompt
+from kernel_helpers import DEV, LAUNCH_MECHANICS, close, decode, random_slots, six_expert_prompt
 
 from expertstream.formats.expert_block import ExpertLayout
 from expertstream.kernels import nvfp4_moe_prefill, nvfp4_moe_prefill_ref
@@ -41,6 +41,7 @@ def test_prefill_matches_ref(moe_bank, dtype, t, block_m):
     assert e < 11  # the mapping above covers every id drawn
 
 
+@LAUNCH_MECHANICS
 def test_prefill_down_launch_in_a_shape_of_its_own(moe_bank):
     # the down launch's own block_n / block_k / warps / stages ("down" in the config) change no sum
     layout, slots, ws2 = moe_bank
@@ -69,6 +70,7 @@ def record_launches(monkeypatch, pick) -> list:
     return seen
 
 
+@LAUNCH_MECHANICS
 def test_prefill_register_cap_goes_to_the_shape_that_names_it(moe_bank, monkeypatch):
     # maxnreg caps gate+up's launch, never down's unless down's own shape names one, and a pass's launch
     # shape replaces the order's whole (its cap too); the sums do not change
@@ -164,6 +166,7 @@ def test_prefill_tile_major_order_changes_no_bit(monkeypatch):
     assert seen == [(2, False), (2, False)]
 
 
+@LAUNCH_MECHANICS
 def test_prefill_one_token_equals_decode(moe_bank):
     layout, slots, ws2 = moe_bank
     x = torch.randn(1, layout.hidden_size, device=DEV)
@@ -215,6 +218,7 @@ def _passes(ids, e2s, groups, block_m):
     return order, out
 
 
+@LAUNCH_MECHANICS
 @pytest.mark.parametrize("combine", [combine_rows, combine_rows_ref])
 def test_prefill_passes_over_tile_ranges_give_the_whole_sum(moe_bank, combine):
     """Passes over disjoint groups of consecutive experts, each launched over its experts' tiles only, add
@@ -259,6 +263,7 @@ def test_prefill_passes_over_tile_ranges_give_the_whole_sum(moe_bank, combine):
     close(total, want, torch.float32)
 
 
+@LAUNCH_MECHANICS
 def test_prefill_with_a_sorted_order_equals_the_launcher_sorting_itself(moe_bank):
     # `bench kernels` times prefill with its pairs sorted before the capture: the same bits
     layout, slots, ws2 = moe_bank
@@ -268,6 +273,7 @@ def test_prefill_with_a_sorted_order_equals_the_launcher_sorting_itself(moe_bank
     assert torch.equal(got, nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout))
 
 
+@LAUNCH_MECHANICS
 def test_prefill_reads_blocks_in_pinned_host_ram_like_slots(moe_bank):
     # blocks in pinned host RAM read in place over the bus (`bench kernels`' in-place row): the same bits
     # as from the device's slots

@@ -174,6 +174,7 @@ def test_health_is_503_while_loading(tiny_tokenizer):
         assert http.get("/health").status_code == 200
 
 
+@pytest.mark.slow  # 100 generated requests: ~10 s on 2 cores
 def test_schemathesis_finds_no_server_errors(fake):
     import schemathesis
     from hypothesis import HealthCheck, given, settings

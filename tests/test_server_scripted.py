@@ -150,10 +150,14 @@ def test_generation_error_is_reported_and_the_next_request_works(fake):
     )
 
 
-def test_disconnect_frees_the_worker_and_models_answer_while_busy(fake):
+def long_stream(fake) -> tuple[dict, dict]:
+    """Scripts 200 words at 30 ms each: (a streamed chat body keeping the worker busy ~6 s, the headers)."""
     fake.engine.configure(script="word " * 200, token_delay_s=0.03)
-    body = {"model": "fake", "messages": USER, "stream": True}
-    headers = {"Authorization": f"Bearer {KEY}"}
+    return {"model": "fake", "messages": USER, "stream": True}, {"Authorization": f"Bearer {KEY}"}
+
+
+def test_disconnect_frees_the_worker_and_models_answer_while_busy(fake):
+    body, headers = long_stream(fake)
     with httpx.stream("POST", fake.url + "/v1/chat/completions", json=body, headers=headers) as r:
         lines = r.iter_lines()
         while not re.search('"content":"[^"]', next(lines)):
@@ -174,9 +178,7 @@ def test_disconnect_frees_the_worker_and_models_answer_while_busy(fake):
 
 
 def test_full_queue_answers_429_with_retry_after(fake):
-    fake.engine.configure(script="word " * 200, token_delay_s=0.03)
-    body = {"model": "fake", "messages": USER, "stream": True}
-    headers = {"Authorization": f"Bearer {KEY}"}
+    body, headers = long_stream(fake)
     with httpx.Client(base_url=fake.url, headers=headers, timeout=30) as http:
         with http.stream("POST", "/v1/chat/completions", json=body) as running:
             lines = running.iter_lines()  # keep a reference: a dropped line iterator closes the stream
