@@ -47,6 +47,16 @@ def tiny_snapshot(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def full_shape_mtp_snapshot(tmp_path_factory):
+    """One layer of the full-shape preset (4 experts) and its MTP layer: the real tensor shapes, read only."""
+    from expertstream.synth.synth import write_synthetic
+
+    return write_synthetic(
+        tmp_path_factory.mktemp("snap") / "mtp", preset="full-shape", layers=1, experts=4, mtp=True
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_workdir(tiny_snapshot, tmp_path_factory):
     from expertstream.workdir.repack import setup_workdir
 

@@ -96,11 +96,11 @@ def test_prefill_register_cap_goes_to_the_shape_that_names_it(moe_bank, monkeypa
     assert seen == [("_prefill_gate_up_kernel", None), ("_prefill_down_kernel", None)]
 
 
-@pytest.mark.parametrize("dims", [(128, 64), (96, 48)], ids=["words", "fallback"])
+@pytest.mark.parametrize("dims", [(64, 64), (96, 48)], ids=["words", "fallback"])
 def test_prefill_scale_words_equal_scale_bytes(dims, monkeypatch):
     # scale_words reads a step's four scale bytes of a row as one int32 word: bit for bit the byte reads'
     # sums. Used where each row's step holds whole words (K / 16 a multiple of 4, block_k >= 32): with
-    # H = 128, I = 64 both launches; with 96 / 48 (6 and 3 groups a row) neither. Down follows gate+up unless
+    # H = I = 64 both launches; with 96 / 48 (6 and 3 groups a row) neither. Down follows gate+up unless
     # its own shape says otherwise; a pass's launch shape replaces the order's choice
     from expertstream.kernels import nvfp4_moe
 
@@ -140,7 +140,7 @@ def test_prefill_tile_major_order_changes_no_bit(monkeypatch):
     # replaces the order's choice
     from expertstream.kernels import nvfp4_moe
 
-    layout = ExpertLayout.for_dims(128, 64, align=64)
+    layout = ExpertLayout.for_dims(64, 64, align=64)
     slots, ws2 = random_slots(layout, 6, seed=3)
     ids, x, w, e2s = six_expert_prompt(layout, 24, seed=12)
     cfg = dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
