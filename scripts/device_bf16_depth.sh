@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=/tmp/expertstream-bench L=${LAYERS:-16}  # $DEPTHS: the depths checked, deepest first (cuts are in place)
 (timeout ${KERNELS_S:-90} python3 scripts/device_kernel_check.py > $OUT/kernel_check.txt 2>&1
- timeout 60 python3 -m pytest -p no:cacheprovider -rf tests/test_kernels.py -k "decode_launch_shape or decode_reads_host" \
+ timeout 60 python3 -m pytest -p no:cacheprovider -rf tests/test_kernels_moe_decode.py -k "decode_launch_shape or decode_reads_host" \
    > $OUT/gpu_tests.txt 2>&1) &
 t0=$(date +%s)
 timeout ${MAKE_S:-330} python3 -c "

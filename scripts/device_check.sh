@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # the tests run beside the checks below (~4 minutes; the GPU has room for both). No -q: pyproject's addopts
 # has one, and a second hides pytest's summary line
-(timeout ${TESTS_S:-420} python3 -m pytest -p no:cacheprovider -rf --durations=8 tests/test_kernels.py \
+(timeout ${TESTS_S:-420} python3 -m pytest -p no:cacheprovider -rf --durations=8 tests/test_kernels_*.py \
   tests/test_gpu_experts.py tests/test_controls.py tests/test_decode_graphs.py tests/test_speculation.py \
   tests/test_vram_cache.py tests/test_decode_path.py tests/test_decode_ops.py tests/test_memory_plan.py 2>&1 | tail -30 > $OUT/gpu_tests.txt) &
 timeout ${KERNELS_S:-60} python3 scripts/device_kernel_check.py 2>&1 | tail -24 | tee $OUT/kernel_check.txt

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny synthetic snapshot in NVIDIA's layout and its working directory (built once)."""
+"""Shared fixtures: a tiny synthetic snapshot in NVIDIA's layout and its working directory (built once),
+random NVFP4 expert blocks for the kernel tests, and a live server in front of a scripted engine."""
 
 import os
 
@@ -46,9 +47,64 @@ def tiny_snapshot(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def full_shape_mtp_snapshot(tmp_path_factory):
+    """One layer of the full-shape preset (4 experts) and its MTP layer: the real tensor shapes, read only."""
+    from expertstream.synth.synth import write_synthetic
+
+    return write_synthetic(
+        tmp_path_factory.mktemp("snap") / "mtp", preset="full-shape", layers=1, experts=4, mtp=True
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_workdir(tiny_snapshot, tmp_path_factory):
     from expertstream.workdir.repack import setup_workdir
 
     out = tmp_path_factory.mktemp("work") / "tiny"
     setup_workdir(tiny_snapshot, out)
     return out
+
+
+@pytest.fixture(scope="session", params=[(64, 32), (96, 48)], ids=["h64i32", "h96i48"])
+def moe_bank(request):
+    """(layout, slots [6, block_bytes], ws2 [6, 3]): six random NVFP4 expert blocks of H x I on the kernels'
+    device; 96 x 48 leaves partial groups and row blocks."""
+    from kernel_helpers import random_slots
+
+    from expertstream.formats.expert_block import ExpertLayout
+
+    h, i = request.param
+    layout = ExpertLayout.for_dims(h, i, align=64)
+    slots, ws2 = random_slots(layout, 6, seed=h)
+    return layout, slots, ws2
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_workdir):
+    from expertstream.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_workdir)
+
+
+@pytest.fixture(scope="session")
+def scripted(tiny_tokenizer):
+    """A live server in front of a scripted engine (server_helpers.scripted_server): a key, one request may
+    wait, keepalives every 0.2 s, bodies up to 64 KiB."""
+    from server_helpers import KEY, scripted_server
+
+    server = scripted_server(
+        tiny_tokenizer, api_key=KEY, max_queue=1, keepalive_s=0.2, max_body_bytes=64 << 10
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fake(scripted):
+    """The scripted server writing its default text, left idle for the next test."""
+    from server_helpers import wait_idle
+
+    scripted.engine.configure()
+    yield scripted
+    wait_idle(scripted)
+    scripted.engine.configure()

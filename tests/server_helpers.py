@@ -18,6 +18,7 @@ from expertstream.server.app import ServerSettings, create_app
 from expertstream.tokenizer import Tokenizer
 
 KEY = "sk-test"
+LOCAL = "http://127.0.0.1"  # TestClient's default Host, testserver, is not a loopback name
 
 
 class LiveServer:
@@ -101,6 +102,19 @@ def wait_idle(server, timeout=10.0):
 
 
 USER = [{"role": "user", "content": "Hi"}]
+# the template's tool call of get_weather(city="Paris", days=2), as the model writes it
+CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def raw_stream(server, body, path="/v1/chat/completions") -> str:
+    """The event stream's text of one streamed request."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server.url + path, json=body, headers=headers, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return r.read().decode()
 
 
 def stream_parts(stream):
@@ -113,6 +127,12 @@ def stream_parts(stream):
             tool_calls += delta.tool_calls or []
             finish = choice.finish_reason or finish
     return content, reasoning, finish, tool_calls
+
+
+def real_settings(**kw) -> ServerSettings:
+    """Settings of a server in front of the real tiny engine: greedy, 8 tokens unless asked, 512 positions."""
+    defaults = dict(served_model_name="tiny", max_model_len=512, default_max_tokens=8)
+    return ServerSettings(**{**defaults, "defaults": SamplingParams(temperature=0.0), **kw})
 
 
 # ---- scripted engine: what random weights cannot show

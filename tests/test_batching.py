@@ -176,7 +176,7 @@ def test_streaming_requests_go_first_when_the_batch_is_full(engine):
 
 def test_server_clients_in_parallel_equal_each_alone(tiny_workdir):
     import openai
-    from test_server import LiveServer, real_settings  # the live-server harness
+    from server_helpers import LiveServer, real_settings
 
     from expertstream.server.app import create_app
 

@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 
 from expertstream.cli import main as cli_main
 from expertstream.config import EngineConfig
-from expertstream.generate import SamplingParams
 from expertstream.store import ExpertStore, StoreError
 from expertstream.workdir.checksum import ALGORITHM, file_checksum
 from expertstream.workdir.inventory import SetupError
@@ -83,18 +82,13 @@ def test_a_block_changed_on_disk_fails_its_request_and_is_read_again(tiny_workdi
 
 
 def test_damaged_block_under_a_running_server(tiny_workdir, wd):
+    from server_helpers import LiveServer, real_settings
+
     from expertstream.runtime.engine import Engine
-    from expertstream.server.app import ServerSettings, create_app
-    from tests.test_server import LiveServer
+    from expertstream.server.app import create_app
 
     engine = Engine(EngineConfig(model=str(wd), device="cpu", max_model_len=512, ram_cache_gb=0.0))
-    settings = ServerSettings(
-        served_model_name="tiny",
-        max_model_len=512,
-        defaults=SamplingParams(temperature=0.0),
-        default_max_tokens=1,
-    )
-    server = LiveServer(create_app(settings, engine.tokenizer, lambda: engine))
+    server = LiveServer(create_app(real_settings(default_max_tokens=1), engine.tokenizer, lambda: engine))
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}]}
     w = Workdir(wd)
     layer0 = slice(w.block_offset(0, 0), w.block_offset(1, 0))

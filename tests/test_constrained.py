@@ -10,7 +10,7 @@ import jsonschema_rs
 import openai
 import pytest
 import torch
-from server_helpers import USER, LiveServer, scripted_server
+from server_helpers import USER, LiveServer
 
 from expertstream.config import EngineConfig
 from expertstream.default_model import DEMO_SNAPSHOT
@@ -217,17 +217,10 @@ def test_demo_model_tool_choice_required_and_named(demo):
 # ---- the scripted engine: a model that wants to write something else
 
 
-@pytest.fixture(scope="module")
-def scripted(tiny_workdir):
-    server = scripted_server(Tokenizer.from_dir(tiny_workdir))
-    yield server
-    server.stop()
-
-
-def test_forced_call_never_names_an_undeclared_tool(scripted):
+def test_forced_call_never_names_an_undeclared_tool(fake):
     # what issue 38 saw: the model, forced into a call, writes a name nobody declared
-    scripted.engine.configure(script="3\ufffdum\x15\x14<|im_start|>\n</function>\n</tool_call>")
-    r = scripted.client.chat.completions.create(
+    fake.engine.configure(script="3\ufffdum\x15\x14<|im_start|>\n</function>\n</tool_call>")
+    r = fake.client.chat.completions.create(
         model="fake", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=60
     )
     choice = r.choices[0]
@@ -237,21 +230,21 @@ def test_forced_call_never_names_an_undeclared_tool(scripted):
     assert choice.finish_reason == ("tool_calls" if choice.message.tool_calls else "length")
 
 
-def test_thinking_then_json(scripted):
-    scripted.engine.configure(script='Let me think.</think>\n\n{"name": "Ann", "age": 7, "member": true}')
+def test_thinking_then_json(fake):
+    fake.engine.configure(script='Let me think.</think>\n\n{"name": "Ann", "age": 7, "member": true}')
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
-    r = scripted.client.chat.completions.create(model="fake-thinking", messages=USER, response_format=fmt)
+    r = fake.client.chat.completions.create(model="fake-thinking", messages=USER, response_format=fmt)
     message = r.choices[0].message
     assert message.reasoning_content == "Let me think."
     assert json.loads(message.content) == {"name": "Ann", "age": 7, "member": True}
 
 
-def test_stream_generate_calls_the_processors_with_the_ids_so_far(tiny_workdir):
+def test_stream_generate_calls_the_processors_with_the_ids_so_far(tiny_tokenizer):
     from server_helpers import ScriptedEngine
 
     from expertstream.generate import stream_generate
 
-    tokenizer = Tokenizer.from_dir(tiny_workdir)
+    tokenizer = tiny_tokenizer
     engine = ScriptedEngine(tokenizer, max_model_len=256)
     engine.configure(script="Hello!")
     allowed = tokenizer.encode("ab")

@@ -257,6 +257,7 @@ def dry_run_output(replica, tmp_path_factory):
     return ok, report, wd
 
 
+@pytest.mark.slow  # writes the headers of the full checkpoint's ~300k tensors: ~6 s on 2 cores
 def test_replica_is_real_scale_and_sparse(replica):
     snap, total = replica
     assert abs(total - SNAPSHOT_BYTES) / SNAPSHOT_BYTES < 0.01  # the real download's size, within 1 %
@@ -264,6 +265,7 @@ def test_replica_is_real_scale_and_sparse(replica):
     assert allocated < 300e6  # headers only
 
 
+@pytest.mark.slow  # the replica, then a dry run reading its headers: ~11 s on 2 cores
 def test_dry_run_checks_and_plans_the_full_checkpoint_from_headers(dry_run_output):
     ok, out, wd = dry_run_output
     assert ok and "FAIL" not in out, out

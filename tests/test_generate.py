@@ -277,7 +277,8 @@ def engine(tiny_workdir):
     from expertstream.config import EngineConfig
     from expertstream.runtime.engine import Engine
 
-    engine = Engine(EngineConfig(model=str(tiny_workdir), max_model_len=256))
+    # threads fixed: the CPU sums depend on the thread count, which auto re-measures as the box's load changes
+    engine = Engine(EngineConfig(model=str(tiny_workdir), max_model_len=256, threads=2))
     yield engine
     engine.close()
 

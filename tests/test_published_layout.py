@@ -10,7 +10,6 @@ from safetensors.torch import load_file, save_file
 
 from expertstream.default_model import DEMO_SNAPSHOT
 from expertstream.formats.snapshot import Snapshot
-from expertstream.synth.synth import write_synthetic
 from expertstream.workdir.inventory import PREFIX, SetupError
 from expertstream.workdir.repack import plan_setup
 
@@ -33,8 +32,8 @@ def test_synth_writes_the_published_ple_scale_and_quant_groups(tiny_snapshot):
     assert hf["quantized_layers"] == qc["quantized_layers"]
 
 
-def test_synth_mtp_block_scales_are_bf16(tmp_path):
-    snap = write_synthetic(tmp_path / "mtp", preset="full-shape", layers=1, experts=2, mtp=True)
+def test_synth_mtp_block_scales_are_bf16(full_shape_mtp_snapshot):
+    snap = full_shape_mtp_snapshot
     with safe_open(snap / FP8_FILE, "pt") as st:
         for proj, grid in (("gate_proj", [5, 20]), ("up_proj", [5, 20]), ("down_proj", [20, 5])):
             s = st.get_slice(f"mtp.layers.0.mlp.experts.1.{proj}.weight_scale_inv")

@@ -4,24 +4,17 @@ import httpx
 import pytest
 from server_helpers import KEY, USER, scripted_server
 
-from expertstream.tokenizer import Tokenizer
-
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_workdir):
-    return Tokenizer.from_dir(tiny_workdir)
-
-
-@pytest.fixture(scope="module")
-def keyed(tokenizer):
-    server = scripted_server(tokenizer, api_key=KEY)
+def keyed(tiny_tokenizer):
+    server = scripted_server(tiny_tokenizer, api_key=KEY)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def open_server(tokenizer):
-    server = scripted_server(tokenizer)
+def open_server(tiny_tokenizer):
+    server = scripted_server(tiny_tokenizer)
     yield server
     server.stop()
 

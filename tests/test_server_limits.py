@@ -10,18 +10,12 @@ import pytest
 from server_helpers import USER, scripted_server
 
 from expertstream.server.limits import body_limit
-from expertstream.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_workdir):
-    return Tokenizer.from_dir(tiny_workdir)
-
-
-@pytest.fixture(scope="module")
-def server(tokenizer):
+def server(tiny_tokenizer):
     # the default body limit: what a 1024-token context can hold
-    server = scripted_server(tokenizer, max_model_len=1024)
+    server = scripted_server(tiny_tokenizer, max_model_len=1024)
     yield server
     server.stop()
 
@@ -38,8 +32,8 @@ def chat_body(text: str) -> bytes:
     return json.dumps({"model": "fake", "messages": [{"role": "user", "content": text}]}).encode()
 
 
-def test_body_limit_follows_the_context(server, tokenizer):
-    limit = body_limit(1024, tokenizer.max_token_bytes)
+def test_body_limit_follows_the_context(server, tiny_tokenizer):
+    limit = body_limit(1024, tiny_tokenizer.max_token_bytes)
     assert limit < 2 << 20  # far under the old fixed 32 MiB
     r = httpx.post(server.url + "/v1/chat/completions", content=chat_body("x" * limit), headers=JSON)
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"

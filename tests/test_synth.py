@@ -273,10 +273,10 @@ def test_full_shape_smoke(tmp_path):
         assert st.get_slice(f"{P}layers.0.linear_attn.in_proj_qkv.weight").get_shape() == [10240, 2560]
 
 
-def test_mtp_needs_128_multiples_and_writes_block_fp8(tmp_path):
+def test_mtp_needs_128_multiples_and_writes_block_fp8(tmp_path, full_shape_mtp_snapshot):
     with pytest.raises(ValueError, match="128"):
         write_synthetic(tmp_path / "tiny-mtp", preset="tiny", mtp=True)
-    snap = write_synthetic(tmp_path / "mtp", preset="full-shape", layers=1, experts=4, mtp=True)
+    snap = full_shape_mtp_snapshot
     wm = _weight_map(snap)
     with safe_open(snap / "model-fp8-mtp-ple.safetensors", "pt") as st:
         b = "mtp.layers.0.mlp.experts.3"

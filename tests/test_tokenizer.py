@@ -149,7 +149,7 @@ def test_streaming_detokenizer_is_constant_work_per_token(tok):
             self.decoded += len(ids)
             return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    counting = CountingTokenizer(tok._tok)
+    counting = CountingTokenizer(tok)
     detok = type(tok.detokenizer())(counting)
     ids = tok.encode("The quick brown fox jumps over the lazy dog. 你好 " * 40)
     text = "".join(detok.add(i) for i in ids) + detok.flush()

@@ -95,7 +95,7 @@ def test_there_are_a_few_hundred_probe_strings():
 
 def test_backend_equals_transformers(pair):
     ours, hf = pair
-    assert json.loads(ours._tok.to_str()) == json.loads(hf.backend_tokenizer.to_str())
+    assert json.loads(ours.to_json()) == json.loads(hf.backend_tokenizer.to_str())
 
 
 def test_encode_equals_transformers(pair):
