@@ -291,6 +291,11 @@ class GpuExperts(ExpertBank):
         self._uncounted = self.resident is not None
         self.decode_seconds += time.perf_counter() - t0
 
+    def ram_rows(self, layer: int) -> np.ndarray:
+        """[E] int: each expert's RAM row where layer's decode reads it from RAM, -1 where from VRAM."""
+        loc = self._loc_np[layer]
+        return np.where(loc < 0, -1 - loc, -1)
+
     @property
     def _ram_holds_all(self) -> bool:
         """The RAM cache holds (or is reading) every block of the model."""

@@ -138,6 +138,8 @@ class Engine:
                 config.speculation_width,
                 config.stage_guesses,
             )
+            if config.cpu_moe_share:
+                self.bank = self._split_bank(config.cpu_moe_share)
             t1 = time.perf_counter()
             self.bank.warm_up(self.dtype)  # a first prompt must not wait for Triton compiles
             log.info("expert kernels ready in %.1f s", time.perf_counter() - t1)
@@ -199,6 +201,18 @@ class Engine:
             self.dtype,
             time.perf_counter() - t0,
         )
+
+    def _split_bank(self, share: float):
+        """The GPU bank with a CPU share of RAM-resident decode (experts/split_bank.py); share < 0 measures
+        the bus here for it."""
+        from expertstream.experts.split_bank import SplitExperts
+
+        bus = None
+        if share < 0:
+            from expertstream.runtime.probes import pcie_rate
+
+            bus = pcie_rate(256 << 20)
+        return SplitExperts(self.bank, self.workdir, share, self.cpu_threads, bus_gbps=bus)
 
     def _plan_gpu_memory(self) -> MemoryPlan:
         """Plan VRAM for the budget and enforce it through the caching allocator's per-process limit."""
