@@ -87,15 +87,16 @@ class SplitExperts(ExpertBank):
         if not usable:
             self.n_cpu = 0
             log.warning("--cpu-moe-share needs the pinned RAM cache and the CPU kernel (a C compiler): off")
-        elif share >= 0:
-            self.n_cpu = min(k, round(share * k))
         else:
-            if self.cpu_gbps is None:
+            if self.cpu_gbps is None:  # the bench's bound takes it in either case
                 self.cpu_gbps = measure_cpu_rate(host, self.layout, k, threads())
-            self.n_cpu = cpu_experts(k, self.cpu_gbps, bus_gbps or 0.0)
-        if usable:
-            rates = f"CPU kernel {self.cpu_gbps:.1f} GB/s, bus {bus_gbps:.1f} GB/s" if share < 0 else "set"
-            log.info("CPU share of RAM-resident decode: %d of %d experts a layer (%s)", self.n_cpu, k, rates)
+            if share >= 0:
+                self.n_cpu = min(k, round(share * k))
+            else:
+                self.n_cpu = cpu_experts(k, self.cpu_gbps, bus_gbps or 0.0)
+            bus = f"bus {bus_gbps:.1f} GB/s" if bus_gbps else "bus not measured"
+            log.info("CPU share of RAM-resident decode: %d of %d experts a layer (CPU kernel %.1f GB/s, %s)",
+                     self.n_cpu, k, self.cpu_gbps, bus)  # fmt: skip
         self._out = torch.empty(workdir.layout.hidden_size, pin_memory=host is not None and host.is_pinned())
         self.cpu_blocks = 0  # routed blocks the CPU computed
         self.split_calls = 0  # decode layers run split
