@@ -25,12 +25,13 @@ def test_the_share_balances_the_two_sides():
 
 def test_the_cpu_takes_the_lightest_experts_it_can_read_from_ram():
     ids = [7, 3, 9, 1, 4]  # top-k order: falling weight
-    assert split_routed(ids, [True] * 5, 2) == ([3, 4], [0, 1, 2])
-    # a block in VRAM (the hot set) stays on the GPU side
-    assert split_routed(ids, [True, True, True, True, False], 2) == ([2, 3], [0, 1, 4])
-    assert split_routed(ids, [False] * 5, 3) == ([], [0, 1, 2, 3, 4])
-    assert split_routed(ids, [True] * 5, 0) == ([], [0, 1, 2, 3, 4])
-    assert split_routed(ids, [True] * 5, 5) == ([0, 1, 2, 3, 4], [])
+    assert split_routed(ids, [True] * 5, 0.4) == ([3, 4], [0, 1, 2])
+    # a block in VRAM (the hot set) stays on the GPU side; the share is of the blocks read from RAM
+    assert split_routed(ids, [True, True, True, True, False], 0.5) == ([2, 3], [0, 1, 4])
+    assert split_routed(ids, [True, False, True, False, False], 0.5) == ([2], [0, 1, 3, 4])
+    assert split_routed(ids, [False] * 5, 0.6) == ([], [0, 1, 2, 3, 4])
+    assert split_routed(ids, [True] * 5, 0.0) == ([], [0, 1, 2, 3, 4])
+    assert split_routed(ids, [True] * 5, 1.0) == ([0, 1, 2, 3, 4], [])
 
 
 def routing(wd, t, seed):

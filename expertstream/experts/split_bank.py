@@ -32,27 +32,14 @@ def cpu_experts(k: int, cpu_gbps: float, bus_gbps: float) -> int:
     return min(k, round(k * cpu_gbps / (cpu_gbps + bus_gbps)))
 
 
-def split_routed(ids: list[int], in_ram: list[bool], n: int) -> tuple[list[int], list[int]]:
-    """(CPU positions, GPU positions) among a token's K routed experts: the CPU takes the last n of those
-    whose block decode would read from RAM (top-k lists them by falling weight: the CPU's sum, rounded
-    differently from the GPU's, carries the smallest weights); blocks in VRAM stay on the GPU."""
-    cpu = [j for j in range(len(ids)) if in_ram[j]][::-1][:n]
+def split_routed(ids: list[int], in_ram: list[bool], share: float) -> tuple[list[int], list[int]]:
+    """(CPU positions, GPU positions) among a token's K routed experts: the CPU takes `share` of those whose
+    block decode would read from RAM (rounded), the last ones (top-k lists them by falling weight: the
+    CPU's sum, rounded differently from the GPU's, carries the smallest weights); blocks in VRAM (the hot
+    set) stay on the GPU, where they cross no bus."""
+    ram = [j for j in range(len(ids)) if in_ram[j]]
+    cpu = ram[::-1][: round(share * len(ram))]
     return sorted(cpu), [j for j in range(len(ids)) if j not in cpu]
-
-
-def measure_cpu_rate(host: torch.Tensor, layout, k: int, threads: int, rounds: int = 4) -> float:
-    """GB/s of the CPU kernel on one layer's k experts for one token, best of `rounds` calls on distinct RAM
-    rows of `host` [C, block_bytes] (their contents do not change the kernel's time)."""
-    rows = host.shape[0]
-    x, wt, ws2 = torch.randn(1, layout.hidden_size), torch.ones(k, 1), torch.ones(k, 3)
-    best = float("inf")
-    for r in range(rounds + 1):  # the first call builds the pool
-        blocks = [host[(r * k + j) * rows // ((rounds + 1) * k)] for j in range(k)]
-        t0 = time.perf_counter()
-        cpu_moe.moe(blocks, ws2, wt, x, layout, threads)
-        if r:
-            best = min(best, time.perf_counter() - t0)
-    return k * layout.payload_bytes / best / 1e9
 
 
 class SplitExperts(ExpertBank):
@@ -89,11 +76,10 @@ class SplitExperts(ExpertBank):
             log.warning("--cpu-moe-share needs the pinned RAM cache and the CPU kernel (a C compiler): off")
         else:
             if self.cpu_gbps is None:  # the bench's bound takes it in either case
-                self.cpu_gbps = measure_cpu_rate(host, self.layout, k, threads())
-            if share >= 0:
-                self.n_cpu = min(k, round(share * k))
-            else:
-                self.n_cpu = cpu_experts(k, self.cpu_gbps, bus_gbps or 0.0)
+                self.cpu_gbps = cpu_moe.layer_rate(host, self.layout, k, threads())
+            self.n_cpu = (
+                min(k, round(share * k)) if share >= 0 else cpu_experts(k, self.cpu_gbps, bus_gbps or 0)
+            )
             bus = f"bus {bus_gbps:.1f} GB/s" if bus_gbps else "bus not measured"
             log.info("CPU share of RAM-resident decode: %d of %d experts a layer (CPU kernel %.1f GB/s, %s)",
                      self.n_cpu, k, self.cpu_gbps, bus)  # fmt: skip
@@ -196,7 +182,7 @@ class SplitExperts(ExpertBank):
         self._syncs += 1
         ids = packed[:k].long().tolist()
         rows = self.gpu.ram_rows(layer)  # [E] RAM row, -1 where decode reads VRAM (the hot set)
-        on_cpu, on_gpu = split_routed(ids, [rows[e] >= 0 for e in ids], self.n_cpu)
+        on_cpu, on_gpu = split_routed(ids, [rows[e] >= 0 for e in ids], self.n_cpu / k)
         y = None
         if on_gpu:  # queued first: the bus carries its blocks while the CPU computes
             sel = torch.tensor(on_gpu).to(x.device, non_blocking=True)
