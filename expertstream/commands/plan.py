@@ -230,8 +230,8 @@ def _rates(args, model, cfg: EngineConfig) -> tuple[float | None, float | None]:
 
 def cpu_rate(args, model, threads: int) -> tuple[float, str]:
     """(GB/s, how it was found) of the CPU expert kernel for one token on a layer's K experts: --cpu-gbps;
-    else, for another box, min(cores x this box's one-thread rate, its memory rate x the fraction of the
-    memory rate the kernel reaches here); else measured here on `threads` threads."""
+    else, for another box, min(cores x this box's one-thread rate, its memory rate); else measured here on
+    `threads` threads."""
     import torch
 
     from expertstream.formats.expert_block import ExpertLayout
@@ -249,11 +249,9 @@ def cpu_rate(args, model, threads: int) -> tuple[float, str]:
     if not (args.cpu_cores or args.mem_gbps):
         return here, f"measured on {threads} thread{'s' * (threads > 1)} here"
     one = cpu_moe.layer_rate(rows, layout, k, 1)
-    frac = here / cpu_moe.read_rate(256 << 20, threads)
     cores, mem = args.cpu_cores or threads, args.mem_gbps or cpu_moe.read_rate(256 << 20, threads)
-    rate = min(cores * one, frac * mem)
-    return rate, (f"{cores} cores x {one:.1f} GB/s a core here, or {frac:.0%} of {mem:.0f} GB/s of memory "
-                  "as here, the lower")  # fmt: skip
+    rate = min(cores * one, mem)
+    return rate, f"{cores} cores x {one:.1f} GB/s a core here, at most the {mem:.0f} GB/s memory rate"
 
 
 def cpu_share_lines(tb: TokenBytes, k: int, pcie: float, cpu: float, how: str) -> list[str]:
