@@ -13,6 +13,9 @@
 #define MAXTH 256
 #define ROWS_UP 16    // gate/up rows per work item
 #define ROWS_DOWN 32  // output rows per work item
+// software prefetch distance in code bytes: rows of an item are adjacent, so it runs on into the next rows;
+// from RAM it makes one thread ~1.7x faster (the hardware prefetchers lose the 4-8 interleaved streams)
+#define PF 2048
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v16fu __attribute__((vector_size(64), aligned(4)));  // unaligned loads
@@ -89,15 +92,22 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *const 
   for (int r = 0; r < R; r++)
     for (int t = 0; t < T; t++) acc[r][t][0] = acc[r][t][1] = (v16f){0};
   int g = 0;
-  for (; g + 2 <= G; g += 2)
+  for (; g + 2 <= G; g += 2) {
+    if ((g & 7) == 0)  // every 8 groups a line of each row's codes PF bytes ahead, and of its scales
+      for (int r = 0; r < R; r++) {
+        __builtin_prefetch(w[r] + 8 * g + PF);
+        __builtin_prefetch(s[r] + g + PF / 8);
+      }
     for (int u = 0; u < 2; u++) {
       v16f wg[2];
       for (int r = 0; r < R; r++) wg[r] = decode16(w[r] + 8 * (g + u), s[r][g + u]);
       for (int t = 0; t < T; t++) {
         v16f x = *(const v16fu *)(xp + (size_t)t * stride + 16 * (g + u));
+        __asm__("" : "+v"(x));  // one load of x for the R rows (compilers fold it into each FMA)
         for (int r = 0; r < R; r++) acc[r][t][u] += wg[r] * x;
       }
     }
+  }
   if (g < G) {
     for (int r = 0; r < R; r++) {
       v16f wg = decode16(w[r] + 8 * g, s[r][g]);
