@@ -6,7 +6,7 @@ import torch
 
 from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.experts.gpu_bank import GpuExperts
-from expertstream.experts.split_bank import SplitExperts, cpu_experts, split_routed
+from expertstream.experts.split_bank import SplitExperts, cpu_experts
 from expertstream.kernels import cpu_moe
 from expertstream.store import ExpertStore
 from expertstream.workdir.workdir import Workdir
@@ -21,17 +21,6 @@ def test_the_share_balances_the_two_sides():
     assert cpu_experts(10, cpu_gbps=1.0, bus_gbps=55.0) == 0
     assert cpu_experts(10, cpu_gbps=0.0, bus_gbps=55.0) == 0
     assert cpu_experts(8, cpu_gbps=1e3, bus_gbps=1.0) == 8
-
-
-def test_the_cpu_takes_the_lightest_experts_it_can_read_from_ram():
-    ids = [7, 3, 9, 1, 4]  # top-k order: falling weight
-    assert split_routed(ids, [True] * 5, 0.4) == ([3, 4], [0, 1, 2])
-    # a block in VRAM (the hot set) stays on the GPU side; the share is of the blocks read from RAM
-    assert split_routed(ids, [True, True, True, True, False], 0.5) == ([2, 3], [0, 1, 4])
-    assert split_routed(ids, [True, False, True, False, False], 0.5) == ([2], [0, 1, 3, 4])
-    assert split_routed(ids, [False] * 5, 0.6) == ([], [0, 1, 2, 3, 4])
-    assert split_routed(ids, [True] * 5, 0.0) == ([], [0, 1, 2, 3, 4])
-    assert split_routed(ids, [True] * 5, 1.0) == ([0, 1, 2, 3, 4], [])
 
 
 def routing(wd, t, seed):

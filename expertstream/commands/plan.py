@@ -255,15 +255,15 @@ def cpu_rate(args, model, threads: int) -> tuple[float, str]:
 
 
 def cpu_share_lines(tb: TokenBytes, k: int, pcie: float, cpu: float, how: str) -> list[str]:
-    """What a CPU share of decode gives when every expert is in RAM: the CPU takes n of every K routed
-    experts read from RAM (n / cpu = (K - n) / bus, as --cpu-moe-share -1 picks), the bus the rest; the
-    bound is the slower side."""
+    """What a CPU share of decode gives when every expert is in RAM: the CPU takes n of a layer's K routed
+    experts (n / cpu = (K - n) / bus, as --cpu-moe-share -1 picks), the bus the rest; the bound is the
+    slower side."""
     from expertstream.experts.split_bank import cpu_experts
 
     n = cpu_experts(k, cpu, pcie)
     alone = tb.over_bus / pcie / 1e9
-    on_cpu = tb.over_bus * n / k  # of the blocks read from RAM (the hot set's stay on the GPU)
-    split = max((tb.over_bus - on_cpu) / pcie, on_cpu / cpu) / 1e9 if cpu else alone
+    # the CPU reads its n of the K from RAM; the GPU's K - n cross the bus but for the hot set's
+    split = max(tb.over_bus * (k - n) / k / pcie, tb.routed * n / k / cpu) / 1e9 if cpu else alone
     lines = [f"CPU share of decode (--cpu-moe-share -1), the CPU expert kernel at {cpu:.1f} GB/s ({how}):"]
     if not n:
         lines.append(f"  none: the bus at {pcie:.1f} GB/s is much faster than the CPU kernel")

@@ -292,9 +292,8 @@ class GpuExperts(ExpertBank):
         self.decode_seconds += time.perf_counter() - t0
 
     def ram_rows(self, layer: int) -> np.ndarray:
-        """[E] int: each expert's RAM row where layer's decode reads it from RAM, -1 where from VRAM."""
-        loc = self._loc_np[layer]
-        return np.where(loc < 0, -1 - loc, -1)
+        """[E] each expert's RAM cache row in `layer` (held for good once `resident` is "ram")."""
+        return self._ram_rows[layer]
 
     @property
     def _ram_holds_all(self) -> bool:

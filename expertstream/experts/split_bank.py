@@ -5,9 +5,11 @@ GPU bank's decode kernel, and the two sums are added on the GPU.
 `SplitExperts` composes a CUDA bank (experts/gpu_bank.py) and the CPU kernel through the bank interface
 (experts/bank.py). Until every block has a fixed RAM row, and for prompts, it is the GPU bank. Once they have,
 a one-token call is host work ("eager" decode mode: the decode graphs keep the rest of the layer captured):
-one read-back of the routing ids, weights and x (the layer's one sync), the GPU kernel launched on its
-experts, the CPU kernel run on the others meanwhile, its [H] sum uploaded and added. A layer's time is then
-about max(bus bytes / bus rate, CPU bytes / CPU rate) plus the sync, instead of all its bytes over the bus.
+the last n of the K routed experts (top-k order: the smallest weights) go to the CPU, the first K - n to the
+GPU, a split that needs nothing from the host, so the GPU kernel is queued at once, behind a copy of the
+CPU's ids, weights and x to the host; the host waits for that copy alone, runs the CPU kernel while the bus
+carries the GPU's blocks, and uploads its [H] sum, which is added on the GPU. A layer then takes about
+max(bus bytes / bus rate, CPU bytes / CPU rate) instead of all its bytes over the bus.
 """
 
 from __future__ import annotations
@@ -30,16 +32,6 @@ def cpu_experts(k: int, cpu_gbps: float, bus_gbps: float) -> int:
     if cpu_gbps <= 0 or bus_gbps <= 0:
         return 0
     return min(k, round(k * cpu_gbps / (cpu_gbps + bus_gbps)))
-
-
-def split_routed(ids: list[int], in_ram: list[bool], share: float) -> tuple[list[int], list[int]]:
-    """(CPU positions, GPU positions) among a token's K routed experts: the CPU takes `share` of those whose
-    block decode would read from RAM (rounded), the last ones (top-k lists them by falling weight: the
-    CPU's sum, rounded differently from the GPU's, carries the smallest weights); blocks in VRAM (the hot
-    set) stay on the GPU, where they cross no bus."""
-    ram = [j for j in range(len(ids)) if in_ram[j]]
-    cpu = ram[::-1][: round(share * len(ram))]
-    return sorted(cpu), [j for j in range(len(ids)) if j not in cpu]
 
 
 class SplitExperts(ExpertBank):
@@ -83,7 +75,11 @@ class SplitExperts(ExpertBank):
             bus = f"bus {bus_gbps:.1f} GB/s" if bus_gbps else "bus not measured"
             log.info("CPU share of RAM-resident decode: %d of %d experts a layer (CPU kernel %.1f GB/s, %s)",
                      self.n_cpu, k, self.cpu_gbps, bus)  # fmt: skip
-        self._out = torch.empty(workdir.layout.hidden_size, pin_memory=host is not None and host.is_pinned())
+        pin = host is not None and host.is_pinned()
+        h = workdir.layout.hidden_size
+        self._out = torch.empty(h, pin_memory=pin)  # the CPU's sum, uploaded from here
+        self._host = torch.empty(2 * k + h, pin_memory=pin)  # the CPU's ids and weights, and x
+        self._copied = torch.cuda.Event() if pin else None  # that copy landed
         self.cpu_blocks = 0  # routed blocks the CPU computed
         self.split_calls = 0  # decode layers run split
         self._seconds = self._sync_seconds = 0.0
@@ -152,8 +148,8 @@ class SplitExperts(ExpertBank):
         self.gpu.decode_fixed_reads(n)
 
     def warm_up(self, dtype: torch.dtype) -> None:
-        """The GPU bank's warm-up, then the decode kernel for every expert count the GPU side may get with
-        FP32 input (K is a compile-time constant of its down kernel)."""
+        """The GPU bank's warm-up, then the decode kernel for the GPU side's K - n experts with FP32 input (K
+        is a compile-time constant of its down kernel)."""
         from expertstream.kernels import nvfp4_moe
 
         self.gpu.warm_up(dtype)
@@ -161,7 +157,8 @@ class SplitExperts(ExpertBank):
             return
         dev, h = self.gpu.cache.device, self.layout.hidden_size
         e2s = torch.zeros(self.gpu.num_experts, dtype=torch.int32, device=dev)
-        for n in range(max(1, self.k - self.n_cpu), self.k + 1):
+        if self.k > self.n_cpu:
+            n = self.k - self.n_cpu
             ids, w = torch.zeros(n, dtype=torch.int64, device=dev), torch.ones(n, device=dev)
             nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, device=dev), ids, e2s, self.gpu.scales[0], w,
                                        self.layout, self.gpu.cache.slots, self.gpu.host_blocks)  # fmt: skip
@@ -175,33 +172,36 @@ class SplitExperts(ExpertBank):
 
     def _split(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
         t0 = time.perf_counter()
-        k = expert_ids.shape[1]
-        # the layer's one sync: ids, weights and x read back together
-        packed = torch.cat((expert_ids[0].float(), weights[0].float(), x[0].float())).cpu()
-        t1 = time.perf_counter()
-        self._syncs += 1
-        ids = packed[:k].long().tolist()
-        rows = self.gpu.ram_rows(layer)  # [E] RAM row, -1 where decode reads VRAM (the hot set)
-        on_cpu, on_gpu = split_routed(ids, [rows[e] >= 0 for e in ids], self.n_cpu / k)
+        g, n = self.k - self.n_cpu, self.n_cpu
+        # the CPU's experts, their weights and x copied to the host first, then the GPU's kernel queued
+        # behind the copy: the host waits for the copy alone while the bus carries the GPU's blocks
+        packed = torch.cat((expert_ids[0, g:].float(), weights[0, g:].float(), x[0].float()))
+        host = self._host[: packed.numel()]
+        host.copy_(packed, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         y = None
-        if on_gpu:  # queued first: the bus carries its blocks while the CPU computes
-            sel = torch.tensor(on_gpu).to(x.device, non_blocking=True)
-            y = self.gpu.decode_compute(layer, x.float(), expert_ids[:, sel], weights[:, sel])
-            self.gpu.decode_fixed_reads(len(on_gpu))
+        if g:
+            y = self.gpu.decode_compute(layer, x.float(), expert_ids[:, :g], weights[:, :g])
+            self.gpu.decode_fixed_reads(g)
             self.gpu.decode_launched()
-        if on_cpu:
-            blocks = [self.gpu.host_blocks[int(rows[ids[j]])] for j in on_cpu]
-            wt = packed[k:][on_cpu][:, None]  # [n, 1]
-            ws2 = self.ws2[layer, [ids[j] for j in on_cpu]]
-            part = cpu_moe.moe(blocks, ws2, wt, packed[2 * k :][None], self.layout, self.threads())
-            self._out.copy_(part[0])  # the previous layer's upload is done: its sync came after it
-            cpu_sum = self._out.to(x.device, non_blocking=True, copy=True)[None]
-            y = cpu_sum if y is None else y + cpu_sum
-            self.cpu_blocks += len(on_cpu)
+        t1 = time.perf_counter()
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._sync_seconds += time.perf_counter() - t1
+        self._syncs += 1
+        ids = host[:n].long().tolist()
+        rows = self.gpu.ram_rows(layer)  # [E] every block's RAM row
+        blocks = [self.gpu.host_blocks[int(rows[e])] for e in ids]
+        wt, xh = host[n : 2 * n, None], host[2 * n :][None]
+        part = cpu_moe.moe(blocks, self.ws2[layer, ids], wt, xh, self.layout, self.threads())
+        # the previous layer's upload from _out is done: this layer's copy, queued after it, has landed
+        self._out.copy_(part[0])
+        cpu_sum = self._out.to(x.device, non_blocking=True, copy=True)[None]
+        self.cpu_blocks += n
         self.split_calls += 1
-        self._sync_seconds += t1 - t0
         self._seconds += time.perf_counter() - t0
-        return y  # FP32 [1, H]: the caller casts
+        return cpu_sum if y is None else y + cpu_sum  # FP32 [1, H]: the caller casts
 
     def counters(self) -> BankCounters:
         c = self.gpu.counters()
