@@ -156,6 +156,8 @@ class Engine:
             )
             if config.stage_guesses > 0:
                 log.warning("--stage-guesses ignored: it stages blocks into VRAM for the CUDA expert bank")
+            if config.cpu_moe_share:
+                log.warning("--cpu-moe-share ignored: without the CUDA bank every expert runs on the CPU")
         if self.plan:
             piece, span, chunk = self.plan.prefill_piece, self.plan.prefill_span, self.plan.prefill_chunk
         else:
