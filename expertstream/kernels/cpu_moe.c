@@ -77,6 +77,13 @@ static inline v16f decode16(const uint8_t *p, uint8_t s) {
 }
 #endif
 
+// one load of x for the R rows of dot_rows (compilers fold the load into each FMA; loads bound the loop)
+#if defined(__x86_64__) && defined(__AVX512F__)
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define IN_REGISTER(v) (void)0
+#endif
+
 static inline float hsum(v16f v) {
   float s = 0;
   for (int i = 0; i < 16; i++) s += v[i];
@@ -104,7 +111,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *const 
       for (int r = 0; r < R; r++) wg[r] = decode16(w[r] + 8 * (g + u), s[r][g + u]);
       for (int t = 0; t < T; t++) {
         v16f x = *(const v16fu *)(xp + (size_t)t * stride + 16 * (g + u));
-        __asm__("" : "+v"(x));  // one load of x for the R rows (compilers fold it into each FMA)
+        IN_REGISTER(x);
         for (int r = 0; r < R; r++) acc[r][t][u] += wg[r] * x;
       }
     }
