@@ -14,9 +14,6 @@
 #define ROWS_UP 16    // gate/up rows per work item
 #define ROWS_DOWN 32  // output rows per work item
 #define RMAX 4        // rows one pass over x (or h) takes: each load of x feeds R FMAs
-// software prefetch distance in code bytes: rows of an item are adjacent, so it runs on into the next rows;
-// from RAM it makes one thread ~1.7x faster (the hardware prefetchers lose the 4-8 interleaved streams)
-#define PF 2048
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v16fu __attribute__((vector_size(64), aligned(4)));  // unaligned loads
@@ -95,16 +92,19 @@ static inline float hsum(v16f v) {
 // keep enough FMA chains in flight for one token.
 static inline __attribute__((always_inline)) void dot_rows(const uint8_t *const *w, const uint8_t *const *s,
                                                           int R, int G, const float *xp, int stride, int T,
-                                                          float res[][TMAX]) {
+                                                          long ahead, float res[][TMAX]) {
   v16f acc[RMAX][TMAX][2];
   for (int r = 0; r < R; r++)
     for (int t = 0; t < T; t++) acc[r][t][0] = acc[r][t][1] = (v16f){0};
   int g = 0;
   for (; g + 2 <= G; g += 2) {
-    if ((g & 7) == 0)  // every 8 groups a line of each row's codes PF bytes ahead, and of its scales
+    // every 8 groups a line of each row's codes and scales `ahead` code bytes on: the same row of the next
+    // pass (an item's rows are adjacent). From RAM the hardware prefetchers lose the interleaved streams:
+    // one thread ~1.7x faster with it
+    if ((g & 7) == 0)
       for (int r = 0; r < R; r++) {
-        __builtin_prefetch(w[r] + 8 * g + PF);
-        __builtin_prefetch(s[r] + g + PF / 8);
+        __builtin_prefetch(w[r] + 8 * g + ahead);
+        __builtin_prefetch(s[r] + g + ahead / 8);
       }
     for (int u = 0; u < 2; u++) {
       v16f wg[RMAX];
@@ -163,7 +163,7 @@ static inline __attribute__((always_inline)) void up_item(Job *j, int item, int 
       w[k] = b + j->off[0] + (size_t)(r + k) * H / 2, s[k] = b + j->off[3] + (size_t)(r + k) * G;
       w[P + k] = b + j->off[1] + (size_t)(r + k) * H / 2, s[P + k] = b + j->off[4] + (size_t)(r + k) * G;
     }
-    dot_rows(w, s, 2 * P, G, j->xp, H, T, gu);
+    dot_rows(w, s, 2 * P, G, j->xp, H, T, (long)P * H / 2, gu);
     for (int k = 0; k < P; k++)
       for (int t = 0; t < T; t++) {
         float gg = gu[k][t] * sg;
@@ -182,7 +182,7 @@ static inline __attribute__((always_inline)) void down_item(Job *j, int item, in
       const uint8_t *b = j->blocks[e], *w[RMAX], *s[RMAX];
       for (int k = 0; k < R; k++)
         w[k] = b + j->off[2] + (size_t)(r + k) * I / 2, s[k] = b + j->off[5] + (size_t)(r + k) * G;
-      dot_rows(w, s, R, G, j->hp + (size_t)e * T * I, I, T, d);
+      dot_rows(w, s, R, G, j->hp + (size_t)e * T * I, I, T, (long)R * I / 2, d);
       float sd = j->ws2[3 * e + 2];
       for (int k = 0; k < R; k++)
         for (int t = 0; t < T; t++) acc[k][t] += j->wt[e * T + t] * sd * d[k][t];
