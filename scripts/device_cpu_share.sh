@@ -24,7 +24,7 @@ for n in (1, 8, 16):
 wait
 python3 -m expertstream plan $W/full-4-wd --gpu-memory-gb 8 --ram-cache-gb 7 2>&1 | grep -v INFO | tail -4 \
   | tee $OUT/plan.txt
-timeout ${BENCH_S:-240} python3 -m expertstream bench decode --layers 4 --regimes ram ram_unstaged ram_CPU_share \
+timeout ${BENCH_S:-270} python3 -m expertstream bench decode --layers 4 --regimes ram ram_unstaged ram_CPU_share \
   --out $OUT/bench_decode.md --json 2>&1 | grep -v INFO | tail -40 > $OUT/bench_decode.txt
 tail -12 $OUT/bench_decode.md
 # the share by hand: 0.3, 0.5 of each layer's experts on the CPU (the bench's regime with a fixed share)

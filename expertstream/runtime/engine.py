@@ -213,7 +213,8 @@ class Engine:
         if share < 0:
             from expertstream.runtime.probes import pcie_rate
 
-            bus = pcie_rate(256 << 20)
+            bus = pcie_rate(64 << 20)
+            torch.cuda.empty_cache()  # the probe's 64 MB go back, outside the plan's budget
         return SplitExperts(self.bank, self.workdir, share, self.cpu_threads, bus_gbps=bus)
 
     def _plan_gpu_memory(self) -> MemoryPlan:
