@@ -133,6 +133,14 @@ class EngineConfig:
             "leave free, re-measured while running (llama.cpp's name)"
         },
     )
+    cpu_moe_share: float = field(
+        default=0.0,
+        metadata={
+            "help": "GPU decode with every expert in the pinned RAM cache: the fraction of each layer's "
+            "routed experts the CPU computes in place while the bus carries the rest; -1: chosen from the "
+            "bus and CPU kernel rates measured at start; 0: off (llama.cpp: --moe-cache-cpu-share)"
+        },
+    )
     cpu_affinity: str | None = field(
         default=None,
         metadata={

@@ -333,3 +333,28 @@ def test_checksum_note_gives_the_cost_per_block_and_its_share_of_a_disk_bound_to
     assert "0.500 ms of CPU per 2,764,800 B block (5.5 GB/s per reader thread; 0.800 ms wall" in note
     assert "6.25% with the 16 readers checking in parallel, 100.00% if one thread checked them all" in note
     assert checksum_note({"vram": {}}, 5.0, 2_764_800, 16) == ""
+
+
+def test_decode_table_bound_takes_the_cpu_share():
+    results = {
+        "vram": decode_result(2.0, [1, 2]),
+        "ram unstaged": decode_result(12.0, [1, 2], pcie_bytes_per_token=440e6),
+        # 6 of 10 experts over the bus (264 MB: 4.8 ms at 55 GB/s), 4 on the CPU (176 MB: 8.8 ms at 20 GB/s)
+        "ram, CPU share": decode_result(
+            10.0, [1, 2], pcie_bytes_per_token=264e6, cpu_bytes_per_token=176e6, cpu_gbps=20.0, cpu_experts=4
+        ),
+    }
+    table = decode_table(results, disk_gbps=2.0, pcie_gbps=55.0, layers=4)
+    assert results["ram unstaged"]["bound_ms"] == pytest.approx(8.0)
+    assert results["ram, CPU share"]["bound_ms"] == pytest.approx(8.8)  # the CPU's side is the bound
+    assert "4 routed experts a layer on the CPU, 176.0 MB/token at 20.0 GB/s" in table
+    assert "bound terms PCIe 4.80 ms, CPU 8.80 ms, GPU 2.00 ms; 1.20x `ram unstaged`." in table
+
+
+def test_the_cpu_share_regime_is_ram_unstaged_with_a_measured_share(tiny_workdir):
+    wd = Workdir(tiny_workdir)
+    base = EngineConfig(model=str(tiny_workdir), gpu_memory_gb=8.0, max_model_len=4096)
+    regimes, _ = decode_regimes(wd, base, stage_guesses=2)
+    share, without = regimes["ram, CPU share"], regimes["ram unstaged"]
+    assert share[0].cpu_moe_share == -1.0 and without[0].cpu_moe_share == 0.0
+    assert dataclasses.replace(share[0], cpu_moe_share=0.0) == without[0] and share[1] == without[1]

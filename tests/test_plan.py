@@ -135,3 +135,38 @@ def test_plan_of_a_model_id_offline_says_how_to_pass_its_config(monkeypatch, cap
     assert "cannot reach huggingface.co (Name or service not known)" in err
     assert "huggingface-cli download nvidia/Qwen3.8-Flash-Next-NVFP4 config.json --local-dir DIR" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_the_cpu_share_takes_what_balances_the_bus():
+    from expertstream.commands.plan import cpu_share_lines
+
+    # every block in RAM: 10 experts of 100 MB a token over a 50 GB/s bus = 20 ms alone
+    tb = token_bytes(1, 64, 10, int(1e8), vram_blocks=0, ram_gb=64 * 1e8 / GiB + 1)
+    lines = cpu_share_lines(tb, 10, pcie=50.0, cpu=25.0, how="given")
+    # 25 / 75 of 10 -> 3 on the CPU (300 MB at 25 GB/s = 12 ms), 7 over the bus (14 ms): 71.4 tok/s
+    assert "the CPU expert kernel at 25.0 GB/s (given)" in lines[0]
+    want = "  3 of 10 experts a layer on the CPU, 7 over PCIe: at most 71.4 tok/s from these bytes, 1.43x"
+    assert lines[1] == want + " the bus alone"
+    assert "none" in cpu_share_lines(tb, 10, pcie=50.0, cpu=1.0, how="given")[1]
+
+
+def test_plan_says_what_a_cpu_share_gives_another_box(tmp_path, capsys):
+    import json
+
+    from expertstream.synth.synth import build_config
+
+    names = ("<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    config = build_config("full-shape", 4, None, 1024, {n: i for i, n in enumerate(names)})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # 4 full-shape layers' 2,048 blocks (5.7 GB) all in the RAM cache
+    argv = ["plan", str(tmp_path / "config.json"), "--gpu-memory-gb", "8", "--ram-cache-gb", "8"]
+    assert cli_main(argv + ["--pcie-gbps", "50", "--cpu-gbps", "25"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU share of decode (--cpu-moe-share -1), the CPU expert kernel at 25.0 GB/s (--cpu-gbps)" in out
+    assert "3 of 10 experts a layer on the CPU, 7 over PCIe" in out
+    # another box weighed from its cores and memory rate, with this box's kernel rates
+    assert cli_main(argv + ["--pcie-gbps", "50", "--cpu-cores", "16", "--mem-gbps", "100"]) == 0
+    assert "16 cores x " in capsys.readouterr().out
+    # no bus rate (no GPU to measure it): nothing to weigh the CPU against
+    if not torch.cuda.is_available():
+        assert cli_main(argv + ["--cpu-gbps", "25"]) == 0 and "CPU share" not in capsys.readouterr().out

@@ -121,8 +121,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--regimes",
         nargs="+",
         help="decode, prefill: run only these regimes (names as in the table, spaces and commas as _: "
-        "decode: vram, vram_eager, ram, ram_unstaged, ram_24_GiB_VRAM, disk, disk_24_GiB_VRAM; prefill: "
-        "vram, ram, disk); default all",
+        "decode: vram, vram_eager, ram, ram_unstaged, ram_CPU_share, ram_24_GiB_VRAM, disk, "
+        "disk_24_GiB_VRAM; prefill: vram, ram, disk); default all",
     )
     p.add_argument(
         "--no-speculation", action="store_true", help="decode, prefill: run the engine without speculation"

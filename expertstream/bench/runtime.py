@@ -7,6 +7,9 @@ efficiency = bound / actual:
   vram:        every expert resident in VRAM (GPU-bound: the compute floor)
   vram eager:  the same without CUDA graphs (what the graphs save)
   ram:         experts in pinned RAM, VRAM cache sized as the 48-layer 8 GiB plan leaves it (PCIe-bound)
+  ram, CPU share: the same, unstaged, with the CPU computing a share of each layer's routed experts in
+               place (--cpu-moe-share -1: the share the rates measured at start balance); its bound is
+               max(PCIe bytes / PCIe rate, CPU bytes / CPU kernel rate, GPU)
   disk:        RAM cache = 25% of the expert bytes, the rest read from disk (disk-bound)
   disk, 24 GiB VRAM: the disk regime's RAM cache with the VRAM cache a 24 GiB card's plan leaves
 Per-token times are for the bench's layers and scaled to the real 48. Each regime also reports the
@@ -143,6 +146,7 @@ def decode_regime(
     for _ in range(4):  # warm-up: kernels compiled, caches in their steady state
         tok = step([tok])
     s0, c0, k0 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.store.stats
+    cpu0 = getattr(eng.bank, "cpu_bytes", 0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(tokens):
@@ -198,6 +202,10 @@ def decode_regime(
         "checksum_cpu_seconds": k1.checksum_cpu_seconds - k0.checksum_cpu_seconds,
         "profiled": profiled,
     }
+    if hasattr(eng.bank, "cpu_bytes"):  # a CPU share (experts/split_bank.py): its bytes and measured rate
+        out["cpu_bytes_per_token"] = (eng.bank.cpu_bytes - cpu0) / tokens
+        out["cpu_gbps"] = eng.bank.cpu_gbps or 0.0
+        out["cpu_experts"] = eng.bank.n_cpu
     if s1.staged_blocks > s0.staged_blocks:  # RAM-resident decode acts on guesses only by staging them
         out["spec_hit_rate"] = out["stage_hit_rate"]
         out["spec_wasted_bytes_per_token"] = out["staged_waste_bytes_per_token"]
@@ -209,6 +217,32 @@ def needed_pcie_bytes(r: dict) -> float:
     """A regime's PCIe bytes per token that count toward its bound: staged guesses nobody routed to crossed
     the bus for nothing."""
     return r["pcie_bytes_per_token"] - r.get("staged_waste_bytes_per_token", 0.0)
+
+
+def cpu_ms(r: dict) -> float:
+    """A regime's CPU share of a token at the CPU kernel's measured rate (0 without a CPU share)."""
+    return r["cpu_bytes_per_token"] / r["cpu_gbps"] / 1e6 if r.get("cpu_gbps") else 0.0
+
+
+def cpu_share_note(results: dict[str, dict], pcie_gbps: float) -> str:
+    """A line per regime with a CPU share: experts a layer on the CPU, its MB/token and rate, the bound's
+    three terms, and its speed against the regimes without the share (`ram`, `ram unstaged`) that ran."""
+    lines = []
+    for name, r in results.items():
+        if "cpu_gbps" not in r:
+            continue
+        vs = "".join(
+            f"; {results[n]['ms_per_token'] / r['ms_per_token']:.2f}x `{n}`"
+            for n in ("ram", "ram unstaged")
+            if n in results
+        )
+        lines.append(
+            f"\n`{name}`: {r['cpu_experts']} routed experts a layer on the CPU, "
+            f"{r['cpu_bytes_per_token'] / 1e6:.1f} MB/token at {r['cpu_gbps']:.1f} GB/s (the kernel's rate "
+            f"measured at start); bound terms PCIe {needed_pcie_bytes(r) / pcie_gbps / 1e6:.2f} ms, CPU "
+            f"{cpu_ms(r):.2f} ms, GPU {r.get('gpu_ms', 0.0):.2f} ms{vs}.\n"
+        )
+    return "".join(lines)
 
 
 def engine_disk_note(rates: dict[str, float], probe_gbps: float) -> str:
@@ -275,8 +309,8 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
     ]
     for name, r in results.items():
         disk_ms = r["disk_bytes_per_token"] / disk_gbps / 1e6
-        bound = max(disk_ms, needed_pcie_bytes(r) / pcie_gbps / 1e6, gpu_ms)
-        r["bound_ms"], r["efficiency"] = bound, bound / r["ms_per_token"]
+        bound = max(disk_ms, needed_pcie_bytes(r) / pcie_gbps / 1e6, cpu_ms(r), gpu_ms)
+        r["bound_ms"], r["efficiency"], r["gpu_ms"] = bound, bound / r["ms_per_token"], gpu_ms
         rows.append(
             f"| {name} | {r['ms_per_token']:.2f} | {r['ms_per_token'] * REAL_LAYERS / layers:.1f} | "
             f"{r['disk_bytes_per_token'] / 1e6:.1f} | {r['pcie_bytes_per_token'] / 1e6:.1f} | "
@@ -295,7 +329,7 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
         for _, r in profiled:
             disk_ms = r["disk_bytes_per_token"] / disk_gbps / 1e6
             pcie_ms = needed_pcie_bytes(r) / pcie_gbps / 1e6
-            r["hw_bound_ms"] = max(disk_ms, pcie_ms, floor.get("kernel_ms_per_token", 0.0))
+            r["hw_bound_ms"] = max(disk_ms, pcie_ms, cpu_ms(r), floor.get("kernel_ms_per_token", 0.0))
             r["hw_efficiency"] = r["hw_bound_ms"] / r["ms_per_token"]
         parts = [
             f"{n} {r['profiled']['kernel_ms_per_token']:.2f} / {r['profiled']['copy_ms_per_token']:.2f} ms, "
@@ -312,7 +346,8 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
         for n, r in results.items()
         if r["disk_bytes_per_token"]
     }
-    return "\n".join(rows) + "\n" + engine_disk_note(rates, disk_gbps) + tokens_note(results)
+    notes = engine_disk_note(rates, disk_gbps) + cpu_share_note(results, pcie_gbps) + tokens_note(results)
+    return "\n".join(rows) + "\n" + notes
 
 
 def tokens_note(results: dict[str, dict]) -> str:
@@ -400,6 +435,8 @@ def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, di
         "vram eager": (dataclasses.replace(all_in_vram, enforce_eager=True), wd.num_layers * wd.num_experts),
         "ram": (dataclasses.replace(all_in_ram, stage_guesses=staged), vram_blocks + 2 * staged),
         "ram unstaged": (dataclasses.replace(all_in_ram, stage_guesses=0), vram_blocks),
+        # the CPU computes a share of each layer's experts in place (staging off: the bank is eager)
+        "ram, CPU share": (dataclasses.replace(all_in_ram, stage_guesses=0, cpu_moe_share=-1.0), vram_blocks),
         # every expert in RAM beside a large VRAM cache: decode reads the hot set there (not an issue regime)
         f"ram, {BIG_BUDGET_GB:g} GiB VRAM": (
             dataclasses.replace(all_in_ram, gpu_memory_gb=BIG_BUDGET_GB, stage_guesses=staged),
@@ -472,7 +509,9 @@ def run(args) -> int:
         f"({share:.1f} per layer, the 48-layer plan's share; {share24:.1f} per layer at "
         f"{BIG_BUDGET_GB} GiB); "
         f"CUDA graphs on except in `vram eager`; `ram` copies {staged} guesses per layer to VRAM early "
-        f"(--stage-guesses), `ram unstaged` none; `ram, {BIG_BUDGET_GB:g} GiB VRAM` also reads a hot set "
+        f"(--stage-guesses), `ram unstaged` and `ram, CPU share` none; `ram, CPU share` computes a share "
+        "of each layer's experts on the CPU (--cpu-moe-share -1); "
+        f"`ram, {BIG_BUDGET_GB:g} GiB VRAM` also reads a hot set "
         "from VRAM (half its cache share); speculation "
         f"{'off' if args.no_speculation else f'on, {args.speculation_width:g} x K guesses'}.\n\n"
     )

@@ -47,6 +47,16 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         type=float,
         help="pinned host->device rate (default: measured now when a GPU is visible, else unknown)",
     )
+    p.add_argument(
+        "--cpu-gbps",
+        type=float,
+        help="the CPU expert kernel's rate for one token (default: measured now on this box's free cores, "
+        "or from --cpu-cores and --mem-gbps): what --cpu-moe-share's split weighs against the bus",
+    )
+    p.add_argument(
+        "--cpu-cores", type=int, help="cores of the box to weigh (with --mem-gbps; default: this one)"
+    )
+    p.add_argument("--mem-gbps", type=float, help="that box's memory read rate (default: measured here)")
 
 
 @dataclass(frozen=True)
@@ -228,6 +238,51 @@ def _rates(args, model, cfg: EngineConfig) -> tuple[float | None, float | None]:
     return disk, pcie
 
 
+def cpu_rate(args, model, threads: int) -> tuple[float, str]:
+    """(GB/s, how it was found) of the CPU expert kernel for one token on a layer's K experts: --cpu-gbps;
+    else, for another box, min(cores x this box's one-thread rate, its memory rate); else measured here on
+    `threads` threads."""
+    import torch
+
+    from expertstream.formats.expert_block import ExpertLayout
+    from expertstream.kernels import cpu_moe
+
+    if args.cpu_gbps:
+        return args.cpu_gbps, "--cpu-gbps"
+    if cpu_moe.library() is None:
+        return 0.0, "no C compiler to build the CPU kernel"
+    tc, k = model.text_config, model.text_config["num_experts_per_tok"]
+    layout = ExpertLayout.for_dims(tc["hidden_size"], tc["moe_intermediate_size"])
+    # written (ones, not zeros: untouched zero pages would all map to one cached page)
+    rows = torch.ones(max(5 * k, (256 << 20) // layout.block_bytes), layout.block_bytes, dtype=torch.uint8)
+    here = cpu_moe.layer_rate(rows, layout, k, threads)
+    if not (args.cpu_cores or args.mem_gbps):
+        return here, f"measured on {threads} thread{'s' * (threads > 1)} here"
+    one = cpu_moe.layer_rate(rows, layout, k, 1)
+    cores, mem = args.cpu_cores or threads, args.mem_gbps or cpu_moe.read_rate(256 << 20, threads)
+    rate = min(cores * one, mem)
+    return rate, f"{cores} cores x {one:.1f} GB/s a core here, at most the {mem:.0f} GB/s memory rate"
+
+
+def cpu_share_lines(tb: TokenBytes, k: int, pcie: float, cpu: float, how: str) -> list[str]:
+    """What a CPU share of decode gives when every expert is in RAM: the CPU takes n of a layer's K routed
+    experts (n / cpu = (K - n) / bus, as --cpu-moe-share -1 picks), the bus the rest; the bound is the
+    slower side."""
+    from expertstream.experts.split_bank import cpu_experts
+
+    n = cpu_experts(k, cpu, pcie)
+    alone = tb.over_bus / pcie / 1e9
+    # the CPU reads its n of the K from RAM; the GPU's K - n cross the bus but for the hot set's
+    split = max(tb.over_bus * (k - n) / k / pcie, tb.routed * n / k / cpu) / 1e9 if cpu else alone
+    lines = [f"CPU share of decode (--cpu-moe-share -1), the CPU expert kernel at {cpu:.1f} GB/s ({how}):"]
+    if not n:
+        lines.append(f"  none: the bus at {pcie:.1f} GB/s is much faster than the CPU kernel")
+    else:
+        lines.append(f"  {n} of {k} experts a layer on the CPU, {k - n} over PCIe: at most {1 / split:.1f} "
+                     f"tok/s from these bytes, {alone / split:.2f}x the bus alone")  # fmt: skip
+    return lines
+
+
 def report(
     plan: MemoryPlan,
     tb: TokenBytes,
@@ -345,4 +400,10 @@ def main(args: argparse.Namespace) -> int:
     if not is_workdir:
         print(disk_report(model), end="\n\n")
     print(report(plan, tb, disk, pcie, cfg.ram_cache_gb, prompts))
+    if tb.ram_holds_all and tb.over_bus and pcie:
+        from expertstream.runtime.cpu_threads import CpuThreads
+
+        print(
+            "\n" + "\n".join(cpu_share_lines(tb, k, pcie, *cpu_rate(args, model, CpuThreads(cfg.threads)())))
+        )
     return 0

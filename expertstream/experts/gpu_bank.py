@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from expertstream.experts.bank import BankCounters, ExpertBank
@@ -250,6 +251,10 @@ class GpuExperts(ExpertBank):
         # adopted just now: this layer's reads were fetched, not counted as resident reads, nor as hot hits
         self._uncounted = self._adopt()
         self.decode_seconds += time.perf_counter() - t0
+
+    def ram_rows(self, layer: int) -> np.ndarray:
+        """[E] each expert's RAM cache row in `layer` (held for good once `resident` is "ram")."""
+        return self.residency.ram_rows(layer)
 
     def decode_launched(self) -> None:
         """Call once the last prepare's compute is queued (its graph replayed, or launched eagerly): marks its

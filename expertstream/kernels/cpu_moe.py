@@ -182,3 +182,21 @@ def read_rate(nbytes: int = 1 << 30, threads: int = 1, repeats: int = 3) -> floa
             lib.read_sweep(buf.data_ptr(), buf.numel(), max(1, threads))
             best = min(best, time.perf_counter() - t0)
     return buf.numel() * 4 / best / 1e9
+
+
+def layer_rate(rows: torch.Tensor, layout: ExpertLayout, k: int, threads: int = 1, rounds: int = 4) -> float:
+    """GB/s of the kernel on one layer's k experts for one token, best of `rounds` calls, each on k distinct
+    rows of `rows` [C, block_bytes] uint8 spread over all of them (their contents do not change the time;
+    rows past the last-level cache make it the rate from RAM)."""
+    import time
+
+    c = rows.shape[0]
+    x, wt, ws2 = torch.randn(1, layout.hidden_size), torch.ones(k, 1), torch.ones(k, 3)
+    best = float("inf")
+    for r in range(rounds + 1):  # the first call builds the pool
+        blocks = [rows[(r * k + j) * c // ((rounds + 1) * k)] for j in range(k)]
+        t0 = time.perf_counter()
+        moe(blocks, ws2, wt, x, layout, threads)
+        if r:
+            best = min(best, time.perf_counter() - t0)
+    return k * layout.payload_bytes / best / 1e9

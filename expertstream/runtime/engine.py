@@ -150,7 +150,7 @@ class Engine:
             n_slots = self.plan.slots // self.workdir.layout.block_bytes + cache
 
             def make_bank(store):
-                return GpuExperts(
+                bank = GpuExperts(
                     self.workdir,
                     store,
                     max(n_slots, 2 * k),
@@ -159,6 +159,8 @@ class Engine:
                     config.speculation_width,
                     config.stage_guesses,
                 )
+                # a CPU share of RAM-resident decode wraps it (experts/split_bank.py)
+                return self._split_bank(bank, config.cpu_moe_share) if config.cpu_moe_share else bank
 
         else:
 
@@ -176,6 +178,8 @@ class Engine:
 
             if config.stage_guesses > 0:
                 log.warning("--stage-guesses ignored: it stages blocks into VRAM for the CUDA expert bank")
+            if config.cpu_moe_share:
+                log.warning("--cpu-moe-share ignored: without the CUDA bank every expert runs on the CPU")
         # a must-break control wraps the bank (experts/controls.py); the bank itself knows none
         self.bank = controlled(control, self.store, make_bank)
         t1 = time.perf_counter()
@@ -232,6 +236,19 @@ class Engine:
             self.dtype,
             time.perf_counter() - t0,
         )
+
+    def _split_bank(self, bank, share: float):
+        """The GPU bank with a CPU share of RAM-resident decode (experts/split_bank.py); share < 0 measures
+        the bus here for it."""
+        from expertstream.experts.split_bank import SplitExperts
+
+        bus = None
+        if share < 0:
+            from expertstream.runtime.probes import pcie_rate
+
+            bus = pcie_rate(64 << 20)
+            torch.cuda.empty_cache()  # the probe's 64 MB go back, outside the plan's budget
+        return SplitExperts(bank, self.workdir, share, self.cpu_threads, bus_gbps=bus)
 
     def _plan_gpu_memory(self) -> MemoryPlan:
         """Plan VRAM for the budget and enforce it through the caching allocator's per-process limit."""
