@@ -88,7 +88,7 @@ class MemoryPlan:
                 + (f" ({len(self.fp8)} matrices FP8 row-scaled)" if self.fp8 else " (as stored)"),
                 self.resident,
             ),
-            ("state of one sequence (DeltaNet, conv, PLE; sliding window)", self.state),
+            ("state, one sequence (DeltaNet, conv, PLE, window)", self.state),
             (
                 f"KV pool ({self.kv_pool_tokens:,} tokens, shared by the sequences)"
                 if self.kv_pool_tokens

@@ -1,30 +1,149 @@
 #!/usr/bin/env bash
-# Device run for correctness: the GPU runtime's tests (in the background, failures listed), every kernel in
-# BF16 on real shapes against its twin (scripts/device_kernel_check.py, the GatedDeltaNet step included),
-# `check` of the tiny model with the engine on CUDA (bf16, graphs, --long; then with layer-major spans of
-# several pieces), then, once the tests are done, `check` of the 4-layer full-shape model with spans, then
-# $AFTER. Needs .whl/ carried; writes under $OUT.
+# The GPU box's checks and benches, one script: `bash scripts/device_check.sh [PART ...]` runs the named parts
+# in order (default: tests kernels checks). Needs .whl/ carried (the wheels the box lacks: transformers,
+# llguidance, crc32c, fastapi, ...); writes under $OUT. Each part's time limit is an environment variable.
+#   tests      the GPU tests, in the background beside the parts after it (~6 min; waited for at the end)
+#   kernels    every kernel in BF16 on real shapes against its twin (scripts/device_kernel_check.py)
+#   checks     `check` of the tiny model on CUDA (bf16, graphs, --long; then layer-major spans), and of the
+#              4-layer full-shape model with spans, its dense matrices in BF16 as the snapshot stores them (the
+#              bench's workdir of it holds FP8 DeltaNet matrices, whose cost docs/check.md measures apart)
+#   depth      BF16 at depth (docs/check.md's three-way table): a full-shape model of $LAYERS (16) layers,
+#              `check --fp8-dense both --layers` on it and on its cuts to $DEPTHS ("16 8 4")
+#   decode     `bench decode` on 4 full-shape layers, regimes $REGIMES (vram ram disk): efficiency against the
+#              bound, the regimes' greedy tokens, the block checksums' share of a disk-bound token
+#   cpu-share  the CPU share of GPU decode (--cpu-moe-share): the kernel on the box's cores, `plan`'s estimate,
+#              `bench decode` in the regimes with every expert in RAM, and shares set by hand
+#   serve      `bench serve` (Open WebUI's flow, 1/2/4 concurrent decodes) on 4 full-shape layers, with decode
+#              graphs and with --enforce-eager (shared fetches; $SERVE_MODES), in a $GPU_GB (4) GiB budget
+#   ds4        DeepSeek-V4-Flash: full-shape layers through setup, `check` in bf16 on CUDA, `bench decode`
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# the tests run beside the checks below (~4 minutes; the GPU has room for both). No -q: pyproject's addopts
-# has one, and a second hides pytest's summary line
-(timeout ${TESTS_S:-420} python3 -m pytest -p no:cacheprovider -rf --durations=8 tests/test_kernels_*.py \
-  tests/test_gpu_experts.py tests/test_controls.py tests/test_decode_graphs.py tests/test_speculation.py \
-  tests/test_vram_cache.py tests/test_decode_path.py tests/test_decode_ops.py tests/test_memory_plan.py 2>&1 | tail -30 > $OUT/gpu_tests.txt) &
-timeout ${KERNELS_S:-60} python3 scripts/device_kernel_check.py 2>&1 | tail -24 | tee $OUT/kernel_check.txt
-python3 -m expertstream synth /tmp/tiny --preset tiny >/dev/null 2>&1
-python3 -m expertstream setup /tmp/tiny /tmp/tiny-wd >/dev/null 2>&1
-timeout ${TINY_S:-150} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda \
-  --long 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_tiny_cuda.txt
-# layer-major prefill: spans of several pieces (each layer's experts once per span)
-timeout ${TINY_S:-150} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 --device cuda \
-  --long --prefill-piece 8 --prefill-span 32 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_tiny_spans_cuda.txt
 W=/tmp/expertstream-bench
-python3 -c "from pathlib import Path; from expertstream.bench.model import ensure_model; ensure_model(Path('$W'), 4)" \
-  >/dev/null 2>&1
-wait  # the 4-layer reference needs ~20 GiB of GPU memory, which the tests may be holding (it ran out beside them)
-cat $OUT/gpu_tests.txt
-timeout ${CHECK_S:-200} python3 -m expertstream check $W/full-4-wd --snapshot $W/full-4 --dtype bfloat16 --device cuda \
-  --prompts 2 --prefill-piece 16 --prefill-span 64 2>&1 | grep -v INFO | tail -9 | tee $OUT/check_full4_cuda.txt
-eval "${AFTER:-true}"  # more work once the checks are done (e.g. a bench)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/device.txt
+tests_pid=
+
+model() {  # the working directory of a full-shape synthetic model of $1 layers, made once
+  python3 -c "from pathlib import Path; from expertstream.bench.model import ensure_model; \
+ensure_model(Path('$W'), $1)" > $OUT/model_$1.txt 2>&1 || tail -3 $OUT/model_$1.txt
+}
+
+part_tests() {  # no -q: pyproject's addopts has one, and a second hides pytest's summary line
+  (timeout ${TESTS_S:-420} python3 -m pytest -p no:cacheprovider -rf --durations=8 tests/test_kernels_*.py \
+    tests/test_gpu_experts.py tests/test_controls.py tests/test_decode_graphs.py tests/test_speculation.py \
+    tests/test_vram_cache.py tests/test_decode_path.py tests/test_decode_ops.py tests/test_memory_plan.py \
+    tests/test_shared_fetch.py tests/test_kv_pool.py tests/test_split_bank.py tests/test_cpu_moe.py \
+    tests/test_constrained.py 2>&1 | tail -30 > $OUT/gpu_tests.txt) &
+  tests_pid=$!
+}
+
+part_kernels() {
+  timeout ${KERNELS_S:-90} python3 scripts/device_kernel_check.py 2>&1 | tail -24 > $OUT/kernel_check.txt
+  grep -E "FAIL|bit for bit|all kernels" $OUT/kernel_check.txt | tail -4
+}
+
+part_checks() {
+  python3 -m expertstream synth /tmp/tiny --preset tiny > /dev/null 2>&1
+  python3 -m expertstream setup /tmp/tiny /tmp/tiny-wd > /dev/null 2>&1
+  for spans in "" "--prefill-piece 8 --prefill-span 32"; do
+    timeout ${TINY_S:-150} python3 -m expertstream check /tmp/tiny-wd --snapshot /tmp/tiny --dtype bfloat16 \
+      --device cuda --long $spans 2>&1 | grep -v INFO | tail -9 >> $OUT/check_tiny_cuda.txt
+  done
+  grep -E "PASS|FAIL" $OUT/check_tiny_cuda.txt
+  model 4
+  python3 -m expertstream setup $W/full-4 $W/full-4-bf16-wd --no-progress > /dev/null 2>&1
+  [ -n "$tests_pid" ] && wait $tests_pid  # the 4-layer reference needs ~20 GiB of GPU memory
+  timeout ${CHECK_S:-200} python3 -m expertstream check $W/full-4-bf16-wd --snapshot $W/full-4 --dtype bfloat16 \
+    --device cuda --prompts 2 --prefill-piece 16 --prefill-span 64 2>&1 | grep -v INFO | tail -9 \
+    > $OUT/check_full4_cuda.txt
+  grep -E "PASS|FAIL" $OUT/check_full4_cuda.txt
+}
+
+part_depth() {  # the cuts are in place: deepest first
+  local L=${LAYERS:-16} n t
+  model $L
+  for n in ${DEPTHS:-$L 8 4}; do
+    if [ $n -lt $L ]; then
+      python3 -c "from expertstream.bench.depth import cut_model; cut_model('$W/full-$L', '$W/full-$L-wd', $n)" \
+        || break
+    fi
+    t=$(date +%s)
+    timeout ${CHECK_S:-240} python3 -m expertstream check $W/full-$L-wd --snapshot $W/full-$L --dtype bfloat16 \
+      --device cuda --prompts 1 --long --continuation 64 --fp8-dense both --layers --json > $OUT/check_$n.json \
+      2> $OUT/check_$n.log
+    python3 -c "import json; from expertstream.commands.check import print_report; \
+print_report(json.load(open('$OUT/check_$n.json')))" > $OUT/check_$n.txt 2>&1
+    echo "check of $n layers: $(( $(date +%s) - t )) s"; grep "to the fp32 truth" $OUT/check_$n.txt
+  done
+}
+
+part_decode() {
+  model 4
+  timeout ${DECODE_S:-240} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens ${TOKENS:-16} \
+    --regimes ${REGIMES:-vram ram disk} --out $OUT/decode.md > $OUT/decode.log 2>&1
+  grep -E "^\| (vram|ram|disk)|Greedy tokens|Block checksums" $OUT/decode.md
+}
+
+part_cpu_share() {
+  model 4
+  # the kernel alone: RAM read rate and a full-shape layer's ten experts for one token, on 1, 8 and 16 threads
+  timeout ${KERNEL_S:-60} python3 -c "
+from expertstream.bench import cpu
+from expertstream.kernels import cpu_moe
+for n in (1, 8, 16):
+    ms, gbps = cpu.kernel_rate(n, 1, 2)
+    bw = cpu_moe.read_rate(threads=n)
+    print(f'{n:2d} threads: RAM read {bw:.1f} GB/s; 10 experts, 1 token {ms:.2f} ms, {gbps:.1f} GB/s ({gbps / bw:.0%})')
+" 2>&1 | tee $OUT/cpu_kernel.txt
+  python3 -m expertstream plan $W/full-4-wd --gpu-memory-gb 8 --ram-cache-gb 7 2>&1 | grep -v INFO | tail -4 \
+    | tee $OUT/cpu_share_plan.txt
+  timeout ${BENCH_S:-240} python3 -m expertstream bench decode --layers 4 --workdir $W \
+    --regimes ram ram_unstaged ram_CPU_share --out $OUT/cpu_share.md > $OUT/cpu_share.log 2>&1
+  grep -E "^\| ram|Greedy tokens" $OUT/cpu_share.md
+  # the share by hand: 0.3, 0.5 of each layer's experts on the CPU (the bench's regime with a fixed share)
+  timeout ${SHARES_S:-90} python3 -c "
+import dataclasses, time, torch
+from expertstream.bench.runtime import decoding_engine, script_regimes
+cfg, blocks = script_regimes(4)['ram_CPU_share']
+for share in (0.3, 0.5):
+    eng, st, tok = decoding_engine(dataclasses.replace(cfg, cpu_moe_share=share), blocks)
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(16):
+        tok = int(eng.forward(st, [tok]).argmax())
+    print(f'--cpu-moe-share {share}: {(time.perf_counter() - t0) / 16 * 1e3:.2f} ms/token, {eng.bank.n_cpu} experts a layer on the CPU')
+    eng.close()
+" 2>&1 | grep -v INFO | tail -4 | tee $OUT/cpu_shares.txt
+}
+
+part_serve() {  # a random model never ends a turn: the tasks stop at --max-tokens, the title at --title-tokens
+  model 4
+  local plan="--gpu-memory-gb ${GPU_GB:-4} --max-model-len 32768 --ram-cache-gb 2" mode extra
+  timeout 60 python3 -m expertstream plan $W/full-4-wd $plan 2>&1 | grep -v INFO > $OUT/serve_plan.txt
+  for mode in ${SERVE_MODES:-graphs eager}; do
+    extra=$([ $mode = eager ] && echo --enforce-eager)
+    timeout ${SERVE_S:-170} python3 -m expertstream bench serve $W/full-4-wd --serve-args "$plan --max-tokens 64 \
+$extra" --serve-log $OUT/server_$mode.log --chat-tokens 32 --title-tokens 128 --tokens 32 > $OUT/serve_$mode.md 2>&1
+    echo "$mode: rc $?"; tail -16 $OUT/serve_$mode.md
+  done
+}
+
+part_ds4() {  # check: 2 layers x 32 experts (the FP32 truth's dense experts fit); bench: 3 layers x 256
+  local D=/tmp/ds4
+  python3 -m expertstream synth $D/check --preset ds4-full-shape --layers 2 --experts 32 > /dev/null 2>&1
+  timeout ${SETUP_S:-150} python3 -m expertstream setup $D/check $D/check-wd --no-progress 2>&1 | tail -2
+  head -c 9000 expertstream/assets/demo-snapshot/heldout.txt > $D/long.txt  # CSA drops entries, HCA compresses
+  timeout ${CHECK_S:-180} python3 -m expertstream check $D/check-wd --snapshot $D/check --dtype bfloat16 \
+    --device cuda --prompts 2 --continuation 8 --text "$(cat $D/long.txt)" 2>&1 | grep -v INFO | tail -9 \
+    | tee $OUT/check_ds4_cuda.txt
+  rm -rf $D/check $D/check-wd
+  python3 -m expertstream synth $D/bench --preset ds4-full-shape --layers 3 > /dev/null 2>&1
+  timeout ${SETUP_S:-150} python3 -m expertstream setup $D/bench $D/bench-wd --no-progress 2>&1 | tail -2
+  timeout ${BENCH_S:-120} python3 -m expertstream bench decode --model $D/bench-wd --tokens 8 \
+    --out $OUT/decode_ds4.md 2>&1 | grep -v INFO | tail -8
+}
+
+for part in ${@:-tests kernels checks}; do
+  echo "== $part ($(date -u +%H:%M:%S))"
+  "part_${part//-/_}"
+done
+if [ -n "$tests_pid" ]; then wait $tests_pid; tail -12 $OUT/gpu_tests.txt; fi

@@ -358,3 +358,12 @@ def test_the_cpu_share_regime_is_ram_unstaged_with_a_measured_share(tiny_workdir
     share, without = regimes["ram, CPU share"], regimes["ram unstaged"]
     assert share[0].cpu_moe_share == -1.0 and without[0].cpu_moe_share == 0.0
     assert dataclasses.replace(share[0], cpu_moe_share=0.0) == without[0] and share[1] == without[1]
+
+
+def test_serve_table_says_why_a_background_task_failed():
+    from expertstream.bench.serve import table
+
+    rows = [dict(turn="first message", tasks="alone", prompt_tokens=10, ttft=1.0, tokens=4, tps=3.0)]
+    tasks = [("title", 2.0, 16), ("tags", 0.5, "failed: generation failed: CUDA out of memory")]
+    text = table(rows, tasks, [], tools_tokens=10)
+    assert "title 2.0 s (16 tokens), tags 0.5 s (failed: generation failed: CUDA out of memory)" in text

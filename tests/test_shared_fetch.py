@@ -69,10 +69,13 @@ def test_a_union_larger_than_half_the_slots_goes_in_groups(workdir, kernel_devic
     store.close()
 
 
-def test_a_prompt_among_them_gets_the_sums_of_its_own_call(workdir, kernel_device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_among_them_gets_the_sums_of_its_own_call(workdir, kernel_device, dtype):
+    """A prompt's FP32 sums and the one-token rows' sums (x's dtype, widened exactly) share the output."""
     wd, host_alloc = workdir
     k = wd.text_config["num_experts_per_tok"]
     x, ids, w = (v.to(kernel_device) for v in rows(wd, 6, seed=3, shared=k // 2))
+    x = x.to(dtype)
     store, bank = fresh_bank(wd, host_alloc, kernel_device)
     prompt = bank(2, x[:4], ids[:4], w[:4])
     ones = torch.cat([bank(2, x[i : i + 1], ids[i : i + 1], w[i : i + 1]) for i in (4, 5)])

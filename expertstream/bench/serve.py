@@ -128,6 +128,9 @@ def task(url: str, model: str, kind: str, history: list[dict], max_tokens: int |
         body["max_tokens"] = max_tokens
     t0 = time.perf_counter()
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=None).json()
+    if "error" in r:  # the table says why in place of its token count
+        out.append((kind, time.perf_counter() - t0, f"failed: {r['error']['message']}"))
+        return
     out.append((kind, time.perf_counter() - t0, r["usage"]["completion_tokens"]))
 
 
@@ -236,7 +239,8 @@ def table(rows: list[dict], tasks: list, tput: list[dict], tools_tokens: int) ->
         )
     out += [
         "",
-        "Background tasks: " + ", ".join(f"{k} {s:.1f} s ({n} tokens)" for k, s, n in tasks),
+        "Background tasks: "
+        + ", ".join(f"{k} {s:.1f} s ({n}{' tokens' * isinstance(n, int)})" for k, s, n in tasks),
         "",
         "| concurrent requests | tokens | aggregate decode tok/s | expert blocks per step | MB per step | "
         "bus MB per step | disk MB per step |",

@@ -19,7 +19,8 @@ def run_segments(bank, layer: int, x, expert_ids, weights, segments: list[tuple[
     for a, b in prompts:
         out[a:b] = bank(layer, x[a:b], expert_ids[a:b], weights[a:b])
     if ones:
-        out[ones] = decode_rows(bank, layer, x[ones], expert_ids[ones], weights[ones])
+        # exact either way: a one-token sum in x's dtype, widened when the prompts' FP32 sums share `out`
+        out[ones] = decode_rows(bank, layer, x[ones], expert_ids[ones], weights[ones]).to(out.dtype)
     return out
 
 

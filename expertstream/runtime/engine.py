@@ -7,6 +7,11 @@ import os
 import time
 from dataclasses import dataclass
 
+# The caching allocator reads this at its first CUDA allocation: growable segments keep a long-running
+# server's freed blocks reusable, where fixed segments fragment past the budget's reserve (a KV pool that
+# moves, prompts of every length). A user's own setting wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 import torch
 
 from expertstream.config import EngineConfig, parse_cpu_list
