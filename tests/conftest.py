@@ -108,3 +108,22 @@ def fake(scripted):
     yield scripted
     wait_idle(scripted)
     scripted.engine.configure()
+
+
+@pytest.fixture(scope="session")
+def ds4_tiny(tmp_path_factory):
+    """seed -> (snapshot, working directory) of a ds4-tiny model (DeepSeek-V4-Flash's published layout),
+    made once a session each; read only."""
+    from expertstream.synth.deepseek_v4 import write_synthetic_ds4
+    from expertstream.workdir.repack import setup_workdir
+
+    made = {}
+
+    def make(seed: int):
+        if seed not in made:
+            root = tmp_path_factory.mktemp(f"ds4-{seed}")
+            snap = write_synthetic_ds4(root / "snap", "ds4-tiny", seed=seed)
+            made[seed] = snap, setup_workdir(snap, root / "wd", progress=False)
+        return made[seed]
+
+    return make

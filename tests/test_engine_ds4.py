@@ -12,15 +12,11 @@ from expertstream.formats.snapshot import Snapshot
 from expertstream.generate import SamplingParams, stream_generate
 from expertstream.models import deepseek_v4 as ds4
 from expertstream.runtime.engine import Engine
-from expertstream.synth.deepseek_v4 import write_synthetic_ds4
-from expertstream.workdir.repack import setup_workdir
 
 
 @pytest.fixture(scope="module")
-def ds4_setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ds4eng")
-    snap = write_synthetic_ds4(root / "snap", "ds4-tiny", seed=3)
-    return snap, setup_workdir(snap, root / "wd", progress=False)
+def ds4_setup(ds4_tiny):
+    return ds4_tiny(3)
 
 
 def _engine(wd, **kw) -> Engine:

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 from expertstream.cli import main as cli_main
 from expertstream.formats import deepseek_v4 as layout_ds4
 from expertstream.formats.snapshot import Snapshot
-from expertstream.synth.deepseek_v4 import write_synthetic_ds4
 from expertstream.workdir.checksum import checksum
 from expertstream.workdir.inventory import SetupError
 from expertstream.workdir.repack import setup_workdir
@@ -20,10 +19,8 @@ from expertstream.workdir.workdir import Workdir
 
 
 @pytest.fixture(scope="module")
-def ds4_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ds4setup")
-    snap = write_synthetic_ds4(root / "snap", "ds4-tiny", seed=1)
-    return snap, setup_workdir(snap, root / "wd", progress=False)
+def ds4_pair(ds4_tiny):
+    return ds4_tiny(1)
 
 
 def test_blocks_resident_and_checksums_match_the_snapshot(ds4_pair):

@@ -151,24 +151,11 @@ class ConfigModel:
     def resident_spec(self) -> dict:
         return self.family.resident_spec(self.text_config)
 
-    def memory_plan(
-        self,
-        budget_bytes: int,
-        max_model_len: int,
-        act_bytes: int = 2,
-        max_num_seqs: int = 1,
-        kv_pool_tokens: int | None = None,
-    ) -> MemoryPlan:
+    def memory_plan(self, budget_bytes: int, max_model_len: int, *args, **kw) -> MemoryPlan:
+        """`Workdir.memory_plan`'s plan (same arguments), from the resident tensors setup would write."""
         inventory = {name: (shape, dtype) for name, (dtype, shape) in self.resident_spec().items()}
         return plan_memory(
-            self.text_config,
-            inventory,
-            self.block_bytes,
-            budget_bytes,
-            max_model_len,
-            act_bytes,
-            max_num_seqs,
-            kv_pool_tokens,
+            self.text_config, inventory, self.block_bytes, budget_bytes, max_model_len, *args, **kw
         )
 
 
