@@ -30,6 +30,7 @@ import torch
 
 from expertstream.bench.model import REAL_LAYERS, REAL_VOCAB, bench_layers, ensure_model
 from expertstream.config import EngineConfig
+from expertstream.experts.split_bank import SplitExperts
 from expertstream.log import get_logger
 from expertstream.memory_plan import GiB
 from expertstream.runtime.probes import disk_rate, pcie_rate
@@ -146,7 +147,8 @@ def decode_regime(
     for _ in range(4):  # warm-up: kernels compiled, caches in their steady state
         tok = step([tok])
     s0, c0, k0 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.store.stats
-    cpu0 = getattr(eng.bank, "cpu_bytes", 0)
+    split = eng.bank if isinstance(eng.bank, SplitExperts) else None  # a CPU share of decode
+    cpu0 = split.cpu_bytes if split else 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(tokens):
@@ -202,10 +204,10 @@ def decode_regime(
         "checksum_cpu_seconds": k1.checksum_cpu_seconds - k0.checksum_cpu_seconds,
         "profiled": profiled,
     }
-    if hasattr(eng.bank, "cpu_bytes"):  # a CPU share (experts/split_bank.py): its bytes and measured rate
-        out["cpu_bytes_per_token"] = (eng.bank.cpu_bytes - cpu0) / tokens
-        out["cpu_gbps"] = eng.bank.cpu_gbps or 0.0
-        out["cpu_experts"] = eng.bank.n_cpu
+    if split:  # its bytes and the kernel's rate measured at start
+        out["cpu_bytes_per_token"] = (split.cpu_bytes - cpu0) / tokens
+        out["cpu_gbps"] = split.cpu_gbps or 0.0
+        out["cpu_experts"] = split.n_cpu
     if s1.staged_blocks > s0.staged_blocks:  # RAM-resident decode acts on guesses only by staging them
         out["spec_hit_rate"] = out["stage_hit_rate"]
         out["spec_wasted_bytes_per_token"] = out["staged_waste_bytes_per_token"]

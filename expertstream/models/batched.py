@@ -74,6 +74,6 @@ def _routed(mlp, u, top_i, top_w, segments: list[tuple[int, int]]) -> torch.Tens
     (`segmented`: each block fetched once for all), else one call per sequence."""
     if len(segments) == 1:
         return mlp.bank(mlp.layer, u, top_i, top_w)
-    if getattr(mlp.bank, "segmented", False):
+    if mlp.bank.segmented:
         return mlp.bank(mlp.layer, u, top_i, top_w, segments=segments)
     return torch.cat([mlp.bank(mlp.layer, u[a:b], top_i[a:b], top_w[a:b]) for a, b in segments])
