@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from expertstream.experts.bank import BankCounters, ExpertBank
+from expertstream.experts.bank import ExpertBank, WrappedBank
 from expertstream.formats.expert_block import PROJ
 
 CONTROLS = ("none", "swap-nibbles", "no-experts")
@@ -74,80 +74,10 @@ class SwappedNibblesStore:
         return getattr(self.store, name)
 
 
-class ControlledBank(ExpertBank):
-    """A bank wrapped by a control: every call goes to the wrapped bank `bank` unless the control overrides
-    it (subclasses)."""
+class ControlledBank(WrappedBank):
+    """A bank wrapped by a control (subclasses override what the control changes)."""
 
     control = "none"
-
-    def __init__(self, bank: ExpertBank):
-        self.bank = bank
-
-    def __call__(self, layer, x, expert_ids, weights, **kw) -> torch.Tensor:
-        return self.bank(layer, x, expert_ids, weights, **kw)
-
-    @property
-    def segmented(self) -> bool:
-        return self.bank.segmented
-
-    @property
-    def spec(self):
-        return self.bank.spec
-
-    @property
-    def host_syncs(self) -> int:
-        return self.bank.host_syncs
-
-    @property
-    def stall_seconds(self) -> float:
-        return self.bank.stall_seconds
-
-    @property
-    def resident(self) -> str | None:
-        return self.bank.resident
-
-    def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:
-        self.bank.set_router_weights(routers)
-
-    def set_prefill_chunk(self, tokens: int | None) -> None:
-        self.bank.set_prefill_chunk(tokens)
-
-    def warm_up(self, dtype: torch.dtype) -> None:
-        self.bank.warm_up(dtype)
-
-    def counters(self) -> BankCounters:
-        return self.bank.counters()
-
-    def close(self) -> None:
-        self.bank.close()
-
-    @property
-    def decode_mode(self) -> str:
-        return self.bank.decode_mode
-
-    def decode_want(self, layer, x, expert_ids):
-        return self.bank.decode_want(layer, x, expert_ids)
-
-    def decode_prepare(self, layer, want, k) -> None:
-        self.bank.decode_prepare(layer, want, k)
-
-    def decode_compute(self, layer, x, expert_ids, weights):
-        return self.bank.decode_compute(layer, x, expert_ids, weights)
-
-    def decode_stage(self, layer, want, k) -> None:
-        self.bank.decode_stage(layer, want, k)
-
-    def decode_stage_first(self, x) -> None:
-        self.bank.decode_stage_first(x)
-
-    def decode_join(self) -> None:
-        self.bank.decode_join()
-
-    def decode_launched(self) -> None:
-        self.bank.decode_launched()
-
-    def decode_fixed_reads(self, n: int) -> None:
-        self.bank.decode_fixed_reads(n)
 
 
 class SwappedNibbles(ControlledBank):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from expertstream.experts.bank import BankCounters, ExpertBank
+from expertstream.experts.bank import BankCounters, ExpertBank, WrappedBank
 from expertstream.kernels import cpu_moe
 from expertstream.log import get_logger
 
@@ -34,7 +34,7 @@ def cpu_experts(k: int, cpu_gbps: float, bus_gbps: float) -> int:
     return min(k, round(k * cpu_gbps / (cpu_gbps + bus_gbps)))
 
 
-class SplitExperts(ExpertBank):
+class SplitExperts(WrappedBank):
     """The GPU bank with a CPU share of each RAM-resident decode layer (see the module docstring).
 
     Args:
@@ -57,7 +57,8 @@ class SplitExperts(ExpertBank):
         bus_gbps: float | None = None,
         cpu_gbps: float | None = None,
     ):
-        self.gpu, self.layout, self.threads = gpu, workdir.layout, threads
+        super().__init__(gpu)
+        self.layout, self.threads = workdir.layout, threads
         self.k = k = workdir.text_config["num_experts_per_tok"]
         self.ws2 = workdir.expert_scales()[0].float()  # [L, E, 3] on the host
         host = gpu.host_blocks
@@ -85,89 +86,44 @@ class SplitExperts(ExpertBank):
         self._seconds = self._sync_seconds = 0.0
         self._syncs = 0
 
-    # the GPU bank's state, and anything this bank does not change
+    # the GPU bank's state (cache, scales, ...) for the bench; the interface is WrappedBank's
     def __getattr__(self, name):
-        if name == "gpu":  # not set yet (during __init__): no recursion
+        if name == "bank":  # not set yet (during __init__): no recursion
             raise AttributeError(name)
-        return getattr(self.gpu, name)
-
-    @property
-    def spec(self):
-        return self.gpu.spec
-
-    @property
-    def resident(self):
-        return self.gpu.resident
-
-    @property
-    def stall_seconds(self) -> float:
-        return self.gpu.stall_seconds
+        return getattr(self.bank, name)
 
     @property
     def host_syncs(self) -> int:
-        return self.gpu.host_syncs + self._syncs
+        return self.bank.host_syncs + self._syncs
 
     @property
     def splitting(self) -> bool:
         """Decode runs split: a CPU share is set and every block has a fixed RAM row."""
-        return self.n_cpu > 0 and self.gpu.resident == "ram"
+        return self.n_cpu > 0 and self.bank.resident == "ram"
 
     @property
     def decode_mode(self) -> str:
-        return "eager" if self.splitting else self.gpu.decode_mode
-
-    # the staged decode and the settings: the GPU bank's (ExpertBank defines them, so no __getattr__)
-    def set_router_weights(self, routers):
-        self.gpu.set_router_weights(routers)
-
-    def set_prefill_chunk(self, tokens):
-        self.gpu.set_prefill_chunk(tokens)
-
-    def decode_want(self, layer, x, expert_ids):
-        return self.gpu.decode_want(layer, x, expert_ids)
-
-    def decode_prepare(self, layer, want, k):
-        self.gpu.decode_prepare(layer, want, k)
-
-    def decode_compute(self, layer, x, expert_ids, weights):
-        return self.gpu.decode_compute(layer, x, expert_ids, weights)
-
-    def decode_stage(self, layer, want, k):
-        self.gpu.decode_stage(layer, want, k)
-
-    def decode_stage_first(self, x):
-        self.gpu.decode_stage_first(x)
-
-    def decode_join(self):
-        self.gpu.decode_join()
-
-    def decode_launched(self):
-        self.gpu.decode_launched()
-
-    def decode_fixed_reads(self, n):
-        self.gpu.decode_fixed_reads(n)
+        return "eager" if self.splitting else self.bank.decode_mode
 
     def warm_up(self, dtype: torch.dtype) -> None:
         """The GPU bank's warm-up, then the decode kernel for the GPU side's K - n experts with FP32 input (K
         is a compile-time constant of its down kernel)."""
         from expertstream.kernels import nvfp4_moe
 
-        self.gpu.warm_up(dtype)
+        self.bank.warm_up(dtype)
         if not self.n_cpu:
             return
-        dev, h = self.gpu.cache.device, self.layout.hidden_size
-        e2s = torch.zeros(self.gpu.num_experts, dtype=torch.int32, device=dev)
+        dev, h = self.bank.cache.device, self.layout.hidden_size
+        e2s = torch.zeros(self.bank.num_experts, dtype=torch.int32, device=dev)
         if self.k > self.n_cpu:
             n = self.k - self.n_cpu
             ids, w = torch.zeros(n, dtype=torch.int64, device=dev), torch.ones(n, device=dev)
-            nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, device=dev), ids, e2s, self.gpu.scales[0], w,
-                                       self.layout, self.gpu.cache.slots, self.gpu.host_blocks)  # fmt: skip
+            nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, device=dev), ids, e2s, self.bank.scales[0], w,
+                                       self.layout, self.bank.cache.slots, self.bank.host_blocks)  # fmt: skip
 
-    def __call__(
-        self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        if x.shape[0] != 1 or not self.splitting:
-            return self.gpu(layer, x, expert_ids, weights)
+    def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, **kw):
+        if x.shape[0] != 1 or not self.splitting:  # prompts and batches (`segments`): the GPU bank's
+            return self.bank(layer, x, expert_ids, weights, **kw)
         return self._split(layer, x, expert_ids, weights)
 
     def _split(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
@@ -182,17 +138,17 @@ class SplitExperts(ExpertBank):
             self._copied.record()
         y = None
         if g:
-            y = self.gpu.decode_compute(layer, x.float(), expert_ids[:, :g], weights[:, :g])
-            self.gpu.decode_fixed_reads(g)
-            self.gpu.decode_launched()
+            y = self.bank.decode_compute(layer, x.float(), expert_ids[:, :g], weights[:, :g])
+            self.bank.decode_fixed_reads(g)
+            self.bank.decode_launched()
         t1 = time.perf_counter()
         if self._copied is not None:
             self._copied.synchronize()
         self._sync_seconds += time.perf_counter() - t1
         self._syncs += 1
         ids = host[:n].long().tolist()
-        rows = self.gpu.ram_rows(layer)  # [E] every block's RAM row
-        blocks = [self.gpu.host_blocks[int(rows[e])] for e in ids]
+        rows = self.bank.ram_rows(layer)  # [E] every block's RAM row
+        blocks = [self.bank.host_blocks[int(rows[e])] for e in ids]
         wt, xh = host[n : 2 * n, None], host[2 * n :][None]
         part = cpu_moe.moe(blocks, self.ws2[layer, ids], wt, xh, self.layout, self.threads())
         # the previous layer's upload from _out is done: this layer's copy, queued after it, has landed
@@ -204,7 +160,7 @@ class SplitExperts(ExpertBank):
         return cpu_sum if y is None else y + cpu_sum  # FP32 [1, H]: the caller casts
 
     def counters(self) -> BankCounters:
-        c = self.gpu.counters()
+        c = self.bank.counters()
         return dataclasses.replace(
             c,
             bank_decode_seconds=c.bank_decode_seconds + self._seconds,
@@ -215,6 +171,3 @@ class SplitExperts(ExpertBank):
     def cpu_bytes(self) -> int:
         """Expert block bytes the CPU read (its share of decode)."""
         return self.cpu_blocks * self.layout.payload_bytes
-
-    def close(self) -> None:
-        self.gpu.close()
