@@ -11,8 +11,8 @@
 #              `check --fp8-dense both --layers` on it and on its cuts to $DEPTHS ("16 8 4")
 #   decode     `bench decode` on 4 full-shape layers, regimes $REGIMES (vram ram disk): efficiency against the
 #              bound, the regimes' greedy tokens, the block checksums' share of a disk-bound token
-#   cpu-share  the CPU share of GPU decode (--cpu-moe-share): the kernel on the box's cores, `plan`'s estimate,
-#              `bench decode` in the regimes with every expert in RAM, and shares set by hand
+#   cpu-share  the CPU share of GPU decode (--cpu-moe-share): `bench cpu` on 1, 8, 16 threads, `plan`'s
+#              estimate, `bench decode` in the regimes with every expert in RAM, and shares $SHARES by hand
 #   serve      `bench serve` (Open WebUI's flow, 1/2/4 concurrent decodes) on 4 full-shape layers, with decode
 #              graphs and with --enforce-eager (shared fetches; $SERVE_MODES), in a $GPU_GB (4) GiB budget
 #   ds4        DeepSeek-V4-Flash: full-shape layers through setup, `check` in bf16 on CUDA, `bench decode`
@@ -84,35 +84,24 @@ part_decode() {
   grep -E "^\| (vram|ram|disk)|Greedy tokens|Block checksums" $OUT/decode.md
 }
 
-part_cpu_share() {
+part_cpu_share() {  # the kernel on the box's cores; plan's estimate; bench decode with every expert in RAM
+  local share
   model 4
-  # the kernel alone: RAM read rate and a full-shape layer's ten experts for one token, on 1, 8 and 16 threads
-  timeout ${KERNEL_S:-60} python3 -c "
-from expertstream.bench import cpu
-from expertstream.kernels import cpu_moe
-for n in (1, 8, 16):
-    ms, gbps = cpu.kernel_rate(n, 1, 2)
-    bw = cpu_moe.read_rate(threads=n)
-    print(f'{n:2d} threads: RAM read {bw:.1f} GB/s; 10 experts, 1 token {ms:.2f} ms, {gbps:.1f} GB/s ({gbps / bw:.0%})')
-" 2>&1 | tee $OUT/cpu_kernel.txt
+  for n in 1 8 16; do
+    timeout ${KERNEL_S:-90} python3 -m expertstream bench cpu --threads $n 2>&1 | grep -v INFO \
+      > $OUT/cpu_bench_$n.txt
+    grep -E "RAM read|10 full-shape" $OUT/cpu_bench_$n.txt
+  done
   python3 -m expertstream plan $W/full-4-wd --gpu-memory-gb 8 --ram-cache-gb 7 2>&1 | grep -v INFO | tail -4 \
     | tee $OUT/cpu_share_plan.txt
   timeout ${BENCH_S:-240} python3 -m expertstream bench decode --layers 4 --workdir $W \
     --regimes ram ram_unstaged ram_CPU_share --out $OUT/cpu_share.md > $OUT/cpu_share.log 2>&1
-  grep -E "^\| ram|Greedy tokens" $OUT/cpu_share.md
-  # the share by hand: 0.3, 0.5 of each layer's experts on the CPU (the bench's regime with a fixed share)
-  timeout ${SHARES_S:-90} python3 -c "
-import dataclasses, time, torch
-from expertstream.bench.runtime import decoding_engine, script_regimes
-cfg, blocks = script_regimes(4)['ram_CPU_share']
-for share in (0.3, 0.5):
-    eng, st, tok = decoding_engine(dataclasses.replace(cfg, cpu_moe_share=share), blocks)
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    for _ in range(16):
-        tok = int(eng.forward(st, [tok]).argmax())
-    print(f'--cpu-moe-share {share}: {(time.perf_counter() - t0) / 16 * 1e3:.2f} ms/token, {eng.bank.n_cpu} experts a layer on the CPU')
-    eng.close()
-" 2>&1 | grep -v INFO | tail -4 | tee $OUT/cpu_shares.txt
+  grep -E "^\| ram|Greedy tokens|CPU share\`:" $OUT/cpu_share.md
+  for share in ${SHARES:-0.3 0.5}; do  # the share set by hand
+    timeout ${SHARES_S:-90} python3 -m expertstream bench decode --layers 4 --workdir $W --regimes ram_CPU_share \
+      --cpu-moe-share $share --out $OUT/cpu_share_$share.md > /dev/null 2>&1
+    grep -E "^\| ram, CPU share" $OUT/cpu_share_$share.md
+  done
 }
 
 part_serve() {  # a random model never ends a turn: the tasks stop at --max-tokens, the title at --title-tokens

@@ -302,6 +302,10 @@ def test_decode_regimes_stage_in_ram_only_on_top_of_the_cache_share(tiny_workdir
     assert info["staged"] == 2 and regimes["ram"][0].stage_guesses == 2
     assert regimes["ram"][1] == info["vram_blocks"] + 4 and regimes["ram unstaged"][0].stage_guesses == 0
     assert regimes["disk"][0].ram_cache_gb < regimes["ram"][0].ram_cache_gb
+    # the CPU share regime: chosen at start by default, or the bench's --cpu-moe-share; only it has one
+    assert regimes["ram, CPU share"][0].cpu_moe_share == -1.0 and regimes["ram"][0].cpu_moe_share == 0
+    by_hand, _ = decode_regimes(wd, base, stage_guesses=2, cpu_moe_share=0.3)
+    assert by_hand["ram, CPU share"][0].cpu_moe_share == 0.3
 
 
 def test_decoding_engine_starts_past_its_warm_up(tiny_workdir):

@@ -141,6 +141,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "engine's default, as many as its slots leave room for; `ram unstaged` copies none)",
     )
     p.add_argument(
+        "--cpu-moe-share",
+        type=float,
+        default=-1.0,
+        help="decode: the share of each layer's experts the `ram, CPU share` regime computes on the CPU (the "
+        "engine's flag; -1: chosen from the rates measured at start)",
+    )
+    p.add_argument(
         "--baseline",
         action="store_true",
         help="decode, prefill: also time transformers + accelerate offloading (bf16, disk offload) per layer",

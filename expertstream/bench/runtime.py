@@ -8,8 +8,8 @@ efficiency = bound / actual:
   vram eager:  the same without CUDA graphs (what the graphs save)
   ram:         experts in pinned RAM, VRAM cache sized as the 48-layer 8 GiB plan leaves it (PCIe-bound)
   ram, CPU share: the same, unstaged, with the CPU computing a share of each layer's routed experts in
-               place (--cpu-moe-share -1: the share the rates measured at start balance); its bound is
-               max(PCIe bytes / PCIe rate, CPU bytes / CPU kernel rate, GPU)
+               place (--cpu-moe-share; -1, the default: the share the rates measured at start balance); its
+               bound is max(PCIe bytes / PCIe rate, CPU bytes / CPU kernel rate, GPU)
   disk:        RAM cache = 25% of the expert bytes, the rest read from disk (disk-bound)
   disk, 24 GiB VRAM: the disk regime's RAM cache with the VRAM cache a 24 GiB card's plan leaves
 Per-token times are for the bench's layers and scaled to the real 48. Each regime also reports the
@@ -413,7 +413,9 @@ def bench_model(args, what: str, max_model_len: int):
     return Workdir(work), base
 
 
-def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, dict]:
+def decode_regimes(
+    wd, base: EngineConfig, stage_guesses: int, cpu_moe_share: float = -1.0
+) -> tuple[dict, dict]:
     """The decode regimes {name: (EngineConfig, VRAM cache blocks)} of the bench model `wd` under base's
     budget, and what the table's header says of them (cache share, staged guesses)."""
     from expertstream.memory_plan import stage_guesses_for
@@ -438,7 +440,10 @@ def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, di
         "ram": (dataclasses.replace(all_in_ram, stage_guesses=staged), vram_blocks + 2 * staged),
         "ram unstaged": (dataclasses.replace(all_in_ram, stage_guesses=0), vram_blocks),
         # the CPU computes a share of each layer's experts in place (staging off: the bank is eager)
-        "ram, CPU share": (dataclasses.replace(all_in_ram, stage_guesses=0, cpu_moe_share=-1.0), vram_blocks),
+        "ram, CPU share": (
+            dataclasses.replace(all_in_ram, stage_guesses=0, cpu_moe_share=cpu_moe_share),
+            vram_blocks,
+        ),
         # every expert in RAM beside a large VRAM cache: decode reads the hot set there (not an issue regime)
         f"ram, {BIG_BUDGET_GB:g} GiB VRAM": (
             dataclasses.replace(all_in_ram, gpu_memory_gb=BIG_BUDGET_GB, stage_guesses=staged),
@@ -451,17 +456,6 @@ def decode_regimes(wd, base: EngineConfig, stage_guesses: int) -> tuple[dict, di
         ),
     }
     return regimes, dict(vram_blocks=vram_blocks, share=share, share24=share24, staged=staged)
-
-
-def script_regimes(layers: int, stage_guesses: int = -1) -> dict:
-    """{--regimes slug: (EngineConfig, VRAM cache blocks)} of `bench decode`'s regimes on its default model
-    of `layers` layers (made if missing) and defaults (8 GiB, a 32k context): what the decode scripts run."""
-    from expertstream.bench.cli import BENCH_WORKDIR, regime_slug
-    from expertstream.workdir.workdir import Workdir
-
-    work = ensure_model(Path(BENCH_WORKDIR), layers)
-    base = EngineConfig(model=str(work), gpu_memory_gb=8.0, max_model_len=32768)
-    return {regime_slug(n): r for n, r in decode_regimes(Workdir(work), base, stage_guesses)[0].items()}
 
 
 def decoding_engine(cfg: EngineConfig, blocks: int):
@@ -490,7 +484,7 @@ def run(args) -> int:
     expert_bytes = wd.num_layers * wd.num_experts * block
     disk = disk_rate(wd.experts_path, block, base.io_threads)
     pcie, pcie_block = pcie_rate(), pcie_rate(block=block)
-    regimes, info = decode_regimes(wd, base, args.stage_guesses)
+    regimes, info = decode_regimes(wd, base, args.stage_guesses, args.cpu_moe_share)
     vram_blocks, share, share24, staged = (info[n] for n in ("vram_blocks", "share", "share24", "staged"))
     results = {}
     for name, (cfg, blocks) in chosen(args, regimes).items():
@@ -512,7 +506,7 @@ def run(args) -> int:
         f"{BIG_BUDGET_GB} GiB); "
         f"CUDA graphs on except in `vram eager`; `ram` copies {staged} guesses per layer to VRAM early "
         f"(--stage-guesses), `ram unstaged` and `ram, CPU share` none; `ram, CPU share` computes a share "
-        "of each layer's experts on the CPU (--cpu-moe-share -1); "
+        f"of each layer's experts on the CPU (--cpu-moe-share {args.cpu_moe_share:g}); "
         f"`ram, {BIG_BUDGET_GB:g} GiB VRAM` also reads a hot set "
         "from VRAM (half its cache share); speculation "
         f"{'off' if args.no_speculation else f'on, {args.speculation_width:g} x K guesses'}.\n\n"
