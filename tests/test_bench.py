@@ -371,3 +371,13 @@ def test_serve_table_says_why_a_background_task_failed():
     tasks = [("title", 2.0, 16), ("tags", 0.5, "failed: generation failed: CUDA out of memory")]
     text = table(rows, tasks, [], tools_tokens=10)
     assert "title 2.0 s (16 tokens), tags 0.5 s (failed: generation failed: CUDA out of memory)" in text
+
+
+def test_serve_throughput_table_gives_the_vram_columns_where_measured():
+    from expertstream.bench.serve import table
+
+    row = dict(n=2, tokens=64, tps=20.0, blocks_per_step=30, mb_per_step=80.0, bus_mb_per_step=9.0,
+               disk_mb_per_step=1.0, reserved_gib=3.5, graphs_mib=42.0)  # fmt: skip
+    text = table([], [], [row, dict(row, n=4, reserved_gib=None, graphs_mib=None)], tools_tokens=10)
+    assert "| 2 | 64 | 20.0 | 30 | 80.0 | 9.0 | 1.0 | 3.50 | 42 |" in text
+    assert "| 4 | 64 | 20.0 | 30 | 80.0 | 9.0 | 1.0 | - | - |" in text

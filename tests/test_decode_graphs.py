@@ -201,6 +201,32 @@ def test_graphs_equal_eager_on_cuda(tiny_workdir, dtype):
 
 
 @pytest.mark.gpu  # CUDA graphs need a GPU
+def test_states_decode_in_turns_from_one_shared_graph_pool(tiny_workdir):
+    """Three conversations decoded in turns (the scheduler's order) through graphs give each one's eager
+    tokens bit for bit, and every graph lives in the runner's one pool (a pool per state held each state's
+    intermediates apart: an 8 GiB budget ran out with a few sequences)."""
+    prompts = [[3 + i % 200 for i in range(40)], [7 + i % 100 for i in range(30)], [11, 12, 13]]
+    outs = []
+    for eager in (True, False):
+        cfg = EngineConfig(model=str(tiny_workdir), device="cuda", dtype="bfloat16", max_model_len=512,
+                           gpu_memory_gb=4, enforce_eager=eager)  # fmt: skip
+        eng = Engine(cfg)
+        states = [eng.new_state() for _ in prompts]
+        rows = [[eng.forward(st, p)] for st, p in zip(states, prompts)]
+        for _ in range(10):
+            for st, r in zip(states, rows):
+                r.append(eng.forward(st, [int(r[-1].argmax())]))
+        outs.append([torch.stack(r) for r in rows])
+        if not eager:
+            pools = {tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot()}
+            assert pools - {(0, 0)} == {tuple(eng.decode.pool)} and eng.decode.captures == 3
+            assert 0 < eng.gpu_memory()["decode_graphs"] <= eng.gpu_memory()["reserved"]
+        eng.close()
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.gpu  # CUDA graphs need a GPU
 @pytest.mark.parametrize("cache_blocks", [0, 40])  # 40: a hot set in VRAM beside the staging rows
 def test_staged_guesses_in_graphs_equal_eager_on_cuda(tiny_workdir, cache_blocks):
     """Every block in RAM and guesses staged on a side stream: the captured side stream joins inside each

@@ -180,15 +180,22 @@ COUNTERS = {  # /metrics counter -> the column it feeds
     "expertstream_expert_bus_bytes_total": "bus",
     'expertstream_disk_read_bytes_total{kind="experts"}': "disk",
 }
+GAUGES = {  # /metrics gauge -> its column (the value after the row; absent off CUDA)
+    'expertstream_gpu_memory_bytes{kind="reserved"}': "reserved",
+    'expertstream_gpu_memory_bytes{kind="decode_graphs"}': "graphs",
+}
 
 
 def _counters(url: str) -> dict[str, float]:
-    """Expert lookups of the RAM store, bytes over the bus to the GPU, and expert bytes read from disk."""
-    out = dict.fromkeys(COUNTERS.values(), 0.0)
+    """Expert lookups of the RAM store, bytes over the bus to the GPU, expert bytes read from disk; the VRAM
+    the allocator reserves and the decode graphs' pool of it (None off CUDA)."""
+    out: dict = dict.fromkeys(COUNTERS.values(), 0.0) | dict.fromkeys(GAUGES.values())
     for line in httpx.get(url + "/metrics").text.splitlines():
         name, _, value = line.rpartition(" ")
         if name in COUNTERS:
             out[COUNTERS[name]] += float(value)
+        elif name in GAUGES:
+            out[GAUGES[name]] = float(value)
     return out
 
 
@@ -205,7 +212,8 @@ def throughput_rows(url: str, model: str, tokens: int, block_bytes: int | None) 
         threads = _background(*[(one, i, results) for i in range(n)])
         for t in threads:
             t.join()
-        moved = {k: v - before[k] for k, v in _counters(url).items()}
+        after = _counters(url)
+        moved = {k: after[k] - before[k] for k in set(COUNTERS.values())}
         total = sum(r["tokens"] for r in results)
         span = max(r["end"] for r in results) - min(r["first"] for r in results)
         steps = max(r["tokens"] for r in results)  # the batch steps once per token of its longest request
@@ -218,6 +226,8 @@ def throughput_rows(url: str, model: str, tokens: int, block_bytes: int | None) 
                 mb_per_step=moved["lookups"] * block_bytes / steps / 1e6 if block_bytes else None,
                 bus_mb_per_step=moved["bus"] / steps / 1e6,
                 disk_mb_per_step=moved["disk"] / steps / 1e6,
+                reserved_gib=after["reserved"] / 2**30 if after["reserved"] is not None else None,
+                graphs_mib=after["graphs"] / 2**20 if after["graphs"] is not None else None,
             )
         )
     return rows
@@ -243,14 +253,18 @@ def table(rows: list[dict], tasks: list, tput: list[dict], tools_tokens: int) ->
         + ", ".join(f"{k} {s:.1f} s ({n}{' tokens' * isinstance(n, int)})" for k, s, n in tasks),
         "",
         "| concurrent requests | tokens | aggregate decode tok/s | expert blocks per step | MB per step | "
-        "bus MB per step | disk MB per step |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "bus MB per step | disk MB per step | VRAM reserved (GiB) | decode graphs' pool (MiB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
     for r in tput:
-        mb = f"{r['mb_per_step']:.1f}" if r["mb_per_step"] is not None else "-"
         out.append(
-            f"| {r['n']} | {r['tokens']} | {r['tps']:.1f} | {r['blocks_per_step']:.0f} | {mb} | "
-            f"{r['bus_mb_per_step']:.1f} | {r['disk_mb_per_step']:.1f} |"
+            f"| {r['n']} | {r['tokens']} | {r['tps']:.1f} | {r['blocks_per_step']:.0f} | "
+            f"{num(r['mb_per_step'], '.1f')} | {r['bus_mb_per_step']:.1f} | {r['disk_mb_per_step']:.1f} | "
+            f"{num(r['reserved_gib'], '.2f')} | {num(r['graphs_mib'], '.0f')} |"
         )
     return "\n".join(out) + "\n"
 

@@ -17,10 +17,14 @@ mixing, the final mixer. A captured run ends with the joins its stages name (sid
 host work its stages name to follow them (`after`: the next layer's guessed disk reads) runs once it is
 replayed. Eager stages' fresh outputs are copied into static buffers the graphs after them read.
 
-A state's buffers are baked into its graphs, so graphs are kept per `State` and KV bucket in one memory pool
-per state (dropped with the state: a pool shared across states dies with the last graph using it, and torch
-asserts when a capture names a dead pool); they are captured while the first graphed step of that state and
-bucket runs, so no token is computed twice. `capture=False` runs the same stages without graphs.
+A state's buffers are baked into its graphs, so graphs are kept per `State` and KV bucket (dropped with the
+state); they are captured while the first graphed step of that state and bucket runs, so no token is
+computed twice. Every state's graphs share one memory pool: steps never run at once (one stream, one step
+at a time) and every capture's outputs stay referenced while it lives, so one capture's intermediates may
+take memory another's freed, and the pool holds one step's intermediates plus each capture's static
+outputs instead of one step's intermediates per state (the VRAM plan counts it once, memory_plan.py). A
+one-kernel anchor graph holds the pool for the runner's life: a pool dies with the last graph using it,
+and torch refuses a capture into a dead pool. `capture=False` runs the same stages without graphs.
 """
 
 from __future__ import annotations
@@ -96,11 +100,9 @@ class _Captured:
 
 
 class _StateGraphs:
-    """A state's captures, one per KV window and bank mode, in one private memory pool: captures never run
-    at once and every capture's outputs stay referenced, so intermediates can share memory across them."""
+    """A state's captures, one per KV window and bank mode (in the runner's shared pool)."""
 
     def __init__(self):
-        self.pool = None  # the first capture's pool, named by the later ones
         # (KV window, KV address in the pool, per bank: every block placed for good, and where blocks
         # reside): a bank that becomes fixed gets a program without its eager point per layer, one that
         # becomes resident in RAM a program with its staging copies (decided while capturing), each captured
@@ -124,6 +126,7 @@ class DecodeGraphs:
         self._upload = PackedUpload(model.device)  # the token's host inputs: fixed device tensors
         self.captures = 0  # (state, KV bucket) programs captured so far (stats)
         self._banks = model.banks  # what a step's program depends on, beside the state and the KV window
+        self._anchor: torch.cuda.CUDAGraph | None = None  # holds the states' shared pool (module docstring)
 
     def program(self, st: State, kv_len: int) -> list[tuple[bool, list[Stage]]]:
         """The model's stages of one token on `st`, QSA over `kv_len` KV rows, as runs to capture or run."""
@@ -161,6 +164,25 @@ class DecodeGraphs:
         st.advance(ids)
         return h
 
+    @property
+    def pool(self):
+        """The memory pool every state's graphs are captured into (made with the first capture)."""
+        if self._anchor is None:
+            one = torch.zeros(1, device=self.model.device)
+            self._anchor, _ = _capture_graph(lambda: one.add_(1), self._stream, None)
+        return self._anchor.pool()
+
+    def pool_bytes(self) -> int:
+        """Device memory the shared pool holds now (its segments, reserved whether in use or not)."""
+        if self._anchor is None:
+            return 0
+        pool = tuple(self._anchor.pool())
+        return sum(
+            seg["total_size"]
+            for seg in torch.cuda.memory_snapshot()
+            if tuple(seg.get("segment_pool_id", ())) == pool
+        )
+
     def _capture(self, graphs: _StateGraphs, st: State, ids: torch.Tensor, kv_len: int) -> _Captured:
         """Build the state's graphs while running this step: each run is captured, then replayed at once."""
         cap, env, t0 = _Captured(), {}, time.perf_counter()
@@ -168,8 +190,7 @@ class DecodeGraphs:
         for graphable, stages in self.program(st, kv_len):
             if graphable:  # graphable stages never see the host id; they read the values of this point
                 fn = lambda stages=stages, env=dict(env): _run(stages, env)  # noqa: E731
-                g, out = _capture_graph(fn, self._stream, graphs.pool)
-                graphs.pool = graphs.pool or g.pool()  # the state's graphs share the first one's pool
+                g, out = _capture_graph(fn, self._stream, self.pool)
                 g.replay()
                 cap.segments.append(("graph", g, stages))
             else:

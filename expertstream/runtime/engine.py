@@ -384,6 +384,18 @@ class Engine:
             **dataclasses.asdict(self.bank.counters()),  # BankCounters' fields are EngineStats' own
         )
 
+    def gpu_memory(self) -> dict[str, int]:
+        """VRAM bytes now: what the allocator holds for tensors, what it reserves from the driver, and the
+        decode graphs' shared pool (part of the reserved); empty off CUDA."""
+        if self.device.type != "cuda":
+            return {}
+        graphs = self.decode.pool_bytes() if self.decode is not None and self.decode.capture else 0
+        return {
+            "allocated": torch.cuda.memory_allocated(self.device),
+            "reserved": torch.cuda.memory_reserved(self.device),
+            "decode_graphs": graphs,
+        }
+
     def close(self) -> None:
         """Stop the readers and give the VRAM back (weights, slots), so another engine can plan on it."""
         self.bank.close()

@@ -78,6 +78,10 @@ class Metrics:
                 ("expert_bus_bytes_total", C, "Expert bytes moved from host RAM to the GPU: copies into VRAM "
                  "and kernels' reads in place (0 on the CPU).", stats.copied_bytes + stats.bus_read_bytes),
             ]  # fmt: skip
+            vram = [({"kind": k}, v) for k, v in backend.engine.gpu_memory().items()]
+            if vram:
+                families.append(("gpu_memory_bytes", G, "VRAM held: allocated, reserved, and of the reserved the "
+                                 "decode graphs' pool.", vram))  # fmt: skip
         lines: list[str] = []
         for name, kind, help_text, value in families:
             # a bare number is the one unlabelled sample; a list holds labelled samples
