@@ -80,8 +80,8 @@ class Metrics:
             ]  # fmt: skip
             vram = [({"kind": k}, v) for k, v in backend.engine.gpu_memory().items()]
             if vram:
-                families.append(("gpu_memory_bytes", G, "VRAM held: allocated, reserved, and of the reserved the "
-                                 "decode graphs' pool.", vram))  # fmt: skip
+                held = "VRAM held: allocated, reserved, and of the reserved the decode graphs' pool."
+                families.append(("gpu_memory_bytes", G, held, vram))
         lines: list[str] = []
         for name, kind, help_text, value in families:
             # a bare number is the one unlabelled sample; a list holds labelled samples
