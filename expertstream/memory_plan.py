@@ -37,7 +37,11 @@ DS4_FP8_CANDIDATES = ("head.weight", "compressor.wkv.weight", "compressor.wgate.
 # Allocator fragmentation and kernel workspaces the per-token accounting cannot see, e.g. an expert
 # launch's tile padding: up to 64 rows of h per expert (512 x 64 x 640 BF16 = 40 MiB of the 0.29 GiB).
 RESERVE_FRACTION = 0.04
-DECODE_WORKSPACE = 64 * MiB  # one-token activations and the decode graphs' pools (per state; unmeasured)
+# One token's activations beside the attention window's copies (the decode graphs' shared pool holds them
+# once for every sequence, runtime/decode_graphs.py)
+DECODE_ACTIVATIONS = 4 * MiB
+# Per sequence: its decode graphs' static outputs in the shared pool (docs/server.md gives the pool measured)
+GRAPH_OUTPUTS = 4 * MiB
 # Tokens of one block of the shared KV pool (models/kv_pool.py): a sequence's range is whole blocks, and a
 # block holds whole indexer blocks (compress ratios divide it)
 KV_BLOCK = 256
@@ -58,7 +62,8 @@ class MemoryPlan:
     kv: int  # attention K/V of the shared pool's kv_pool_tokens
     indexer_keys: int  # indexer keys of the shared pool's kv_pool_tokens
     slots: int  # three banks of K expert slots: this layer, the previous one, and half a prompt pass
-    decode_workspace: int
+    decode_workspace: int  # one token's workspace, held once (graphs of every sequence share one pool)
+    seq_workspace: int  # each sequence's own decode memory beside it (its graphs' static outputs)
     prefill_piece: int
     prefill_span: int  # tokens per layer-major span (a multiple of the piece)
     prefill_chunk: int  # tokens per expert-kernel launch in a span (the piece's workspace holds their rows)
@@ -66,16 +71,16 @@ class MemoryPlan:
     reserve: int
     vram_cache_blocks: int
     block_bytes: int
-    max_num_seqs: int = 1  # sequences whose state and decode workspace the plan holds (at least 1)
+    max_num_seqs: int = 1  # sequences whose state and graphs' outputs the plan holds (at least 1)
     kv_pool_tokens: int = 0  # tokens of KV and indexer keys the sequences share (at least max_model_len)
     notes: list[str] = field(default_factory=list)
 
     @property
     def seq_bytes(self) -> int:
-        """VRAM one more sequence holds for itself: its state and decode workspace, and its KV where the
-        family has no shared pool (kv_pool_tokens 0)."""
+        """VRAM one more sequence holds for itself: its state and its decode graphs' outputs, and its KV where
+        the family has no shared pool (kv_pool_tokens 0)."""
         own = 0 if self.kv_pool_tokens else self.kv + self.indexer_keys
-        return self.state + self.decode_workspace + own
+        return self.state + self.seq_workspace + own
 
     @property
     def vram_cache(self) -> int:
@@ -97,9 +102,9 @@ class MemoryPlan:
             ),
             ("indexer keys" + " (of the pool's tokens)" * bool(self.kv_pool_tokens), self.indexer_keys),
             ("expert slots", self.slots),
-            ("decode workspace", self.decode_workspace),
+            ("decode workspace (one token, the graphs' shared pool)", self.decode_workspace),
             (
-                f"{self.max_num_seqs - 1} more sequence{'s' * (self.max_num_seqs != 2)} (state, workspace)",
+                f"{self.max_num_seqs - 1} more sequence{'s' * (self.max_num_seqs != 2)} (state, graphs)",
                 (self.max_num_seqs - 1) * self.seq_bytes,
             ),
             (
@@ -163,10 +168,10 @@ def plan_memory(
         max_model_len: the context of one sequence; the KV pool holds at least that many tokens.
         act_bytes: bytes per activation element (2 for bf16).
         max_num_seqs: sequences that run together. Each has a fixed-size state of its own (DeltaNet, conv,
-            PLE, decode workspace); their attention KV and indexer keys come from one shared pool that
-            sequences take blocks of as their contexts grow. The first sequence and a pool of max_model_len
-            tokens are part of the minimum; the other sequences' states come out of what the prefill
-            workspace leaves, then the pool grows toward max_num_seqs x max_model_len tokens with at most
+            PLE, its decode graphs' outputs); their attention KV and indexer keys come from one shared pool
+            that sequences take blocks of as their contexts grow. The first sequence and a pool of
+            max_model_len tokens are part of the minimum; the other sequences' states come out of what the
+            prefill workspace leaves (a second one out of the prompt span if need be), then the pool grows toward max_num_seqs x max_model_len tokens with at most
             half of what is left (the rest is the VRAM cache).
         kv_pool_tokens: the pool's tokens instead (at least max_model_len).
 
@@ -210,7 +215,8 @@ def plan_memory(
     fp8 = sorted(n for n, (_, dt) in weights.items() if dt == "F8_E4M3" and f"{n}_scale" in weights)
     base = sum(_tensor_bytes(s, d) for s, d in weights.values())
     reserve = int(budget_bytes * RESERVE_FRACTION)
-    fixed = state + pool * pool_tok + slots + DECODE_WORKSPACE + reserve
+    decode_ws = DECODE_ACTIVATIONS + t.decode_window
+    fixed = state + pool * pool_tok + slots + decode_ws + GRAPH_OUTPUTS + reserve
 
     def minimum(weight_bytes: int, piece: int = PREFILL_PIECES[-1]) -> int:
         return weight_bytes + fixed + prefill_ws(piece)
@@ -221,7 +227,8 @@ def plan_memory(
     # several sequences are asked for, until a second sequence's state fits beside it too (never the LM
     # head for that: concurrency does not buy logits' precision); else a budget that keeps more BF16 could
     # hold one sequence where a smaller one holds two
-    second = (state + DECODE_WORKSPACE) * (max_num_seqs > 1)
+    seq_bytes = state + GRAPH_OUTPUTS
+    second = seq_bytes * (max_num_seqs > 1)
     for suffix in t.fp8_candidates:
         if minimum(base, PREFILL_TARGET) + (second if suffix != t.head else 0) <= budget_bytes:
             break
@@ -244,21 +251,36 @@ def plan_memory(
         return prefill_ws(p) <= left // 2 or (p <= PREFILL_TARGET and prefill_ws(p) <= left)
 
     budget_piece = max(p for p in PREFILL_PIECES if affordable(p) or p == PREFILL_PIECES[-1])
+
+    # split a workspace into the piece and the span that make the span longest (ties: the longer piece)
+    def split(workspace: int) -> tuple[int, int]:
+        def span_of(p: int) -> int:
+            extra = (workspace - prefill_ws(p)) // per_span_tok
+            return max(p, min(max_model_len, p + extra) // p * p)
+
+        fits = [
+            p for p in PREFILL_PIECES if SPAN_MIN_PIECE <= p <= budget_piece and prefill_ws(p) <= workspace
+        ]
+        piece = max(fits or [budget_piece], key=lambda p: (span_of(p), p))
+        return piece, span_of(piece)
+
     workspace = prefill_ws(budget_piece)
+    # a second sequence (Open WebUI's title task beside the chat) before a longer span: the span gives up what
+    # its state lacks, down to the smallest span piece's own workspace; a prompt longer than the span costs
+    # one more sweep of the experts per span
+    short = seq_bytes - (left - workspace)
+    if max_num_seqs > 1 and short > 0 and workspace - short >= prefill_ws(min(budget_piece, SPAN_MIN_PIECE)):
+        alone = split(workspace)[1]
+        workspace -= short
+        notes.append(
+            f"the second sequence's state comes out of the prompt span: {split(workspace)[1]}-token spans "
+            f"instead of {alone} (--max-num-seqs 1 keeps them)"
+        )
     left -= workspace
-
-    # split that workspace into the piece and the span that make the span longest (ties: the longer piece)
-    def span_of(p: int) -> int:
-        extra = (workspace - prefill_ws(p)) // per_span_tok
-        return max(p, min(max_model_len, p + extra) // p * p)
-
-    pieces = [p for p in PREFILL_PIECES if SPAN_MIN_PIECE <= p <= budget_piece] or [budget_piece]
-    piece = max(pieces, key=lambda p: (span_of(p), p))
-    span = span_of(piece)
+    piece, span = split(workspace)
     chunk = min(span, max(piece, prefill_ws(piece) // per_moe_tok // piece * piece))
     workspace_used = prefill_ws(piece) + (span - piece) * per_span_tok
     left += workspace - workspace_used  # what rounding the span left goes to the cache
-    seq_bytes = state + DECODE_WORKSPACE
     seqs = 1 + max(0, min(max_num_seqs - 1, left // seq_bytes))
     left -= (seqs - 1) * seq_bytes
     if seqs < max_num_seqs:
@@ -303,7 +325,8 @@ def plan_memory(
         kv=pool * kv_tok + t.own_kv,
         indexer_keys=pool * idx_tok + t.own_indexer_keys,
         slots=slots,
-        decode_workspace=DECODE_WORKSPACE,
+        decode_workspace=decode_ws + GRAPH_OUTPUTS,
+        seq_workspace=GRAPH_OUTPUTS,
         prefill_piece=piece,
         prefill_span=span,
         prefill_chunk=chunk,
@@ -360,6 +383,7 @@ class ModelTerms:
     own_indexer_keys: int
     per_token: int  # activation bytes per prompt token at the widest point of a layer
     scores_per_token: int  # mask and score bytes per prompt token over the visible context
+    decode_window: int  # one token's attention workspace over the whole context (copies of a layer's K/V)
     hc: int  # residual streams
     num_experts: int
     embed: str  # the token embedding's resident name (kept in host RAM)
@@ -406,8 +430,11 @@ def _qwen4_exp_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTer
     )  # FP32 chunk state terms of the chunked DeltaNet
     # bool selection mask over the visible keys, FP32 indexer scores over the compressed blocks
     scores = max_model_len + (max_model_len // max(1, c.get("indexer_compress_ratio") or 1)) * 4
-    return ModelTerms(state, kv, idx, 0, 0, per_tok, scores, hc, c["num_experts"], "embed_tokens.weight",
-                      "lm_head.weight", FP8_CANDIDATES)  # fmt: skip
+    # a one-token step's attention reads a layer's K and V over the window through transposed views, which
+    # the attention kernel copies whole: [n_kv, window, D] each
+    window = 2 * c["num_key_value_heads"] * c["head_dim"] * max_model_len * act_bytes
+    names = ("embed_tokens.weight", "lm_head.weight", FP8_CANDIDATES)
+    return ModelTerms(state, kv, idx, 0, 0, per_tok, scores, window, hc, c["num_experts"], *names)
 
 
 def _ds4_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTerms:
@@ -425,6 +452,8 @@ def _ds4_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTerms:
     per_tok = act_bytes * (3 * hc * h + c["q_lora_rank"] + 2 * nh * d + k * (2 * i_moe + h))
     # FP32 attention scores per head over the window and the indexer's top-k, the indexer's scores
     scores = 4 * nh * (c["sliding_window"] + c["index_topk"]) + 4 * -(-max_model_len // 4)
-    # its compressed KV is the sequence's own, preallocated for the context (models/deepseek_v4.py): no pool
-    return ModelTerms(state, 0, 0, kv, idx, per_tok, scores, hc, c["n_routed_experts"], "embed.weight",
-                      "head.weight", DS4_FP8_CANDIDATES)  # fmt: skip
+    # its compressed KV is the sequence's own, preallocated for the context (models/deepseek_v4.py): no pool;
+    # a token's attention takes the window and the selected entries, its indexer scores every entry
+    window = scores
+    names = ("embed.weight", "head.weight", DS4_FP8_CANDIDATES)
+    return ModelTerms(state, 0, 0, kv, idx, per_tok, scores, window, hc, c["n_routed_experts"], *names)

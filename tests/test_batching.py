@@ -219,5 +219,5 @@ def test_the_plan_counts_each_sequence():
     assert "2 more sequences" in three.describe()
     # at 8 GiB the sequences share one 32k context's pool and a little more; the plan says so
     tight = plan_memory(real_text_config(), real_resident(), BLOCK, 8 * GiB, 32768, max_num_seqs=4)
-    assert tight.max_num_seqs == 2 and "2 of --max-num-seqs 4 sequences fit" in tight.describe()
+    assert tight.max_num_seqs == 3 and "3 of --max-num-seqs 4 sequences fit" in tight.describe()
     assert 32768 <= tight.kv_pool_tokens < 2 * 32768

@@ -187,6 +187,10 @@ class DecodeGraphs:
         """Build the state's graphs while running this step: each run is captured, then replayed at once."""
         cap, env, t0 = _Captured(), {}, time.perf_counter()
         torch.cuda.synchronize(self.model.device)
+        # a capture allocates in the graphs' pool, which cannot take the blocks the default pool caches (a
+        # prompt's freed workspace, up to the plan's prefill share): give those back to the driver first, or
+        # a capture under the enforced budget runs out with them cached and unused
+        torch.cuda.empty_cache()
         for graphable, stages in self.program(st, kv_len):
             if graphable:  # graphable stages never see the host id; they read the values of this point
                 fn = lambda stages=stages, env=dict(env): _run(stages, env)  # noqa: E731
