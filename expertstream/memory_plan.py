@@ -171,8 +171,9 @@ def plan_memory(
             PLE, its decode graphs' outputs); their attention KV and indexer keys come from one shared pool
             that sequences take blocks of as their contexts grow. The first sequence and a pool of
             max_model_len tokens are part of the minimum; the other sequences' states come out of what the
-            prefill workspace leaves (a second one out of the prompt span if need be), then the pool grows toward max_num_seqs x max_model_len tokens with at most
-            half of what is left (the rest is the VRAM cache).
+            prefill workspace leaves (a second one out of the prompt span if need be), then the pool grows
+            toward max_num_seqs x max_model_len tokens with at most half of what is left (the rest is the
+            VRAM cache).
         kv_pool_tokens: the pool's tokens instead (at least max_model_len).
 
     Returns:
