@@ -37,9 +37,9 @@ DS4_FP8_CANDIDATES = ("head.weight", "compressor.wkv.weight", "compressor.wgate.
 # Allocator fragmentation and kernel workspaces the per-token accounting cannot see, e.g. an expert
 # launch's tile padding: up to 64 rows of h per expert (512 x 64 x 640 BF16 = 40 MiB of the 0.29 GiB).
 RESERVE_FRACTION = 0.04
-# One token's activations beside the attention window's copies (the decode graphs' shared pool holds them
-# once for every sequence, runtime/decode_graphs.py)
-DECODE_ACTIVATIONS = 4 * MiB
+# One token's activations and workspaces (the decode graphs' shared pool holds them once for every sequence,
+# runtime/decode_graphs.py; the fused attention kernel reads the KV window in place)
+DECODE_ACTIVATIONS = 16 * MiB
 # Per sequence: its decode graphs' static outputs in the shared pool (docs/server.md gives the pool measured)
 GRAPH_OUTPUTS = 4 * MiB
 # Tokens of one block of the shared KV pool (models/kv_pool.py): a sequence's range is whole blocks, and a
@@ -216,7 +216,7 @@ def plan_memory(
     fp8 = sorted(n for n, (_, dt) in weights.items() if dt == "F8_E4M3" and f"{n}_scale" in weights)
     base = sum(_tensor_bytes(s, d) for s, d in weights.values())
     reserve = int(budget_bytes * RESERVE_FRACTION)
-    decode_ws = DECODE_ACTIVATIONS + t.decode_window
+    decode_ws = DECODE_ACTIVATIONS
     fixed = state + pool * pool_tok + slots + decode_ws + GRAPH_OUTPUTS + reserve
 
     def minimum(weight_bytes: int, piece: int = PREFILL_PIECES[-1]) -> int:
@@ -384,7 +384,6 @@ class ModelTerms:
     own_indexer_keys: int
     per_token: int  # activation bytes per prompt token at the widest point of a layer
     scores_per_token: int  # mask and score bytes per prompt token over the visible context
-    decode_window: int  # one token's attention workspace over the whole context (copies of a layer's K/V)
     hc: int  # residual streams
     num_experts: int
     embed: str  # the token embedding's resident name (kept in host RAM)
@@ -431,11 +430,8 @@ def _qwen4_exp_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTer
     )  # FP32 chunk state terms of the chunked DeltaNet
     # bool selection mask over the visible keys, FP32 indexer scores over the compressed blocks
     scores = max_model_len + (max_model_len // max(1, c.get("indexer_compress_ratio") or 1)) * 4
-    # a one-token step's attention reads a layer's K and V over the window through transposed views, which
-    # the attention kernel copies whole: [n_kv, window, D] each
-    window = 2 * c["num_key_value_heads"] * c["head_dim"] * max_model_len * act_bytes
     names = ("embed_tokens.weight", "lm_head.weight", FP8_CANDIDATES)
-    return ModelTerms(state, kv, idx, 0, 0, per_tok, scores, window, hc, c["num_experts"], *names)
+    return ModelTerms(state, kv, idx, 0, 0, per_tok, scores, hc, c["num_experts"], *names)
 
 
 def _ds4_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTerms:
@@ -453,8 +449,6 @@ def _ds4_terms(c: Mapping, act_bytes: int, max_model_len: int) -> ModelTerms:
     per_tok = act_bytes * (3 * hc * h + c["q_lora_rank"] + 2 * nh * d + k * (2 * i_moe + h))
     # FP32 attention scores per head over the window and the indexer's top-k, the indexer's scores
     scores = 4 * nh * (c["sliding_window"] + c["index_topk"]) + 4 * -(-max_model_len // 4)
-    # its compressed KV is the sequence's own, preallocated for the context (models/deepseek_v4.py): no pool;
-    # a token's attention takes the window and the selected entries, its indexer scores every entry
-    window = scores
+    # its compressed KV is the sequence's own, preallocated for the context (models/deepseek_v4.py): no pool
     names = ("embed.weight", "head.weight", DS4_FP8_CANDIDATES)
-    return ModelTerms(state, 0, 0, kv, idx, per_tok, scores, window, hc, c["n_routed_experts"], *names)
+    return ModelTerms(state, 0, 0, kv, idx, per_tok, scores, hc, c["n_routed_experts"], *names)

