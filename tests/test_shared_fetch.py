@@ -5,9 +5,11 @@ union, and every row's sum is the one its sequence alone gets."""
 import pytest
 import torch
 
+from expertstream.config import EngineConfig
 from expertstream.experts import gpu_prefill
 from expertstream.experts.gpu_bank import GpuExperts
 from expertstream.kernels import nvfp4_moe
+from expertstream.runtime.engine import Engine
 from expertstream.store import ExpertStore
 from expertstream.workdir.workdir import Workdir
 
@@ -182,3 +184,24 @@ def test_prompts_share_one_sweep_and_get_the_sums_of_their_own_calls(
     assert [experts for t, experts, _ in launched if t == 7] != alone_passes
     bank.close()
     store.close()
+
+
+@pytest.mark.gpu  # the engine runs the CUDA bank on CUDA only
+def test_the_engine_gives_batched_prompts_on_cuda_the_logits_of_each_alone(tiny_workdir):
+    """bf16, the plan's 12 slots (passes of 6 experts): three prompts in one `forward_batch` get the logits
+    of each alone bit for bit, and each layer asks the VRAM cache once for each block any of them routes."""
+    cfg = EngineConfig(model=str(tiny_workdir), device="cuda", dtype="bfloat16", max_model_len=512,
+                       gpu_memory_gb=4, prefill_piece=16, prefill_span=128)  # fmt: skip
+    eng = Engine(cfg, vram_cache_blocks=0)
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randint(0, eng.args.vocab_size, (n,), generator=g).tolist() for n in (37, 5, 60)]
+    stats = eng.bank.cache.stats
+    before = stats.requests
+    alone = [eng.forward(eng.new_state(), p) for p in ps]
+    alone_requests, before = stats.requests - before, stats.requests
+    got = eng.forward_batch([(eng.new_state(), p) for p in ps])
+    for a, b in zip(alone, got):
+        assert torch.equal(a, b)
+    layers, experts = eng.args.num_hidden_layers, eng.workdir.num_experts
+    assert stats.requests - before <= layers * experts < alone_requests
+    eng.close()
