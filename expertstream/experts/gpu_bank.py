@@ -119,7 +119,7 @@ class GpuExperts(ExpertBank):
 
     @property
     def prefill_passes(self) -> int:
-        """Expert groups prompts ran so far (one fetch + three launches each)."""
+        """Expert groups prompts ran so far (one fetch each; three launches per prompt routed to them)."""
         return self.prefill.passes
 
     def warm_up(self, dtype: torch.dtype) -> None:

@@ -39,7 +39,7 @@ class PrefillPasses:
         self._slot_map = HostMirror(self.expert_to_slot)
         self._slot_map_np = self._slot_map.host.numpy()  # its host copy as numpy: cheap small writes
         self._tables: PassTables | None = None  # made at the first prompt of a RAM-resident bank
-        self.passes = 0  # expert groups run (one fetch + three launches each)
+        self.passes = 0  # expert groups run (one fetch each; three launches per prompt routed to them)
         # a pass's rows of h and output are at most this many tokens' K pairs (the plan's MoE workspace)
         self.chunk: int | None = None  # None: a call's tokens
 
