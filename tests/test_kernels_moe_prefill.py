@@ -304,6 +304,37 @@ def test_combine_rows_equals_its_twin_bit_for_bit():
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("combine", [combine_rows, combine_rows_ref])
+def test_combine_adds_a_tokens_rows_in_expert_order_however_passes_group_them(combine):
+    """Passes over consecutive experts in ascending order give each token's sum as 0 + its rows one after
+    another, its experts ascending, whichever experts share a pass: the FP32 bits do not depend on the
+    grouping (a bank's prompts share passes grouped by all of their experts)."""
+    g = torch.Generator().manual_seed(4)
+    t, k, e, h, bm = 24, 4, 8, 40, 2
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    e2s = torch.arange(e, dtype=torch.int32, device=DEV)
+    counts = torch.bincount(ids.reshape(-1), minlength=e).tolist()
+    starts = tile_starts(counts, bm)
+    # rows of magnitudes 1e-3 .. 1e3: additions in another order round otherwise
+    n = starts[-1] * bm
+    y = torch.randn(n, h, generator=g) * 10.0 ** torch.randint(-3, 4, (n, 1), generator=g)
+    row, seen = [], [0] * e  # each pair's tile row: its expert's tiles, pairs in order
+    for x in ids.reshape(-1).tolist():
+        row.append(starts[x] * bm + seen[x])
+        seen[x] += 1
+    want = torch.zeros(t, h)
+    for tok in range(t):
+        for kk in sorted(range(k), key=lambda kk: int(ids[tok, kk])):
+            want[tok] = want[tok] + y[row[tok * k + kk]]
+    y = y.to(DEV)
+    for groups in ([list(range(e))], [[0, 1, 2], [3], [4, 5, 6, 7]], [[x] for x in range(e)]):
+        order, passes = _passes(ids.to(DEV), e2s, groups, block_m=bm)
+        total = torch.empty(t, h, device=DEV)
+        for i, (m, (t0, t1)) in enumerate(passes):
+            combine(y[t0 * bm : t1 * bm], order, m, (t0, t1), total, accumulate=i > 0)
+        assert torch.equal(total.cpu(), want), groups
+
+
 @pytest.mark.slow  # every shape of the sweep: ~10 s a bank in the interpreter on 2 cores
 def test_every_prefill_sweep_candidate_matches_ref(moe_bank):
     # as for decode: every shape the sweep may record (both launches', the pass's, and down's own after

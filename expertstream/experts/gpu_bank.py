@@ -8,7 +8,8 @@ their disk reads early). Once every block has a fixed place (all in RAM, or all 
 and decode runs without reading anything back (docs/runtime.md). The bank composes its parts:
   experts/gpu_residency.py  the location table, the fixed "vram"/"ram" layout, a RAM-resident bank's hot set
   experts/gpu_staging.py    next-layer guesses copied to VRAM staging rows on a side stream
-  experts/gpu_prefill.py    prompts: experts in passes over the slots, reads one pass ahead
+  experts/gpu_prefill.py    prompts: one sweep of passes over the slots for a call's prompts, reads one
+                            pass ahead
 and keeps here the call itself, the decode stages (experts/bank.py) and the counters.
 """
 
@@ -118,7 +119,7 @@ class GpuExperts(ExpertBank):
 
     @property
     def prefill_passes(self) -> int:
-        """Expert groups prompts ran so far (one fetch + three launches each)."""
+        """Expert groups prompts ran so far (one fetch each; three launches per prompt routed to them)."""
         return self.prefill.passes
 
     def warm_up(self, dtype: torch.dtype) -> None:
@@ -146,7 +147,7 @@ class GpuExperts(ExpertBank):
     def stall_seconds(self) -> float:
         return self.cache.stats.wait_seconds
 
-    # takes `segments`: several sequences' one-token rows share fetches (experts/segments.py)
+    # takes `segments`: several sequences' rows share fetches (experts/segments.py)
     segmented = True
 
     def __call__(
@@ -162,26 +163,35 @@ class GpuExperts(ExpertBank):
             return run_segments(self, layer, x, expert_ids, weights, segments)
         if x.shape[0] == 1:
             return self._decode(layer, x, expert_ids, weights)
+        total = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        self.prompts(layer, x, expert_ids, weights, [(0, x.shape[0])], total)
+        return total  # FP32, cast by the caller (experts/cpu_bank.py)
+
+    def prompts(self, layer: int, x, expert_ids, weights, segments: list[tuple[int, int]], out) -> None:
+        """Several prompts' routed sums in one sweep of the layer's experts (experts/gpu_prefill.py): the
+        FP32 sums of rows [a, b) of x [T, H] (each a prompt of its own, `segments`) into out [T, H] FP32,
+        each block fetched once for all of them and each prompt's sums those of a call over it alone."""
         self._cache_reads = False
         self._mark_launched()
         self._guess = None
-        # pairs per expert: the call's one host sync
-        counts = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts).tolist()
+        # pairs per expert of each prompt: the call's one host sync
+        counts = torch.stack([torch.bincount(expert_ids[a:b].reshape(-1), minlength=self.num_experts)
+                              for a, b in segments]).cpu().numpy()  # fmt: skip
+        union, counts = counts.sum(0).tolist(), counts.tolist()
         self.host_syncs += 1
-        experts = [e for e, c in enumerate(counts) if c]
+        experts = [e for e, c in enumerate(union) if c]
         if self.spec is not None:
             self.spec.score(layer, experts)
         r = self.residency
-        r.route_prompt(layer, counts)
+        r.route_prompt(layer, union)
         # every block's RAM row fixed: the passes copy rows, no request or policy step (a VRAM cache that
         # can hold every block is filled by the passes instead, so that decode reads it from VRAM); adopted
         # before the passes are formed, whose size then depends on the hot set
         if not r.resident and r.ram_holds_all and self.cache.n_slots < r.loc.numel():
             self._adopt()
-        total = self.prefill.run(layer, x, expert_ids, weights, counts, experts)
+        self.prefill.run(layer, x, expert_ids, weights, segments, counts, out)
         if r.resident == "ram":
             r.follow_routing(layer)
-        return total  # FP32, cast by the caller (experts/cpu_bank.py)
 
     def _adopt(self) -> bool:
         """`Residency.adopt`, and the staging it turns on. True if adopted now."""

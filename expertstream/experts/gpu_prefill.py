@@ -1,10 +1,15 @@
-"""Prompt passes of the CUDA bank (experts/gpu_bank.py): a call's (token, k) pairs are sorted by expert into
-tiles once; its distinct experts run in passes of consecutive experts that fit the slots, each launched over
-its own range of tiles, and every pass's rows are added per token into the FP32 sum [T, H]. Reads run one
-pass ahead (the store shares a block's read with the fetch that follows). A RAM-resident bank's passes copy
-fixed RAM rows through tables written once per layer (experts/pass_tables.py) instead of fetching."""
+"""Prompt passes of the CUDA bank (experts/gpu_bank.py): one sweep over the experts of a layer for the
+prompts of one call. Each prompt's (token, k) pairs are sorted by expert into tiles of its own once; the
+distinct experts of all of them run in passes of consecutive experts that fit the slots, each block fetched
+once, and each prompt launches over its own range of tiles in each pass and adds its rows into its FP32 sums
+[T, H] in expert order. A prompt's tiles, launch shapes and FP32 additions are those a call over it alone
+makes, however its experts fall into passes, so its sums are the same bits. Reads run one pass ahead (the
+store shares a block's read with the fetch that follows). A RAM-resident bank's passes copy fixed RAM rows
+through tables written once per layer (experts/pass_tables.py) instead of fetching."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -34,28 +39,21 @@ class PrefillPasses:
         self._slot_map = HostMirror(self.expert_to_slot)
         self._slot_map_np = self._slot_map.host.numpy()  # its host copy as numpy: cheap small writes
         self._tables: PassTables | None = None  # made at the first prompt of a RAM-resident bank
-        self.passes = 0  # expert groups run (one fetch + three launches each)
+        self.passes = 0  # expert groups run (one fetch each; three launches per prompt routed to them)
         # a pass's rows of h and output are at most this many tokens' K pairs (the plan's MoE workspace)
         self.chunk: int | None = None  # None: a call's tokens
 
-    def run(self, layer, x, expert_ids, weights, counts: list[int], experts: list[int]) -> torch.Tensor:
-        """The FP32 routed sum [T, H] of x [T, H]; counts[e]: pairs routed to expert e, `experts` those with
-        any, ascending."""
-        # the call's (token, k) pairs sorted by expert once; tiles run in expert order, so a group of
-        # consecutive experts is one range of tiles, and a pass launches over that range only
-        order = nvfp4_moe.order_pairs(expert_ids, self.num_experts, self.layout, distinct=len(experts))
-        bm = order.config["block_m"]
-        starts = nvfp4_moe.tile_starts(counts, bm)
-        groups = self._groups(experts, starts, bm, expert_ids.shape[1])
+    def run(self, layer, x, expert_ids, weights, segments, counts, out) -> None:
+        """Write the FP32 routed sums of the prompts' rows [a, b) (`segments`) of x [T, H] into out [T, H]
+        FP32 in one sweep; counts[i][e]: pairs of prompt i routed to expert e (host ints)."""
+        k = expert_ids.shape[1]
+        prompts = [self._prompt(x, expert_ids, weights, ab, c, out, k) for ab, c in zip(segments, counts)]
+        experts = [e for e in range(self.num_experts) if any(c[e] for c in counts)]
+        groups = self._groups(experts, [(p.starts, p.bm) for p in prompts], k)
         self.passes += len(groups)
-        tiles = [(starts[g[0]], starts[g[-1] + 1]) for g in groups]
-        rows = max(b - a for a, b in tiles) * bm
-        y, work = nvfp4_moe.prefill_buffers(x, self.layout, rows)  # a pass's weighted rows, and h
-        total = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # [T, H] routed sum
-        weights = weights.float().contiguous()
-        # passes of a few experts each may launch in a shape of their own (tuned_configs.json `HxIxpass`)
-        key = f"{self.layout.hidden_size}x{self.layout.intermediate_size}xpass"
-        launch = tuned_config("nvfp4_prefill", x.device, key) if len(groups) > 1 else None
+        ranges = [[(p.starts[g[0]], p.starts[g[-1] + 1]) for g in groups] for p in prompts]
+        rows = max((b - a) * p.bm for p, rs in zip(prompts, ranges) for a, b in rs)
+        y, work = nvfp4_moe.prefill_buffers(x, self.layout, rows)  # a pass's weighted rows and h, any prompt
         # reads run one group ahead: group g+1's disk reads proceed while group g is copied and computed
         # (with one group its fetch is the only request)
         pending = [self._read_ahead(layer, groups[0]) if len(groups) > 1 else []]
@@ -72,16 +70,34 @@ class PrefillPasses:
                     e2s, ws2 = self.expert_to_slot, self.cache.ws2
                 for h in pending.pop(0):
                     h.release()
-                nvfp4_moe.nvfp4_moe_prefill_rows(
-                    x, self.cache.slots, e2s, ws2, weights, self.layout, order, tiles[g], y, work,
-                    launch=launch,
-                )  # fmt: skip
-                nvfp4_moe.combine_rows(y, order, e2s, tiles[g], total, accumulate=g > 0)
+                for p, rs in zip(prompts, ranges):
+                    if rs[g][0] == rs[g][1]:  # none of this prompt's experts in the pass
+                        continue
+                    nvfp4_moe.nvfp4_moe_prefill_rows(
+                        p.x, self.cache.slots, e2s, ws2, p.weights, self.layout, p.order, rs[g], y, work,
+                        launch=p.launch,
+                    )  # fmt: skip
+                    nvfp4_moe.combine_rows(y, p.order, e2s, rs[g], p.total, accumulate=p.summed)
+                    p.summed = True
                 self.cache.mark_used()
         finally:
             for h in (h for hs in pending for h in hs):
                 h.release()
-        return total
+
+    def _prompt(self, x, expert_ids, weights, segment, counts, out, k) -> _Prompt:
+        """Prompt rows [a, b) as a call over them alone takes them: its pairs sorted with the tile size its
+        own pair count picks, and the pass launch shape when alone it would run in several passes."""
+        a, b = segment
+        experts = [e for e, c in enumerate(counts) if c]
+        order = nvfp4_moe.order_pairs(expert_ids[a:b], self.num_experts, self.layout, distinct=len(experts))
+        bm = order.config["block_m"]
+        starts = nvfp4_moe.tile_starts(counts, bm)
+        # passes of a few experts each may launch in a shape of their own (tuned_configs.json `HxIxpass`)
+        alone = len(self._groups(experts, [(starts, bm)], k))
+        key = f"{self.layout.hidden_size}x{self.layout.intermediate_size}xpass"
+        launch = tuned_config("nvfp4_prefill", x.device, key) if alone > 1 else None
+        w = weights[a:b].float().contiguous()
+        return _Prompt(x[a:b], w, order, starts, bm, launch, out[a:b])
 
     def _map_pass(self, experts: list[int], slots: list[int]) -> None:
         """Point `expert_to_slot` at a pass's slots, every other expert at -1 (the pass skips their pairs),
@@ -120,17 +136,34 @@ class PrefillPasses:
         r = self.residency
         return r.hot_pass if r.resident == "ram" else max(1, self.cache.n_slots // 2)
 
-    def _groups(self, experts: list[int], starts: list[int], bm: int, k: int) -> list[list[int]]:
+    def _groups(self, experts: list[int], tiles: list[tuple[list[int], int]], k: int) -> list[list[int]]:
         """Consecutive experts in passes of at most half the slots (the previous pass's slots stay protected
-        while its kernels run) and at most `chunk` tokens' K rows (one expert may exceed it)."""
+        while its kernels run) and, for each prompt, at most `chunk` tokens' K rows (one expert may exceed
+        it); tiles: each prompt's (`tile_starts`, block_m)."""
         size = self._pass_size
         max_rows = self.chunk * k if self.chunk else None
         groups: list[list[int]] = []
         for e in experts:
             g = groups[-1] if groups else None
-            full = g is not None and max_rows is not None and (starts[e + 1] - starts[g[0]]) * bm > max_rows
+            full = g is not None and max_rows is not None
+            full = full and any((starts[e + 1] - starts[g[0]]) * bm > max_rows for starts, bm in tiles)
             if g is None or len(g) == size or full:
                 groups.append([e])
             else:
                 g.append(e)
         return groups
+
+
+@dataclass
+class _Prompt:
+    """One prompt of a sweep: its rows x [T, H] and router weights [T, K] FP32, its pairs' order and tiles,
+    its launch shape for a pass (None: the order's), its FP32 sums [T, H] and whether a pass wrote them."""
+
+    x: torch.Tensor
+    weights: torch.Tensor
+    order: nvfp4_moe.PairOrder
+    starts: list[int]
+    bm: int
+    launch: dict | None
+    total: torch.Tensor
+    summed: bool = False

@@ -1,5 +1,6 @@
-"""Several sequences' rows in one call of the CUDA expert bank (`GpuExperts`, `segments`): their one-token
-rows share the fetch of their experts' union, and every row's sum is the one its sequence alone gets."""
+"""Several sequences' rows in one call of the CUDA expert bank (`GpuExperts`, `segments`): their prompts share
+one sweep of the layer's experts, their one-token rows the fetch of their experts' union, and every row's sum
+is the one its sequence alone gets."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import torch
 
 
 def run_segments(bank, layer: int, x, expert_ids, weights, segments: list[tuple[int, int]]) -> torch.Tensor:
-    """x [T, H], expert_ids [T, K], weights [T, K] of the sequences' row ranges [a, b): one-token rows go
-    through `decode_rows`; a prompt's rows run as a bank call of their own (the prompt kernels' sums depend
-    on the call's rows). FP32 when a prompt is among them (a prompt call's sums), else x's dtype (one-token
-    sums)."""
+    """x [T, H], expert_ids [T, K], weights [T, K] of the sequences' row ranges [a, b): the prompts' rows go
+    through one prompt sweep (`GpuExperts.prompts`: each block fetched once for all of them, each prompt's
+    sums those of its own call), one-token rows through `decode_rows`. FP32 when a prompt is among them (a
+    prompt call's sums), else x's dtype (one-token sums)."""
     ones = [a for a, b in segments if b - a == 1]
     prompts = [(a, b) for a, b in segments if b - a > 1]
     out = torch.empty(x.shape, dtype=torch.float32 if prompts else x.dtype, device=x.device)
-    for a, b in prompts:
-        out[a:b] = bank(layer, x[a:b], expert_ids[a:b], weights[a:b])
+    if prompts:
+        bank.prompts(layer, x, expert_ids, weights, prompts, out)
     if ones:
         # exact either way: a one-token sum in x's dtype, widened when the prompts' FP32 sums share `out`
         out[ones] = decode_rows(bank, layer, x[ones], expert_ids[ones], weights[ones]).to(out.dtype)

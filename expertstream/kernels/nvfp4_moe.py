@@ -11,7 +11,8 @@ y[t] = sum_k w[t, k] * down_k(silu(gate_k x[t]) * up_k x[t]).
 - prefill (many tokens): (token, k) pairs sorted by expert and padded to BLOCK_M tiles (once per prompt
   call, shared by a bank's passes); a pass launches over its experts' tiles only, each tile finds its
   expert's slot, dequantises weight tiles to the activation dtype in registers and runs tl.dot, writing
-  weighted rows by tile row; `combine_rows` adds each token's rows in k order into an FP32 sum.
+  weighted rows by tile row; `combine_rows` adds each token's rows in expert order into an FP32 sum, one
+  addition after another, so the sums do not depend on how a bank groups the experts into passes.
 """
 
 from __future__ import annotations
@@ -432,7 +433,9 @@ class PairOrder:
 
     pair_ids: torch.Tensor  # [NT * block_m] int32 pair per tile row, P for padding
     tile_expert: torch.Tensor  # [NT] int32 expert of each tile, -1 past the last
-    row_of_pair: torch.Tensor  # [P] int32 tile row of each pair
+    # [T, K] int32 each token's tile rows, ascending: rows run in expert order (a token's pairs of one expert
+    # in k order), so this is the order `combine_rows` adds them in
+    token_rows: torch.Tensor
     config: dict
 
     @property
@@ -451,7 +454,10 @@ def order_pairs(
     mean pairs per touched expert, with `distinct` touched experts, default min(E, T K))."""
     p = expert_ids.numel()
     cfg = config or _prefill_config(p, min(num_experts, distinct or num_experts), layout, expert_ids.device)
-    return PairOrder(*sort_pairs(expert_ids.reshape(-1).long(), num_experts, cfg["block_m"]), cfg)
+    flat = expert_ids.reshape(-1).long()
+    pair_ids, tile_expert, row_of_pair = sort_pairs(flat, num_experts, cfg["block_m"])
+    token_rows = row_of_pair.view(expert_ids.shape).sort(dim=1).values
+    return PairOrder(pair_ids, tile_expert, token_rows, cfg)
 
 
 def nvfp4_moe_prefill(
@@ -546,7 +552,7 @@ def nvfp4_moe_prefill_rows(
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     for b in (bk, down["block_k"]):  # word tiles: whole int32 words and whole 8-byte scale groups
         assert b >= 8 and b & (b - 1) == 0, f"block_k {b} must be a power of two >= 8 bytes"
-    assert order.pair_ids.numel() == order.tiles * bm and order.row_of_pair.numel() == p, "order"
+    assert order.pair_ids.numel() == order.tiles * bm and order.token_rows.numel() == p, "order"
     t0, t1 = tiles
     assert 0 <= t0 <= t1 <= order.tiles, f"tiles {tiles} of {order.tiles}"
     rows = (t1 - t0) * bm
@@ -600,14 +606,14 @@ def _combine_args(y, order: PairOrder, expert_to_slot, tiles, total):
     bm = order.config["block_m"]
     assert total.dtype == torch.float32 and total.dim() == 2 and total.is_contiguous(), f"total {total.dtype}"
     assert y.dim() == 2 and y.shape[1] == total.shape[1] and y.shape[0] >= (t1 - t0) * bm, f"y {y.shape}"
-    assert order.row_of_pair.numel() % total.shape[0] == 0, "order made for another token count"
-    return t0 * bm, t1 * bm, order.row_of_pair.numel() // total.shape[0], bm
+    assert order.token_rows.shape[0] == total.shape[0], "order made for another token count"
+    return t0 * bm, t1 * bm, order.token_rows.shape[1], bm
 
 
 def combine_rows_ref(y, order: PairOrder, expert_to_slot, tiles, total, accumulate: bool) -> None:
     """Plain-torch twin of `combine_rows` (the same FP32 additions in the same order)."""
     r0, r1, k, bm = _combine_args(y, order, expert_to_slot, tiles, total)
-    rows = order.row_of_pair.view(-1, k).long()  # [T, K]
+    rows = order.token_rows.long()  # [T, K] ascending
     acc = torch.zeros_like(total)
     hit = torch.zeros(total.shape[0], dtype=torch.bool, device=total.device)
     for j in range(k):
@@ -616,10 +622,12 @@ def combine_rows_ref(y, order: PairOrder, expert_to_slot, tiles, total, accumula
         tile = torch.where(inside, r // bm, 0)
         e = order.tile_expert[tile].long()
         ok = inside & (e >= 0) & (expert_to_slot[e.clamp(min=0)] >= 0)
-        acc += torch.where(ok[:, None], y[torch.where(ok, r - r0, 0)].float(), 0.0)
+        if accumulate:  # a token's first row of the range adds onto its sum so far
+            acc = torch.where((ok & ~hit)[:, None], total, acc)
+        acc = torch.where(ok[:, None], acc + y[torch.where(ok, r - r0, 0)].float(), acc)
         hit |= ok
     if accumulate:
-        total[hit] += acc[hit]
+        total[hit] = acc[hit]
     else:
         total.copy_(acc)
 
@@ -632,15 +640,18 @@ def combine_rows(
     total: torch.Tensor,
     accumulate: bool,
 ) -> None:
-    """Add each token's pair rows from tiles [t0, t1) of `order` (written by `nvfp4_moe_prefill_rows`) in k
-    order, and write the sum into total [T, H] FP32 (accumulate: add it to total's rows of the tokens that
-    have such a pair). Rows of tiles whose expert maps to -1 are not read. Deterministic: no atomics."""
+    """Add each token's pair rows from tiles [t0, t1) of `order` (written by `nvfp4_moe_prefill_rows`) one
+    after another in expert order (`PairOrder.token_rows`) onto 0, or with accumulate onto total's row, for
+    the tokens that have such a pair, and write the result into total [T, H] FP32 (without accumulate every
+    token's row, 0 where it has none). Rows of tiles whose expert maps to -1 are not read. Passes over
+    consecutive experts in ascending order so give every token the same FP32 additions in the same order
+    however the experts are grouped into passes. Deterministic: no atomics."""
     r0, r1, k, bm = _combine_args(y, order, expert_to_slot, tiles, total)
     require_triton(y, expert_to_slot, total)
     t, h = total.shape
     block_t, block_n = 16, 128
     _combine_rows_kernel[(cdiv(t, block_t), cdiv(h, block_n))](
-        y, order.row_of_pair, order.tile_expert, expert_to_slot, total, t, k, r0, r1, h,
+        y, order.token_rows, order.tile_expert, expert_to_slot, total, t, k, r0, r1, h,
         ACCUMULATE=accumulate, BLOCK_M=bm, BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4,
     )  # fmt: skip
 
@@ -650,12 +661,14 @@ def _combine_rows_kernel(
     y_ptr, row_ptr, tile_expert_ptr, e2s_ptr, total_ptr, T, K, R0, R1, H, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # program (token block, column block): total[t, n] (+)= sum over k of y[row(t, k) - R0, n] for the rows
-    # in [R0, R1) whose tile's expert has a slot
+    # program (token block, column block): total[t, n] = ((total[t, n] or 0) + y[r_1 - R0, n]) + ... over
+    # token t's rows r_j (ascending, `token_rows`) in [R0, R1) whose tile's expert has a slot; with
+    # ACCUMULATE a token's sum is read at its first such row (masked: only tokens the range touches)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
+    out = total_ptr + t.to(tl.int64)[:, None] * H + n[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     hit = tl.zeros([BLOCK_T], tl.int1)
     for j in range(K):
@@ -664,13 +677,16 @@ def _combine_rows_kernel(
         e = tl.load(tile_expert_ptr + r // BLOCK_M, mask=inside, other=-1)
         s = tl.load(e2s_ptr + tl.maximum(e, 0), mask=inside & (e >= 0), other=-1)
         ok = inside & (e >= 0) & (s >= 0)
+        if ACCUMULATE:
+            first = ok & ~hit
+            base = tl.load(out, mask=first[:, None] & nmask[None, :], other=0.0)
+            acc = tl.where(first[:, None], base, acc)
         yr = y_ptr + (r - R0).to(tl.int64)[:, None] * H + n[None, :]
-        acc += tl.load(yr, mask=ok[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        yv = tl.load(yr, mask=ok[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        acc = tl.where(ok[:, None], acc + yv, acc)
         hit = hit | ok
-    out = total_ptr + t.to(tl.int64)[:, None] * H + n[None, :]
     if ACCUMULATE:
-        m = (tmask & hit)[:, None] & nmask[None, :]
-        tl.store(out, tl.load(out, mask=m, other=0.0) + acc, mask=m)
+        tl.store(out, acc, mask=(tmask & hit)[:, None] & nmask[None, :])
     else:
         tl.store(out, acc, mask=tmask[:, None] & nmask[None, :])
 
