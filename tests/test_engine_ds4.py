@@ -111,3 +111,87 @@ def test_bench_decode_runs_on_the_workdir(ds4_setup, capsys):
     payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert payload["ram"]["ram_hit_rate"] == 1.0 and payload["ram"]["disk_bytes_per_token"] == 0
     assert payload["disk"]["tokens"] == payload["ram"]["tokens"]
+
+
+def _greedy(engine, prompt, n: int) -> torch.Tensor:
+    """Logits [n + 1, V] of the prompt's last position and of n greedy tokens after it."""
+    state = engine.new_state()
+    with torch.no_grad():
+        rows = [engine.forward(state, prompt)]
+        for _ in range(n):
+            rows.append(engine.forward(state, [int(rows[-1].argmax())]))
+    return torch.stack(rows)
+
+
+@pytest.mark.slow  # ~20 s under the Triton interpreter on 2 cores; seconds on a GPU
+def test_the_cuda_bank_gives_the_eager_paths_tokens(ds4_setup, kernel_device, host_alloc):
+    # the MXFP4 experts through the CUDA bank (VRAM slots, prompt passes, RAM rows, the Triton kernels with
+    # V4's clamp; the interpreter on a CPU) in place of the eager path's StreamedExperts: the same greedy
+    # tokens, logits within the engine test's bound
+    pytest.importorskip("triton")
+    from expertstream.experts.gpu_bank import GpuExperts
+    from expertstream.store import ExpertStore
+
+    _, wd = ds4_setup
+    config = EngineConfig(model=str(wd), device=kernel_device, kernels="torch", dtype="float32",
+                          max_model_len=512, ram_cache_gb=0.01)  # fmt: skip
+    engine = Engine(config)
+    prompt = _ids(24, engine.args.vocab_size).tolist()
+    try:
+        want = _greedy(engine, prompt, 4)
+        layout = engine.workdir.layout
+        assert layout.fmt == "mxfp4" and engine.args.swiglu_limit is not None
+        # half the blocks fit in RAM and 6 of 32 in VRAM: prompts run in passes, decode fetches every layer
+        half = engine.workdir.num_layers * engine.workdir.num_experts // 2
+        got = {}
+        with ExpertStore(engine.workdir, half * layout.block_bytes, io_threads=2, **host_alloc) as store:
+            # must-fail control: a limit the tiny model's gate and up rows reach (its own 10 they do not)
+            for limit in (engine.args.swiglu_limit, 0.05):
+                bank = GpuExperts(engine.workdir, store, 6, kernel_device, swiglu_limit=limit)
+                for moe in engine.model.moe:
+                    moe.bank = bank
+                got[limit] = _greedy(engine, prompt, 4)
+                assert bank.prefill_passes > engine.workdir.num_layers and bank.host_syncs >= 4 * 4
+                bank.close()
+    finally:
+        engine.close()
+    clamped = got[engine.args.swiglu_limit]
+    assert torch.equal(clamped.argmax(-1), want.argmax(-1))
+    assert (clamped - want).abs().max() <= 1e-3
+    assert (got[0.05] - want).abs().max() > 1e-2
+
+
+@pytest.mark.gpu
+def test_the_engine_runs_ds4_through_the_cuda_bank(ds4_setup):
+    # on CUDA the engine picks the CUDA bank for MXFP4 experts (eager decode: no decode stages for this
+    # family), and its greedy tokens are the torch path's
+    from expertstream.experts.gpu_bank import GpuExperts
+
+    _, wd = ds4_setup
+    runs = {}
+    for kernels in ("auto", "torch"):
+        config = EngineConfig(model=str(wd), device="cuda", kernels=kernels, dtype="float32",
+                              max_model_len=512, gpu_memory_gb=4)  # fmt: skip
+        engine = Engine(config)
+        try:
+            assert isinstance(engine.bank, GpuExperts) == (kernels == "auto") and engine.decode is None
+            runs[kernels] = _greedy(engine, _ids(24, engine.args.vocab_size).tolist(), 4)
+        finally:
+            engine.close()
+    assert torch.equal(runs["auto"].argmax(-1), runs["torch"].argmax(-1))
+    assert (runs["auto"] - runs["torch"]).abs().max() <= 1e-3
+
+
+def test_dense_surplus_is_what_the_model_holds_beyond_the_planned_weights(ds4_setup):
+    # the CUDA engine plans VRAM with the budget the dequantized weights leave: their bytes, the embedding
+    # included, less the stored bytes the plan counts (every resident tensor but the host-side embedding)
+    from expertstream.formats.snapshot import read_header
+    from expertstream.workdir.workdir import Workdir
+
+    wd = Workdir(ds4_setup[1])
+    inventory = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
+    tensors = wd.load_resident()
+    held = sum(t.numel() * t.element_size() for t in ds4.dequantized(tensors, torch.bfloat16).values())
+    stored = sum(t.numel() * t.element_size() for n, t in tensors.items() if n != "embed.weight")
+    assert any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
+    assert ds4.dense_surplus(inventory, 2, "embed.weight") == held - stored > 0

@@ -23,10 +23,12 @@ class PrefillPasses:
         residency: the bank's `Residency` (resident layout, RAM rows, experts per pass beside a hot set).
         layout: the expert block layout.
         scales: [L, E, 3] FP32 weight_scale_2 on the host, for the pass tables.
+        swiglu_limit: the kernels' SwiGLU clamp (DeepSeek-V4), None: none.
     """
 
-    def __init__(self, store, cache, residency, layout, scales: torch.Tensor):
+    def __init__(self, store, cache, residency, layout, scales: torch.Tensor, swiglu_limit=None):
         self.store, self.cache, self.residency, self.layout = store, cache, residency, layout
+        self.swiglu_limit = swiglu_limit
         self.num_experts = residency.loc.shape[1]
         self._scales_np = scales.to("cpu", torch.float32).numpy()
         # expert -> slot of the pass in flight, set on the host and uploaded without blocking
@@ -74,7 +76,7 @@ class PrefillPasses:
                     h.release()
                 nvfp4_moe.nvfp4_moe_prefill_rows(
                     x, self.cache.slots, e2s, ws2, weights, self.layout, order, tiles[g], y, work,
-                    launch=launch,
+                    launch=launch, swiglu_limit=self.swiglu_limit,
                 )  # fmt: skip
                 nvfp4_moe.combine_rows(y, order, e2s, tiles[g], total, accumulate=g > 0)
                 self.cache.mark_used()
