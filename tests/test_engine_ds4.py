@@ -123,11 +123,12 @@ def _greedy(engine, prompt, n: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.slow  # ~20 s under the Triton interpreter on 2 cores; seconds on a GPU
+@pytest.mark.slow  # ~40 s under the Triton interpreter on 2 cores; seconds on a GPU
 def test_the_cuda_bank_gives_the_eager_paths_tokens(ds4_setup, kernel_device, host_alloc):
-    # the MXFP4 experts through the CUDA bank (VRAM slots, prompt passes, RAM rows, the Triton kernels with
-    # V4's clamp; the interpreter on a CPU) in place of the eager path's StreamedExperts: the same greedy
-    # tokens, logits within the engine test's bound
+    # the MXFP4 experts through the CUDA bank (the Triton kernels with V4's clamp; the interpreter on a CPU)
+    # in place of the eager path's StreamedExperts: the same greedy tokens, logits within the engine test's
+    # bound, with half the blocks in RAM (prompt passes, a fetch every decode layer) and with every block in
+    # RAM (the bank adopts the fixed "ram" layout: decode reads RAM rows in place and stages guesses)
     pytest.importorskip("triton")
     from expertstream.experts.gpu_bank import GpuExperts
     from expertstream.store import ExpertStore
@@ -137,28 +138,40 @@ def test_the_cuda_bank_gives_the_eager_paths_tokens(ds4_setup, kernel_device, ho
                           max_model_len=512, ram_cache_gb=0.01)  # fmt: skip
     engine = Engine(config)
     prompt = _ids(24, engine.args.vocab_size).tolist()
+    lim, layers, experts = engine.args.swiglu_limit, engine.workdir.num_layers, engine.workdir.num_experts
+    keys = [(layer, e) for layer in range(layers) for e in range(experts)]
+    blocks = len(keys)
+    routers = {i: moe.gate for i, moe in enumerate(engine.model.moe)}
+    # (RAM cache blocks, SwiGLU limit, staged guesses); must-fail control: a limit the tiny model's gate
+    # and up rows reach (its own 10 they do not)
+    runs = [(blocks // 2, lim, 0), (blocks, lim, 1), (blocks // 2, 0.05, 0)]
+    got = []
     try:
         want = _greedy(engine, prompt, 4)
         layout = engine.workdir.layout
-        assert layout.fmt == "mxfp4" and engine.args.swiglu_limit is not None
-        # half the blocks fit in RAM and 6 of 32 in VRAM: prompts run in passes, decode fetches every layer
-        half = engine.workdir.num_layers * engine.workdir.num_experts // 2
-        got = {}
-        with ExpertStore(engine.workdir, half * layout.block_bytes, io_threads=2, **host_alloc) as store:
-            # must-fail control: a limit the tiny model's gate and up rows reach (its own 10 they do not)
-            for limit in (engine.args.swiglu_limit, 0.05):
-                bank = GpuExperts(engine.workdir, store, 6, kernel_device, swiglu_limit=limit)
+        assert layout.fmt == "mxfp4" and lim is not None
+        for ram, limit, staged in runs:
+            with ExpertStore(engine.workdir, ram * layout.block_bytes, io_threads=2, **host_alloc) as store:
+                if ram == blocks:  # every block landed in RAM first, so that the bank can fix its layout
+                    for h in store.request(keys):
+                        h.wait()
+                        h.release()
+                bank = GpuExperts(engine.workdir, store, 6, kernel_device, stage_guesses=staged,
+                                  swiglu_limit=limit)  # fmt: skip
+                bank.set_router_weights(routers)
                 for moe in engine.model.moe:
                     moe.bank = bank
-                got[limit] = _greedy(engine, prompt, 4)
-                assert bank.prefill_passes > engine.workdir.num_layers and bank.host_syncs >= 4 * 4
+                got.append(_greedy(engine, prompt, 4))
+                assert bank.prefill_passes > layers
+                assert bank.resident == ("ram" if ram == blocks else None)
+                assert bank.host_syncs >= 4 * 4 if bank.resident is None else bank.stage_counts()[0] > 0
                 bank.close()
     finally:
         engine.close()
-    clamped = got[engine.args.swiglu_limit]
-    assert torch.equal(clamped.argmax(-1), want.argmax(-1))
-    assert (clamped - want).abs().max() <= 1e-3
-    assert (got[0.05] - want).abs().max() > 1e-2
+    for run in got[:2]:
+        assert torch.equal(run.argmax(-1), want.argmax(-1))
+        assert (run - want).abs().max() <= 1e-3
+    assert (got[2] - want).abs().max() > 1e-2
 
 
 @pytest.mark.gpu
