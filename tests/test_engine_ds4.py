@@ -111,6 +111,8 @@ def test_bench_decode_runs_on_the_workdir(ds4_setup, capsys):
     payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert payload["ram"]["ram_hit_rate"] == 1.0 and payload["ram"]["disk_bytes_per_token"] == 0
     assert payload["disk"]["tokens"] == payload["ram"]["tokens"]
+    # on CUDA the CUDA bank's regimes, every block in a slot first; the CPU bank has no VRAM
+    assert ("vram" in payload) == torch.cuda.is_available()
 
 
 def _greedy(engine, prompt, n: int) -> torch.Tensor:
