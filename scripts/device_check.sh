@@ -15,7 +15,8 @@
 #              estimate, `bench decode` in the regimes with every expert in RAM, and shares $SHARES by hand
 #   serve      `bench serve` (Open WebUI's flow, 1/2/4 concurrent decodes) on 4 full-shape layers, with decode
 #              graphs and with --enforce-eager (shared fetches; $SERVE_MODES), in a $GPU_GB (4) GiB budget
-#   ds4        DeepSeek-V4-Flash: full-shape layers through setup, `check` in bf16 on CUDA, `bench decode`
+#   ds4        DeepSeek-V4-Flash: full-shape layers through setup, `check` in bf16 on CUDA through the CUDA
+#              expert bank (MXFP4 kernels), `bench decode` in its regimes vram, ram and disk (~5 min)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -33,7 +34,7 @@ part_tests() {  # no -q: pyproject's addopts has one, and a second hides pytest'
     tests/test_gpu_experts.py tests/test_controls.py tests/test_decode_graphs.py tests/test_speculation.py \
     tests/test_vram_cache.py tests/test_decode_path.py tests/test_decode_ops.py tests/test_memory_plan.py \
     tests/test_shared_fetch.py tests/test_kv_pool.py tests/test_split_bank.py tests/test_cpu_moe.py \
-    tests/test_constrained.py 2>&1 | tail -30 > $OUT/gpu_tests.txt) &
+    tests/test_constrained.py tests/test_engine_ds4.py 2>&1 | tail -30 > $OUT/gpu_tests.txt) &
   tests_pid=$!
 }
 
@@ -127,8 +128,8 @@ part_ds4() {  # check: 2 layers x 32 experts (the FP32 truth's dense experts fit
   rm -rf $D/check $D/check-wd
   python3 -m expertstream synth $D/bench --preset ds4-full-shape --layers 3 > /dev/null 2>&1
   timeout ${SETUP_S:-150} python3 -m expertstream setup $D/bench $D/bench-wd --no-progress 2>&1 | tail -2
-  timeout ${BENCH_S:-120} python3 -m expertstream bench decode --model $D/bench-wd --tokens 8 \
-    --out $OUT/decode_ds4.md 2>&1 | grep -v INFO | tail -8
+  timeout ${BENCH_S:-150} python3 -m expertstream bench decode --model $D/bench-wd --tokens 8 \
+    --out $OUT/decode_ds4.md 2>&1 | grep -v INFO | tail -9
 }
 
 for part in ${@:-tests kernels checks}; do

@@ -1,4 +1,5 @@
-"""Device check: every kernel in BF16 against its FP32 `_ref` twin on real shapes; exits 1 past tolerance.
+"""Device check: every kernel in BF16 against its FP32 `_ref` twin on real shapes (the expert kernels in
+NVFP4 at Qwen3.8-Flash-Next's dims and in MXFP4 at DeepSeek-V4-Flash's); exits 1 past tolerance.
 
 Run from the repo root on a CUDA machine: `python3 scripts/device_kernel_check.py`.
 Tolerances (docs/kernels.md): relative error ||got - ref|| / ||ref|| <= 1e-2 and max abs error
@@ -54,6 +55,43 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor) -> bool:
     return ok
 
 
+def check_mxfp4() -> bool:
+    """The expert kernels on MXFP4 blocks at DeepSeek-V4-Flash's dims (synth's ds4-full-shape preset), with
+    its SwiGLU clamp: decode from slots and from pinned host rows (bit for bit the same), prefill."""
+    from expertstream.formats.expert_block import ExpertLayout
+    from expertstream.synth.deepseek_v4 import preset_dims
+
+    d = preset_dims("ds4-full-shape")
+    h, i, k, e = d["hidden_size"], d["moe_intermediate_size"], d["num_experts_per_tok"], d["n_routed_experts"]
+    lim = d["swiglu_limit"]
+    layout, slots, ws2 = random_bank(32, seed=2, layout=ExpertLayout.for_format("mxfp4", h, i))
+    e2s = torch.randint(0, 32, (e,), dtype=torch.int32, device="cuda")
+    ok, name = True, f"MXFP4 H={h} I={i}"
+    ids, w = route(1, num_experts=e, k=k, seed=2)
+    x = torch.randn(h, device="cuda").bfloat16()
+    scales = ws2[e2s.long()].contiguous()
+    for limit in (lim, None):
+        got = nvfp4_moe_decode(x, ids[0], e2s, scales, w[0], layout, slots, swiglu_limit=limit)
+        ref = nvfp4_moe_decode_ref(x.float(), ids[0], e2s, scales, w[0], layout, slots, swiglu_limit=limit)
+        ok &= compare(f"decode {name} k={k} limit {limit}", got, ref)
+    host = slots.cpu().pin_memory()
+    got_host = nvfp4_moe_decode(x, ids[0], -1 - e2s, scales, w[0], layout, slots, host, swiglu_limit=lim)
+    bits = torch.equal(
+        got_host, nvfp4_moe_decode(x, ids[0], e2s, scales, w[0], layout, slots, swiglu_limit=lim)
+    )
+    print(
+        f"{'ok  ' if bits else 'FAIL'} decode {name} from host RAM bit for bit the one from slots", flush=True
+    )
+    ok &= bits
+    for t in (1, 32, 512):
+        ids, w = route(t, num_experts=e, k=k, seed=t + 2)
+        x = torch.randn(t, h, device="cuda").bfloat16()
+        got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, swiglu_limit=lim)
+        ref = nvfp4_moe_prefill_ref(x.float(), slots, ids, e2s, ws2, w, layout, swiglu_limit=lim)
+        ok &= compare(f"prefill {name} T={t} limit {lim}", got, ref)
+    return ok
+
+
 def main() -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     print(torch.cuda.get_device_name(), torch.cuda.get_device_capability(), flush=True)
@@ -103,6 +141,8 @@ def main() -> int:
         got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout)
         ref = nvfp4_moe_prefill_ref(x.float(), slots, ids, e2s, ws2, w, layout)
         ok &= compare(f"nvfp4_moe_prefill T={t}", got, ref)
+
+    ok &= check_mxfp4()
 
     for n, k in FP8_SHAPES:
         q = torch.randint(0, 255, (n, k), dtype=torch.uint8, device="cuda")

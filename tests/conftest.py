@@ -79,6 +79,21 @@ def moe_bank(request):
     return layout, slots, ws2
 
 
+@pytest.fixture(scope="session", params=[(64, 32), pytest.param((96, 64), marks=pytest.mark.slow)],
+                ids=["h64i32", "h96i64"])  # fmt: skip
+def mx_bank(request):
+    """(layout, slots [6, block_bytes], ws2 [6, 3]): six random MXFP4 expert blocks of H x I (DeepSeek-V4's
+    format) on the kernels' device; ws2 random, which MXFP4 never reads. 96 x 64 leaves partial steps."""
+    from kernel_helpers import random_slots
+
+    from expertstream.formats.expert_block import ExpertLayout
+
+    h, i = request.param
+    layout = ExpertLayout.for_format("mxfp4", h, i, align=64)
+    slots, ws2 = random_slots(layout, 6, seed=h + 7)
+    return layout, slots, ws2
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_workdir):
     from expertstream.tokenizer import Tokenizer

@@ -1,4 +1,5 @@
-"""Pieces the kernel tests share: the device, tolerances, random NVFP4 expert blocks, decode in one call."""
+"""Pieces the kernel tests share: the device, tolerances, random NVFP4 / MXFP4 expert blocks, decode in one
+call."""
 
 import pytest
 import torch
@@ -7,8 +8,8 @@ from expertstream.formats.expert_block import ExpertLayout
 from expertstream.kernels import nvfp4_moe_decode, nvfp4_moe_decode_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# fp32: accumulation-order noise only; fp16: 2^-11 rounding of x, h and the output
-TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+# fp32: accumulation-order noise only; fp16: 2^-11 rounding of x, h and the output; bf16: 2^-8
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 # for tests of launch mechanics, which no shape changes: the bank of conftest.moe_bank at 64 x 32 in the quick
@@ -25,14 +26,26 @@ def cfg(n_gu: int, g_gu: int, n_down: int, g_down: int, warps: int = 2) -> dict:
     return dict(block_n_gu=n_gu, block_g_gu=g_gu, block_n_down=n_down, block_g_down=g_down, num_warps=warps)
 
 
+# UE8M0 scale bytes of random MXFP4 blocks: 2^-15 .. 2^-2, inside the range every activation dtype's prefill
+# tiles hold exactly (nvfp4_moe._word_tile), and small enough that fp16 sums do not overflow
+E8M0_BYTES = (112, 126)
+# a SwiGLU limit (DeepSeek-V4's is 10) that random blocks' gate and up rows reach past: the clamp is exercised
+LIMIT = 1.0
+
+
 def random_slots(layout: ExpertLayout, s: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[S, block_bytes] blocks of random codes (all 16) and random E4M3 scales, subnormals included."""
+    """[S, block_bytes] blocks of random codes (all 16) and random scales: E4M3 with subnormals (NVFP4), or
+    UE8M0 in E8M0_BYTES (MXFP4)."""
     g = torch.Generator().manual_seed(seed)
     slots = torch.randint(0, 256, (s, layout.block_bytes), dtype=torch.uint8, generator=g)
     for p in layout.parts:
         if p.dtype == "float8_e4m3fn":  # bytes 0x00..0x3F: 0, subnormals 2^-9..7*2^-9, normals up to 1.875
             slots[:, p.offset : p.offset + p.nbytes] = torch.randint(
                 0, 0x40, (s, p.nbytes), dtype=torch.uint8, generator=g
+            )
+        if p.dtype == "float8_e8m0fnu":
+            slots[:, p.offset : p.offset + p.nbytes] = torch.randint(
+                *E8M0_BYTES, (s, p.nbytes), dtype=torch.uint8, generator=g
             )
     ws2 = torch.rand(s, 3, generator=g) * 0.05 + 0.01
     return slots.to(DEV), ws2.to(DEV)
@@ -51,9 +64,9 @@ def decode(x, slots, slot_ids, ws2, w, layout, **kw):
     return nvfp4_moe_decode(x, slot_ids, loc, ws2, w, layout, slots, **kw)
 
 
-def decode_ref(x, slots, slot_ids, ws2, w, layout):
+def decode_ref(x, slots, slot_ids, ws2, w, layout, **kw):
     loc = torch.arange(slots.shape[0], dtype=torch.int32, device=slots.device)
-    return nvfp4_moe_decode_ref(x, slot_ids, loc, ws2, w, layout, slots)
+    return nvfp4_moe_decode_ref(x, slot_ids, loc, ws2, w, layout, slots, **kw)
 
 
 class FailingKernel:

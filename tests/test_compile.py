@@ -30,6 +30,9 @@ from expertstream.kernels import (  # noqa: E402
 )
 
 H, I, K = 2560, 640, 10  # hidden, expert width, experts per token of the real model
+# the expert kernels' formats at their models' dims: NVFP4 (Qwen3.8-Flash-Next), MXFP4 (DeepSeek-V4-Flash,
+# with its SwiGLU clamp)
+FORMATS = ((False, H, I, K), (True, 4096, 2048, 6))
 # what Triton's launch-time specialisation tells the compiler: pointers and these integers (sizes and byte
 # offsets of the real model's blocks) are multiples of 16, so loads vectorise as they do on the GPU
 DIV16 = {"block_bytes", "H", "I", "N", "gw_off", "uw_off", "gs_off", "us_off", "dw_off", "ds_off"}
@@ -43,10 +46,11 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
     """(name, kernel, argument types, constexprs, num_warps) of every kernel in every form cap selects."""
     ptx = (False, True) if cap >= 100 else (False,)
     out = []
-    for p in ptx:
+    for p, (mx, h, i, k) in ((p, f) for p in ptx for f in FORMATS):
+        fmt = " mxfp4" if mx else ""
         out.append(
             (
-                "decode gate+up",
+                "decode gate+up" + fmt,
                 nvfp4_moe._decode_gate_up_kernel,
                 dict(
                     x_ptr="*bf16",
@@ -55,15 +59,16 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                     uw_off="i32",
                     gs_off="i32",
                     us_off="i32",
+                    limit="fp32",
                     **DECODE_IN,
                 ),
-                dict(H=H, I=I, BLOCK_N=4, BLOCK_G=32, PDL=True, USE_PTX=p),
+                dict(H=h, I=i, BLOCK_N=4, BLOCK_G=32 // (1 + mx), PDL=True, USE_PTX=p, MXFP4=mx, CLAMP=mx),
                 2,
             )
         )
         out.append(
             (
-                "decode down",
+                "decode down" + fmt,
                 nvfp4_moe._decode_down_kernel,
                 dict(
                     h_ptr="*fp32",
@@ -75,7 +80,19 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                     ds_off="i32",
                     **DECODE_IN,
                 ),
-                dict(K=K, PER=1, H=H, I=I, BLOCK_N=16, BLOCK_G=8, PDL=True, USE_PTX=p, LINES_W=4, LINES_S=2),
+                dict(
+                    K=k,
+                    PER=1,
+                    H=h,
+                    I=i,
+                    BLOCK_N=16,
+                    BLOCK_G=8 // (1 + mx),
+                    PDL=True,
+                    USE_PTX=p,
+                    LINES_W=nvfp4_moe.prefetch_lines(i // 2),
+                    LINES_S=nvfp4_moe.prefetch_lines(i // (16 << mx)),
+                    MXFP4=mx,
+                ),  # fmt: skip
                 2,
             )
         )
@@ -87,10 +104,11 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
             USE_PTX=p,
             SCALE_WORDS=False,
             TILE_MAJOR=False,
+            MXFP4=mx,
         )
         out.append(
             (
-                "prefill gate+up",
+                "prefill gate+up" + fmt,
                 nvfp4_moe._prefill_gate_up_kernel,
                 dict(
                     x_ptr="*bf16",
@@ -102,16 +120,17 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
                     uw_off="i32",
                     gs_off="i32",
                     us_off="i32",
+                    limit="fp32",
                     **TILES,
                     **BLOCK,
                 ),
-                tiles,
+                {**tiles, "CLAMP": mx},
                 4,
             )
         )
         out.append(
             (
-                "prefill down",
+                "prefill down" + fmt,
                 nvfp4_moe._prefill_down_kernel,
                 dict(
                     h_ptr="*bf16",

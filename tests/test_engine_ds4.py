@@ -111,3 +111,102 @@ def test_bench_decode_runs_on_the_workdir(ds4_setup, capsys):
     payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert payload["ram"]["ram_hit_rate"] == 1.0 and payload["ram"]["disk_bytes_per_token"] == 0
     assert payload["disk"]["tokens"] == payload["ram"]["tokens"]
+    # on CUDA the CUDA bank's regimes, every block in a slot first; the CPU bank has no VRAM
+    assert ("vram" in payload) == torch.cuda.is_available()
+
+
+def _greedy(engine, prompt, n: int) -> torch.Tensor:
+    """Logits [n + 1, V] of the prompt's last position and of n greedy tokens after it."""
+    state = engine.new_state()
+    with torch.no_grad():
+        rows = [engine.forward(state, prompt)]
+        for _ in range(n):
+            rows.append(engine.forward(state, [int(rows[-1].argmax())]))
+    return torch.stack(rows)
+
+
+@pytest.mark.slow  # ~40 s under the Triton interpreter on 2 cores; seconds on a GPU
+def test_the_cuda_bank_gives_the_eager_paths_tokens(ds4_setup, kernel_device, host_alloc):
+    # the MXFP4 experts through the CUDA bank (the Triton kernels with V4's clamp; the interpreter on a CPU)
+    # in place of the eager path's StreamedExperts: the same greedy tokens, logits within the engine test's
+    # bound, with half the blocks in RAM (prompt passes, a fetch every decode layer) and with every block in
+    # RAM (the bank adopts the fixed "ram" layout: decode reads RAM rows in place and stages guesses)
+    pytest.importorskip("triton")
+    from expertstream.experts.gpu_bank import GpuExperts
+    from expertstream.store import ExpertStore
+
+    _, wd = ds4_setup
+    config = EngineConfig(model=str(wd), device=kernel_device, kernels="torch", dtype="float32",
+                          max_model_len=512, ram_cache_gb=0.01)  # fmt: skip
+    engine = Engine(config)
+    prompt = _ids(24, engine.args.vocab_size).tolist()
+    lim, layers, experts = engine.args.swiglu_limit, engine.workdir.num_layers, engine.workdir.num_experts
+    keys = [(layer, e) for layer in range(layers) for e in range(experts)]
+    blocks = len(keys)
+    routers = {i: moe.gate for i, moe in enumerate(engine.model.moe)}
+    # (RAM cache blocks, SwiGLU limit, staged guesses); must-fail control: a limit the tiny model's gate
+    # and up rows reach (its own 10 they do not)
+    runs = [(blocks // 2, lim, 0), (blocks, lim, 1), (blocks // 2, 0.05, 0)]
+    got = []
+    try:
+        want = _greedy(engine, prompt, 4)
+        layout = engine.workdir.layout
+        assert layout.fmt == "mxfp4" and lim is not None
+        for ram, limit, staged in runs:
+            with ExpertStore(engine.workdir, ram * layout.block_bytes, io_threads=2, **host_alloc) as store:
+                if ram == blocks:  # every block landed in RAM first, so that the bank can fix its layout
+                    for h in store.request(keys):
+                        h.wait()
+                        h.release()
+                bank = GpuExperts(engine.workdir, store, 6, kernel_device, stage_guesses=staged,
+                                  swiglu_limit=limit)  # fmt: skip
+                bank.set_router_weights(routers)
+                for moe in engine.model.moe:
+                    moe.bank = bank
+                got.append(_greedy(engine, prompt, 4))
+                assert bank.prefill_passes > layers
+                assert bank.resident == ("ram" if ram == blocks else None)
+                assert bank.host_syncs >= 4 * 4 if bank.resident is None else bank.stage_counts()[0] > 0
+                bank.close()
+    finally:
+        engine.close()
+    for run in got[:2]:
+        assert torch.equal(run.argmax(-1), want.argmax(-1))
+        assert (run - want).abs().max() <= 1e-3
+    assert (got[2] - want).abs().max() > 1e-2
+
+
+@pytest.mark.gpu
+def test_the_engine_runs_ds4_through_the_cuda_bank(ds4_setup):
+    # on CUDA the engine picks the CUDA bank for MXFP4 experts (eager decode: no decode stages for this
+    # family), and its greedy tokens are the torch path's
+    from expertstream.experts.gpu_bank import GpuExperts
+
+    _, wd = ds4_setup
+    runs = {}
+    for kernels in ("auto", "torch"):
+        config = EngineConfig(model=str(wd), device="cuda", kernels=kernels, dtype="float32",
+                              max_model_len=512, gpu_memory_gb=4)  # fmt: skip
+        engine = Engine(config)
+        try:
+            assert isinstance(engine.bank, GpuExperts) == (kernels == "auto") and engine.decode is None
+            runs[kernels] = _greedy(engine, _ids(24, engine.args.vocab_size).tolist(), 4)
+        finally:
+            engine.close()
+    assert torch.equal(runs["auto"].argmax(-1), runs["torch"].argmax(-1))
+    assert (runs["auto"] - runs["torch"]).abs().max() <= 1e-3
+
+
+def test_dense_surplus_is_what_the_model_holds_beyond_the_planned_weights(ds4_setup):
+    # the CUDA engine plans VRAM with the budget the dequantized weights leave: their bytes, the embedding
+    # included, less the stored bytes the plan counts (every resident tensor but the host-side embedding)
+    from expertstream.formats.snapshot import read_header
+    from expertstream.workdir.workdir import Workdir
+
+    wd = Workdir(ds4_setup[1])
+    inventory = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
+    tensors = wd.load_resident()
+    held = sum(t.numel() * t.element_size() for t in ds4.dequantized(tensors, torch.bfloat16).values())
+    stored = sum(t.numel() * t.element_size() for n, t in tensors.items() if n != "embed.weight")
+    assert any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
+    assert ds4.dense_surplus(inventory, 2, "embed.weight") == held - stored > 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_helpers import DEV, FailingKernel
 
-from expertstream.formats import fp8, nvfp4
+from expertstream.formats import fp8, mxfp4, nvfp4
 from expertstream.kernels import codec, e2m1_uses_ptx
 
 triton = pytest.importorskip("triton")
@@ -47,6 +47,25 @@ def test_in_kernel_codecs_exact_on_every_byte(dtype):
         assert torch.equal(cols[c], want) and torch.equal(torch.signbit(cols[c]), torch.signbit(want)), c
     ok = (b[0] & 0x7F) != 0x7F  # E4M3 NaN bytes are never block scales
     assert torch.equal((s.cpu() * codec.E4M3_UNIT)[ok], fp8.e4m3_to_float(b[0].to(torch.uint8))[ok])
+
+
+@triton.jit
+def _block_scales(b_ptr, s_ptr, MXFP4: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(s_ptr + i, codec.block_scale(tl.load(b_ptr + i), MXFP4))
+
+
+def test_block_scales_exact_on_every_byte():
+    # both formats' scale bytes decode to value * 2^-8 in fp32: UE8M0 (byte 0 a subnormal, 255 NaN) as
+    # formats.mxfp4 decodes it, E4M3 as e4m3_f16
+    b = torch.arange(256, dtype=torch.uint8)
+    got = torch.empty(256, device=DEV)
+    _block_scales[(1,)](b.to(DEV), got, True)
+    want = mxfp4.e8m0_to_float(b) / codec.E4M3_UNIT
+    assert torch.equal(got.cpu().isnan(), b == 255) and torch.equal(got.cpu()[:255], want[:255])
+    _block_scales[(1,)](b.to(DEV), got, False)
+    ok = (b & 0x7F) != 0x7F
+    assert torch.equal((got.cpu() * codec.E4M3_UNIT)[ok], fp8.e4m3_to_float(b)[ok])
 
 
 def test_ptx_e2m1_only_from_sm100():

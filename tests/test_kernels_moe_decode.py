@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_helpers import DEV, LAUNCH_MECHANICS, cfg, close, decode, decode_ref
+from kernel_helpers import DEV, LAUNCH_MECHANICS, LIMIT, cfg, close, decode, decode_ref
 
 from expertstream.kernels import nvfp4_moe_decode, nvfp4_moe_decode_ref, nvfp4_moe_prefill_ref
 
@@ -149,3 +149,91 @@ def test_decode_split_down_matches_ref(moe_bank, split):
     w = torch.rand(5, device=DEV)
     got = decode(x, slots, ids, ws2, w, layout, config=cfg(16, 4, 32, 4) | {"split_down": split})
     close(got, decode_ref(x, slots, ids, ws2, w, layout), torch.float32)
+
+
+# ---------------------------------------------------------------- MXFP4 (DeepSeek-V4's experts)
+
+LIMITS = pytest.mark.parametrize("limit", [None, LIMIT], ids=["unclamped", "clamped"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@LIMITS
+def test_mxfp4_decode_matches_ref(mx_bank, dtype, limit):
+    layout, slots, ws2 = mx_bank
+    x = torch.randn(layout.hidden_size, generator=torch.Generator().manual_seed(11)).to(DEV, dtype)
+    ids = torch.tensor([1, 4, 4, 0, 5], dtype=torch.int32, device=DEV)  # a duplicate
+    w = torch.rand(5, device=DEV)
+    # 16-element groups' worth of codes per step: 2 and 1 MXFP4 groups, not dividing H / 32 at 96
+    got = decode(x[None], slots, ids, ws2, w, layout, config=cfg(16, 4, 32, 2), swiglu_limit=limit)
+    assert got.shape == (1, layout.hidden_size) and got.dtype == dtype
+    want = decode_ref(x[None], slots, ids, ws2, w, layout, swiglu_limit=limit)
+    close(got, want, dtype)
+    if limit is not None:  # the clamp changes this sum: the comparison above tests it
+        assert not torch.allclose(want, decode_ref(x[None], slots, ids, ws2, w, layout), rtol=0.05)
+
+
+@LIMITS
+def test_mxfp4_decode_reads_host_rows_like_slots(mx_bank, limit):
+    # as for NVFP4: experts 3-5 in (pinned) host rows, the rest in slots; the sum is the all-slots one bit
+    # for bit, and the twin follows the same table
+    layout, slots, ws2 = mx_bank
+    x = torch.randn(layout.hidden_size, generator=torch.Generator().manual_seed(12)).to(DEV)
+    ids = torch.tensor([5, 0, 3, 3, 2], device=DEV)
+    w = torch.rand(5, device=DEV)
+    host = slots[3:].flip(0).cpu()
+    host = host.pin_memory() if DEV == "cuda" else host
+    loc = torch.tensor([0, 1, 2, -3, -2, -1], dtype=torch.int32, device=DEV)
+    vram = slots[:3].contiguous()
+    kw = dict(swiglu_limit=limit)
+    got = nvfp4_moe_decode(x, ids, loc, ws2, w, layout, vram, host, config=cfg(16, 4, 32, 4), **kw)
+    assert torch.equal(got, decode(x, slots, ids, ws2, w, layout, config=cfg(16, 4, 32, 4), **kw))
+    ref = nvfp4_moe_decode_ref(x, ids, loc, ws2, w, layout, vram, host, **kw)
+    assert torch.equal(ref, decode_ref(x, slots, ids, ws2, w, layout, **kw))
+    close(got, ref, torch.float32)
+
+
+def test_mxfp4_refs_equal_the_clamped_bank_sum(mx_bank):
+    # both twins in MXFP4 with the clamp equal the CPU bank's routed sum (experts/cpu_bank.py, the eager
+    # path's semantics) over the blocks' float64 dequantisation; weight_scale_2 is not read
+    from expertstream.experts.cpu_bank import DenseExperts
+
+    layout, slots, ws2 = mx_bank
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(3, layout.hidden_size, generator=g, dtype=torch.float64).to(DEV)
+    ids = torch.tensor([[0, 2], [2, 2], [5, 1]], device=DEV)
+    w = torch.rand(3, 2, generator=g, dtype=torch.float64).to(DEV)
+    mats = [[m.double() for m in layout.dequantize(slots[e], None)] for e in range(6)]
+    gate_up = torch.stack([torch.cat(m[:2]) for m in mats])  # [E, 2I, H]
+    down = torch.stack([m[2] for m in mats])
+    want = DenseExperts([gate_up], [down], swiglu_limit=LIMIT)(0, x, ids, w)
+    e2s = torch.arange(6, device=DEV)
+    tol = dict(rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    pre = nvfp4_moe_prefill_ref(x.float(), slots, ids, e2s, ws2, w.float(), layout, swiglu_limit=LIMIT)
+    torch.testing.assert_close(pre.double(), want, **tol)
+    dec = decode_ref(x[2].float(), slots, ids[2].int(), ws2, w[2].float(), layout, swiglu_limit=LIMIT)
+    torch.testing.assert_close(dec.double(), want[2], **tol)
+    unclamped = DenseExperts([gate_up], [down])(0, x, ids, w)
+    with pytest.raises(AssertionError, match="not close"):  # must-fail control: the clamp matters here
+        torch.testing.assert_close(pre.double(), unclamped, **tol)
+
+
+def test_mxfp4_swapped_nibbles_and_nvfp4_scales_fail(mx_bank):
+    # must-fail controls: the same comparison catches MXFP4 blocks decoded with their nibbles swapped, and
+    # MXFP4 blocks read through the NVFP4 decode
+    from expertstream.formats.expert_block import ExpertLayout
+
+    layout, slots, ws2 = mx_bank
+    x = torch.randn(layout.hidden_size, device=DEV)
+    ids = torch.tensor([0, 3], dtype=torch.int32, device=DEV)
+    w = torch.rand(2, device=DEV)
+    want = decode_ref(x, slots, ids, ws2, w, layout)
+    swapped = slots.clone()
+    codes = layout.part("gate_proj.weight_scale").offset
+    swapped[:, :codes] = (slots[:, :codes] << 4) | (slots[:, :codes] >> 4)
+    with pytest.raises(AssertionError, match="not close"):
+        close(decode(x, swapped, ids, ws2, w, layout), want, torch.float32)
+    nv = ExpertLayout.for_dims(layout.hidden_size, layout.intermediate_size, align=64)
+    as_nv = torch.zeros(slots.shape[0], nv.block_bytes, dtype=torch.uint8, device=DEV)
+    as_nv[:, : layout.block_bytes] = slots  # the same codes at the same offsets, scales read as E4M3
+    with pytest.raises(AssertionError, match="not close"):
+        close(decode(x, as_nv, ids, torch.ones_like(ws2), w, nv), want, torch.float32)

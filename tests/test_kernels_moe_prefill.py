@@ -3,7 +3,7 @@ against their plain-torch twins (interpreter on CPU)."""
 
 import pytest
 import torch
-from kernel_helpers import DEV, LAUNCH_MECHANICS, close, decode, random_slots, six_expert_prompt
+from kernel_helpers import DEV, LAUNCH_MECHANICS, LIMIT, close, decode, random_slots, six_expert_prompt
 
 from expertstream.formats.expert_block import ExpertLayout
 from expertstream.kernels import nvfp4_moe_prefill, nvfp4_moe_prefill_ref
@@ -39,6 +39,54 @@ def test_prefill_matches_ref(moe_bank, dtype, t, block_m):
     assert got.shape == x.shape and got.dtype == dtype
     close(got, nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout), dtype)
     assert e < 11  # the mapping above covers every id drawn
+
+
+# bf16 tiles only on a GPU: the interpreter does not run the bf16 bit casts of the tile decode
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + [torch.bfloat16] * (DEV == "cuda"))
+@pytest.mark.parametrize("limit", [None, LIMIT], ids=["unclamped", "clamped"])
+@pytest.mark.parametrize("t,block_m", [(9, 16), (40, 32)])
+def test_mxfp4_prefill_matches_ref(mx_bank, dtype, limit, t, block_m):
+    # DeepSeek-V4's experts: MXFP4 blocks (a UE8M0 scale per 32 codes), with and without its SwiGLU clamp;
+    # duplicate ids, a long run of one expert, unmapped experts never routed
+    layout, slots, ws2 = mx_bank
+    g = torch.Generator().manual_seed(t + 1)
+    e2s = torch.tensor([3, 0, 5, 1, 4, 2, 0, -1], dtype=torch.int32, device=DEV)
+    ids = torch.randint(0, 4, (t, 3), generator=g)
+    ids[0, 1] = ids[0, 0]
+    ids[5:] = 6
+    x = torch.randn(t, layout.hidden_size, generator=g).to(DEV, dtype)
+    w = torch.rand(t, 3, generator=g).to(DEV)
+    ids = ids.to(DEV)
+    cfg = dict(block_m=block_m, block_n=32, block_k=16, num_warps=4, num_stages=2)
+    got = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg, swiglu_limit=limit)
+    assert got.shape == x.shape and got.dtype == dtype
+    want = nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout, swiglu_limit=limit)
+    close(got, want, dtype)
+    if limit is not None:  # the clamp changes this sum: the comparison above tests it
+        assert not torch.allclose(want, nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout), rtol=0.05)
+    with pytest.raises(AssertionError, match="block_k 8"):  # a step holds whole 16-byte scale groups
+        nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "block_k": 8})
+
+
+def test_mxfp4_prefill_scale_words_host_rows_and_decode():
+    # MXFP4 at H = I = 128 (4 scale groups a row): scale words (block_k >= 64) give the byte reads' bits;
+    # blocks in pinned host RAM the slots' bits; one token equals decode
+    layout = ExpertLayout.for_format("mxfp4", 128, 128, align=64)
+    slots, ws2 = random_slots(layout, 6, seed=14)
+    ids, x, w, e2s = six_expert_prompt(layout, 12, seed=15)
+    cfg = dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    want = nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config=cfg, swiglu_limit=LIMIT)
+    close(want, nvfp4_moe_prefill_ref(x, slots, ids, e2s, ws2, w, layout, swiglu_limit=LIMIT), torch.float32)
+    got = nvfp4_moe_prefill(
+        x, slots, ids, e2s, ws2, w, layout, config={**cfg, "scale_words": True}, swiglu_limit=LIMIT
+    )
+    assert torch.equal(got, want)
+    host = slots.cpu()
+    host = host.pin_memory() if DEV == "cuda" else host
+    got = nvfp4_moe_prefill(x, host, ids, e2s, ws2, w, layout, config=cfg, swiglu_limit=LIMIT)
+    assert torch.equal(got, want)
+    one = nvfp4_moe_prefill(x[:1], slots, ids[:1], e2s, ws2, w[:1], layout, swiglu_limit=LIMIT)
+    close(one, decode(x[:1], slots, ids[0].int(), ws2, w[0], layout, swiglu_limit=LIMIT), torch.float32)
 
 
 @LAUNCH_MECHANICS

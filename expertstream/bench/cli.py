@@ -49,8 +49,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--model",
-        help="decode: an existing working directory to measure instead of the synthetic bench model (a "
-        "family without the CUDA expert bank, e.g. deepseek_v4, runs its eager regimes: ram and disk)",
+        help="decode: an existing working directory of any family to measure instead of the synthetic bench "
+        "model, in the regimes vram, ram and disk (without CUDA: ram and disk, on the CPU bank)",
     )
     p.add_argument(
         "--layers",

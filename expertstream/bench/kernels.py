@@ -115,19 +115,21 @@ def launch_us(calls: list) -> dict[str, float]:
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
-def random_bank(num: int, seed: int = 0):
-    """num random blocks (every code, positive scales around 2^-2, subnormals included) and their ws2."""
+def random_bank(num: int, seed: int = 0, layout=None):
+    """(layout, num random blocks, their ws2): every code; NVFP4 scales (the default layout, the real dims)
+    positive around 2^-2, subnormals included; MXFP4 scales 2^-9 .. 2^-5."""
     import torch
 
     from expertstream.formats.expert_block import ExpertLayout
 
-    layout = ExpertLayout.for_dims(HIDDEN, INTER)
+    layout = layout or ExpertLayout.for_dims(HIDDEN, INTER)
     g = torch.Generator(device="cuda").manual_seed(seed)
     slots = torch.randint(0, 256, (num, layout.block_bytes), dtype=torch.uint8, device="cuda", generator=g)
+    scale_bytes = {"float8_e4m3fn": (0, 0x38), "float8_e8m0fnu": (118, 123)}  # E4M3: 0, subnormals, < 1
     for p in layout.parts:
-        if p.dtype == "float8_e4m3fn":  # 0x00..0x37: 0, subnormals and normals below 1
+        if p.dtype in scale_bytes:
             slots[:, p.offset : p.offset + p.nbytes] = torch.randint(
-                0, 0x38, (num, p.nbytes), dtype=torch.uint8, device="cuda", generator=g
+                *scale_bytes[p.dtype], (num, p.nbytes), dtype=torch.uint8, device="cuda", generator=g
             )
     ws2 = torch.full((num, 3), 0.02, device="cuda")
     return layout, slots, ws2

@@ -48,6 +48,8 @@ class GpuExperts(ExpertBank):
         speculation_width: guesses per layer as a multiple of K.
         stage_guesses: with every block in RAM, copy this many of the next layer's guesses to VRAM early
             (2 x this many of the slots become staging rows); 0: off.
+        swiglu_limit: clamp gate x above and up x on both sides first (DeepSeek-V4), None: no clamp. The
+            kernels read the workdir's block format (NVFP4 or MXFP4) from its layout.
     """
 
     def __init__(
@@ -59,8 +61,10 @@ class GpuExperts(ExpertBank):
         speculate: bool = True,
         speculation_width: float = 1.0,
         stage_guesses: int = 0,
+        swiglu_limit: float | None = None,
     ):
         self.layout, self.store = workdir.layout, store
+        self.swiglu_limit = swiglu_limit
         self.num_experts = workdir.num_experts
 
         def fetch_host(keys):
@@ -90,7 +94,7 @@ class GpuExperts(ExpertBank):
             store, self.cache, self.host_blocks, n_layers, self.num_experts, hot_pass, hot_quota, dev
         )
         self.staging = Staging(guesses, self.cache, self.host_blocks, self.num_experts, dev)
-        self.prefill = PrefillPasses(store, self.cache, self.residency, self.layout, scales)
+        self.prefill = PrefillPasses(store, self.cache, self.residency, self.layout, scales, swiglu_limit)
         self.scales = scales.to(dev, torch.float32).contiguous()  # the decode kernel reads scales[layer]
         spec = Speculator(self.layout.block_bytes, speculation_width, kernel=dev.type == "cuda")
         self.spec = spec if speculate else None
@@ -128,12 +132,15 @@ class GpuExperts(ExpertBank):
         dev, h = self.cache.device, self.layout.hidden_size
         e2s = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
         one = torch.ones(1, dtype=torch.float32, device=dev)
+        lim = self.swiglu_limit
         nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, dtype=dtype, device=dev), e2s[:1], e2s, self.scales[0],
-                                   one, self.layout, self.cache.slots, self.host_blocks)  # fmt: skip
+                                   one, self.layout, self.cache.slots, self.host_blocks,
+                                   swiglu_limit=lim)  # fmt: skip
         for t in (8, 40, 100):
             x = torch.zeros(t, h, dtype=dtype, device=dev)
             ids, w = torch.zeros(t, 1, dtype=torch.int64, device=dev), one.expand(t, 1).contiguous()
-            nvfp4_moe.nvfp4_moe_prefill(x, self.cache.slots, ids, e2s, self.cache.ws2, w, self.layout)
+            nvfp4_moe.nvfp4_moe_prefill(x, self.cache.slots, ids, e2s, self.cache.ws2, w, self.layout,
+                                        swiglu_limit=lim)  # fmt: skip
 
     def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:
         """Routers {layer: W [E, H]} on the compute device in the activation dtype, for speculation."""
@@ -296,7 +303,8 @@ class GpuExperts(ExpertBank):
         # are the same either way)
         host = None if self.resident == "vram" else self.host_blocks
         return nvfp4_moe.nvfp4_moe_decode(
-            x, expert_ids[0], loc, self.scales[layer], weights[0].float(), self.layout, self.cache.slots, host
+            x, expert_ids[0], loc, self.scales[layer], weights[0].float(), self.layout, self.cache.slots,
+            host, swiglu_limit=self.swiglu_limit,
         )  # fmt: skip
 
     def decode_stage(self, layer: int, want: torch.Tensor, k: int) -> None:

@@ -28,10 +28,12 @@ class PrefillPasses:
         residency: the bank's `Residency` (resident layout, RAM rows, experts per pass beside a hot set).
         layout: the expert block layout.
         scales: [L, E, 3] FP32 weight_scale_2 on the host, for the pass tables.
+        swiglu_limit: the kernels' SwiGLU clamp (DeepSeek-V4), None: none.
     """
 
-    def __init__(self, store, cache, residency, layout, scales: torch.Tensor):
+    def __init__(self, store, cache, residency, layout, scales: torch.Tensor, swiglu_limit=None):
         self.store, self.cache, self.residency, self.layout = store, cache, residency, layout
+        self.swiglu_limit = swiglu_limit
         self.num_experts = residency.loc.shape[1]
         self._scales_np = scales.to("cpu", torch.float32).numpy()
         # expert -> slot of the pass in flight, set on the host and uploaded without blocking
@@ -75,7 +77,7 @@ class PrefillPasses:
                         continue
                     nvfp4_moe.nvfp4_moe_prefill_rows(
                         p.x, self.cache.slots, e2s, ws2, p.weights, self.layout, p.order, rs[g], y, work,
-                        launch=p.launch,
+                        launch=p.launch, swiglu_limit=self.swiglu_limit,
                     )  # fmt: skip
                     nvfp4_moe.combine_rows(y, p.order, e2s, rs[g], p.total, accumulate=p.summed)
                     p.summed = True

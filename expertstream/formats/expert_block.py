@@ -87,6 +87,11 @@ class ExpertLayout:
         return cls(h, i, tuple(parts), block)
 
     @property
+    def group(self) -> int:
+        """Elements per block scale: 16 (NVFP4, E4M3 scales) or 32 (MXFP4, UE8M0 scales)."""
+        return mxfp4.GROUP if self.fmt == "mxfp4" else nvfp4.GROUP
+
+    @property
     def payload_bytes(self) -> int:
         last = self.parts[-1]
         return last.offset + last.nbytes

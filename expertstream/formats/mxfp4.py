@@ -5,7 +5,8 @@ MXFP4 (OCP MX, group 32): w[r, c] = e2m1(code[r, c]) * 2^(scale[r, c // 32] - 12
   checkpoint stores the bytes as I8 [N, K/2].
 - scale: UE8M0 (float8_e8m0fnu) [N, K/32], a pure power of two; byte 255 is NaN.
 FP8 dense weights: E4M3 [N, K] with one UE8M0 scale per 128x128 block, [ceil(N/128), ceil(K/128)].
-See docs/deepseek-v4.md for what each fact rests on. Triton kernels for MXFP4 do not exist yet.
+See docs/deepseek-v4.md for what each fact rests on. The Triton expert kernels decode the same blocks in
+registers (kernels/nvfp4_moe.py, `codec.block_scale`).
 """
 
 from __future__ import annotations

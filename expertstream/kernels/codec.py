@@ -1,4 +1,4 @@
-"""In-kernel NVFP4 / E4M3 decoding shared by the Triton kernels, the optional Triton import, launch checks.
+"""In-kernel NVFP4 / MXFP4 / E4M3 decoding shared by the Triton kernels, the optional Triton import, launches.
 
 Triton is optional: without it this module still imports (CPU users run the `*_ref` twins) and
 `require_triton()` raises. Kernel signatures use string annotations (`from __future__ import annotations`),
@@ -285,6 +285,26 @@ def e4m3_f16(b):
     """Raw E4M3 bytes (uint8) -> fp16 holding value * 2^-8, exactly (NaN bytes 0x7F/0xFF decode as +-480)."""
     c = b.to(tl.int32)
     return (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@jit
+def e8m0_f32(b):
+    """Raw UE8M0 bytes (uint8) -> fp32 2^(b - 127), exactly: the byte is the exponent field (byte 0 gives
+    2^-127, an fp32 subnormal, and byte 255 NaN, as `formats.mxfp4.e8m0_to_float`)."""
+    c = b.to(tl.int32)
+    edge = ((c == 0) | (c == 255)).to(tl.int32)
+    return ((c << 23) | (edge << 22)).to(tl.float32, bitcast=True)
+
+
+@jit
+def block_scale(b, MXFP4: tl.constexpr):
+    """Block scale bytes (uint8) -> fp32 value * 2^-8, exactly: E4M3 (NVFP4, `e4m3_f16`) or UE8M0 (MXFP4),
+    so that both formats share the units of the code decodes (`nvfp4_unit`, the prefill tiles')."""
+    if MXFP4:
+        s = e8m0_f32(b) * 0.00390625  # 2^-8
+    else:
+        s = e4m3_f16(b).to(tl.float32)
+    return s
 
 
 @jit

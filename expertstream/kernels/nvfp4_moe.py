@@ -1,8 +1,11 @@
-"""Routed-expert SwiGLU straight from repacked NVFP4 blocks (W4A16, FP32 accumulation).
+"""Routed-expert SwiGLU straight from repacked NVFP4 or MXFP4 blocks (W4A16, FP32 accumulation).
 
 Shapes: T tokens, H hidden, I expert width, K experts per token, S slots, B = layout.block_bytes.
-Each slot row is one `ExpertLayout` block; its FP32 weight_scale_2 (gate, up, down) come beside it.
-y[t] = sum_k w[t, k] * down_k(silu(gate_k x[t]) * up_k x[t]).
+Each slot row is one `ExpertLayout` block; its FP32 weight_scale_2 (gate, up, down) come beside it (NVFP4:
+E4M3 scale per 16 codes; MXFP4: UE8M0 scale per 32, no weight_scale_2). One kernel body per launch reads
+both: the layout's format is a constexpr switch in the scale and group decoding.
+y[t] = sum_k w[t, k] * down_k(silu(gate_k x[t]) * up_k x[t]); with a SwiGLU limit (DeepSeek-V4) gate x is
+clamped above and up x on both sides first.
 - decode (one token): two launches per layer, gate+up over (expert, row block), then down over (row block,
   split of the K experts): each program writes its experts' partial rows, and the last program of a row
   block to finish (an atomic count) sums the partials in expert order, so the result is deterministic.
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 
 from expertstream.formats.expert_block import ExpertLayout
 from expertstream.kernels.codec import (
+    block_scale,
     cdiv,
     dependent_launch,
     device_capability,
@@ -31,7 +35,6 @@ from expertstream.kernels.codec import (
     e2m1_cols_unit,
     e2m1_word_cols,
     e2m1_words,
-    e4m3_f16,
     f16x2_halves,
     gdc_launch_dependents,
     gdc_wait,
@@ -50,6 +53,18 @@ def _offsets(layout: ExpertLayout) -> dict[str, int]:
     names = {"gw": "gate_proj.weight", "uw": "up_proj.weight", "dw": "down_proj.weight"}
     names |= {"gs": "gate_proj.weight_scale", "us": "up_proj.weight_scale", "ds": "down_proj.weight_scale"}
     return {f"{k}_off": layout.part(v).offset for k, v in names.items()}
+
+
+def _format(layout: ExpertLayout) -> bool:
+    """The kernels' MXFP4 switch: True for MXFP4 blocks (UE8M0 scale per 32), False for NVFP4 (E4M3, 16)."""
+    assert layout.fmt in ("nvfp4", "mxfp4"), f"no expert kernel reads {layout.fmt!r} blocks"
+    return layout.fmt == "mxfp4"
+
+
+def _clamp(swiglu_limit: float | None) -> dict:
+    # the SwiGLU clamp's kernel arguments: a runtime limit (no variant per value) and the constexpr switch
+    assert swiglu_limit is None or swiglu_limit > 0, f"swiglu_limit {swiglu_limit}"
+    return dict(limit=float(swiglu_limit or 0.0), CLAMP=swiglu_limit is not None)
 
 
 def _check_common(x, slots, layout: ExpertLayout) -> None:
@@ -81,14 +96,23 @@ def _block_of(slots, host, loc: int) -> torch.Tensor:
     return slots[loc] if loc >= 0 else host[-1 - loc]
 
 
-def nvfp4_moe_decode_ref(x, expert_ids, loc, scales, weights, layout: ExpertLayout, slots, host=None):
+def swiglu_ref(g: torch.Tensor, u: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
+    """silu(g) * u; with `swiglu_limit` (DeepSeek-V4) g is clamped above and u on both sides first."""
+    if swiglu_limit is not None:
+        g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
+    return F.silu(g) * u
+
+
+def nvfp4_moe_decode_ref(
+    x, expert_ids, loc, scales, weights, layout: ExpertLayout, slots, host=None, *, swiglu_limit=None
+):
     """Plain-torch twin of `nvfp4_moe_decode` (FP32 maths, output in x.dtype)."""
     xf = x.reshape(-1).float()  # [H]
     out = torch.zeros_like(xf)
     for k, e in enumerate(expert_ids.tolist()):
         block = _block_of(slots, host, int(loc[e])).to(xf.device)
         gate, up, down = layout.dequantize(block, scales[e])  # [I, H], [I, H], [H, I] fp32
-        out += weights[k].float() * (down @ (F.silu(gate @ xf) * (up @ xf)))
+        out += weights[k].float() * (down @ swiglu_ref(gate @ xf, up @ xf, swiglu_limit))
     return out.to(x.dtype).reshape(x.shape)
 
 
@@ -103,6 +127,7 @@ def nvfp4_moe_decode(
     host: torch.Tensor | None = None,
     *,
     config: dict | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Routed expert sum for one token, read straight from the blocks wherever they are: VRAM slots, or
     pinned host RAM read over the bus (no copy; the H200 probe read it at 93 % of the copy engine's rate).
@@ -112,14 +137,18 @@ def nvfp4_moe_decode(
         expert_ids: [K] int32 / int64 routed experts (duplicates allowed).
         loc: [E] int32 block of each expert: row c >= 0 of `slots`, or row -1 - c of `host` (only the
             routed experts' entries are read).
-        scales: [E, 3] float32 weight_scale_2 (gate, up, down) of each expert.
+        scales: [E, 3] float32 weight_scale_2 (gate, up, down) of each expert (NVFP4; not read for MXFP4,
+            which has none).
         weights: [K] float32 router weights.
-        layout: the block layout.
+        layout: the block layout, NVFP4 or MXFP4 (`layout.fmt`).
         slots: [S, block_bytes] uint8 blocks in device memory.
         host: [C, block_bytes] uint8 blocks in pinned host memory (the RAM cache), or None.
-        config: block_n and block_g (rows per program and 16-element groups per step) of the gate+up and
-            the down launch, split_down (down programs per row block over the K experts, default K),
-            num_warps; default: tuned_configs.json for this device and shape, else DECODE_DEFAULT.
+        config: block_n and block_g (rows per program and 16-element groups' worth of codes per step) of
+            the gate+up and the down launch, split_down (down programs per row block over the K experts,
+            default K), num_warps; default: tuned_configs.json for this device and shape, else
+            DECODE_DEFAULT.
+        swiglu_limit: clamp gate x above and up x on both sides at this value before the SwiGLU
+            (DeepSeek-V4); None: no clamp.
 
     Returns:
         Tensor shaped like x, in x.dtype.
@@ -146,7 +175,11 @@ def nvfp4_moe_decode(
     # regimes' greedy tokens are compared by `bench decode`); tuned for reads over the bus, the streaming case
     cfg = config or tuned_config("nvfp4_decode", x.device, f"{h_size}x{i_size}") or DECODE_DEFAULT
     off = _offsets(layout)
-    block_n, block_g = (cfg["block_n_gu"], cfg["block_n_down"]), (cfg["block_g_gu"], cfg["block_g_down"])
+    mx = _format(layout)
+    # block_g counts 16-element groups' worth of codes (2 words): an MXFP4 group is 32 elements
+    per_group = 2 if mx else 1
+    block_n = (cfg["block_n_gu"], cfg["block_n_down"])
+    block_g = tuple(max(1, g // per_group) for g in (cfg["block_g_gu"], cfg["block_g_down"]))
     h = torch.empty(k, i_size, dtype=torch.float32, device=x.device)  # silu(g) * u, [K, I]
     out = torch.empty_like(x)
     n_blocks = cdiv(h_size, block_n[1])
@@ -156,17 +189,20 @@ def nvfp4_moe_decode(
     done = torch.zeros(n_blocks, dtype=torch.int32, device=x.device)
     # sm_90+: down launches while gate+up runs and reads its VRAM blocks into L2 before it waits for h
     pdl = dependent_launch(device_capability(x.device))
-    common = dict(H=h_size, I=i_size, block_bytes=layout.block_bytes, num_warps=cfg["num_warps"], PDL=pdl)
+    common = dict(
+        H=h_size, I=i_size, block_bytes=layout.block_bytes, num_warps=cfg["num_warps"], PDL=pdl, MXFP4=mx
+    )
     launch_e2m1(
         _decode_gate_up_kernel, (k, cdiv(i_size, block_n[0])), x.device,
         x, expert_ids, loc, scales, slots, host, h, gw_off=off["gw_off"], uw_off=off["uw_off"],
         gs_off=off["gs_off"], us_off=off["us_off"], BLOCK_N=block_n[0], BLOCK_G=block_g[0], **common,
+        **_clamp(swiglu_limit),
     )  # fmt: skip
     launch_e2m1(
         _decode_down_kernel, (n_blocks, cdiv(k, per)), x.device,
         h, expert_ids, loc, scales, slots, host, weights, part, done, out, K=k, PER=per,
         dw_off=off["dw_off"], ds_off=off["ds_off"], BLOCK_N=block_n[1], BLOCK_G=block_g[1],
-        LINES_W=prefetch_lines(i_size // 2), LINES_S=prefetch_lines(i_size // 16), **common,
+        LINES_W=prefetch_lines(i_size // 2), LINES_S=prefetch_lines(i_size // layout.group), **common,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -205,15 +241,17 @@ def _octets(xv, BW: tl.constexpr):
 
 @jit
 def _group_partial(
-    blk, w_off, s_off, n, g0, row_groups, nmask, xs, BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr
-):
-    # rows n [BN] x groups g0 .. g0 + BG - 1 of 16 elements: codes as int32 words [BN, 2 BG] (8 columns
-    # each), scales [BN, BG]; xs: the step's x columns from _x_octets. Returns [BN, BG] in units of
-    # 1 / nvfp4_unit
-    wi = 2 * g0 + tl.arange(0, 2 * BLOCK_G)
-    m = nmask[:, None] & (wi < 2 * row_groups)[None, :]
+    blk, w_off, s_off, n, g0, row_groups, nmask, xs, BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr,
+    MXFP4: tl.constexpr,
+):  # fmt: skip
+    # rows n [BN] x groups g0 .. g0 + BG - 1 of GROUP elements (16 NVFP4, 32 MXFP4): codes as int32 words
+    # [BN, WPG BG] (8 columns each), scales [BN, BG]; xs: the step's x columns from _x_octets. Returns
+    # [BN, BG] in units of 1 / nvfp4_unit
+    WPG: tl.constexpr = 4 if MXFP4 else 2  # int32 code words per block scale
+    wi = WPG * g0 + tl.arange(0, WPG * BLOCK_G)
+    m = nmask[:, None] & (wi < WPG * row_groups)[None, :]
     words = (blk + w_off).to(tl.pointer_type(tl.int32))
-    w = tl.load(words + n[:, None] * (2 * row_groups) + wi[None, :], mask=m, other=0)
+    w = tl.load(words + n[:, None] * (WPG * row_groups) + wi[None, :], mask=m, other=0)
     p0, p1, p2, p3 = e2m1_words(w, USE_PTX)  # pattern j: columns j and j + 4
     a, b = f16x2_halves(p0)
     part = a * xs[0][None, :] + b * xs[4][None, :]
@@ -223,18 +261,18 @@ def _group_partial(
     part += a * xs[2][None, :] + b * xs[6][None, :]
     a, b = f16x2_halves(p3)
     part += a * xs[3][None, :] + b * xs[7][None, :]
-    part = tl.sum(tl.reshape(part, [part.shape[0], BLOCK_G, 2]), axis=2)  # the two words of a group
+    part = tl.sum(tl.reshape(part, [part.shape[0], BLOCK_G, WPG]), axis=2)  # the words of a group
     gg = g0 + tl.arange(0, BLOCK_G)
     m2 = nmask[:, None] & (gg < row_groups)[None, :]
-    s = e4m3_f16(tl.load(blk + s_off + n[:, None] * row_groups + gg[None, :], mask=m2, other=0))
-    return part * s.to(tl.float32)
+    s = block_scale(tl.load(blk + s_off + n[:, None] * row_groups + gg[None, :], mask=m2, other=0), MXFP4)
+    return part * s
 
 
 @jit
 def _decode_gate_up_kernel(
     x_ptr, ids_ptr, loc_ptr, scales_ptr, slots_ptr, host_ptr, h_ptr, block_bytes, gw_off, uw_off, gs_off,
-    us_off, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    PDL: tl.constexpr, USE_PTX: tl.constexpr,
+    us_off, limit, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    PDL: tl.constexpr, USE_PTX: tl.constexpr, MXFP4: tl.constexpr, CLAMP: tl.constexpr,
 ):  # fmt: skip
     # program (k, n block): h[k, n] = silu(gate[n] . x) * (up[n] . x) for BLOCK_N rows of expert k;
     # H, I, K are constexpr so the loops unroll and every block load is in flight at once
@@ -245,33 +283,58 @@ def _decode_gate_up_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
     ws2 = scales_ptr + e * 3
-    h = _swiglu_rows(x_ptr, blk, ws2, gw_off, uw_off, gs_off, us_off, n, nmask, H, BLOCK_G, USE_PTX)
+    h = _swiglu_rows(
+        x_ptr, blk, ws2, gw_off, uw_off, gs_off, us_off, n, nmask, limit, H, BLOCK_G, USE_PTX, MXFP4, CLAMP
+    )
     tl.store(h_ptr + k * I + n, h, mask=nmask)
 
 
 @jit
 def _swiglu_rows(
-    x_ptr, blk, ws2_ptr, gw_off, uw_off, gs_off, us_off, n, nmask, H: tl.constexpr, BLOCK_G: tl.constexpr,
-    USE_PTX: tl.constexpr,
+    x_ptr, blk, ws2_ptr, gw_off, uw_off, gs_off, us_off, n, nmask, limit, H: tl.constexpr,
+    BLOCK_G: tl.constexpr, USE_PTX: tl.constexpr, MXFP4: tl.constexpr, CLAMP: tl.constexpr,
 ):  # fmt: skip
     # h[n] = silu(gate[n] . x) * (up[n] . x) in fp32 for the expert rows n [BN] of block blk, ws2_ptr its
     # (gate, up, down) global scales; rows masked off give 0
+    WPG: tl.constexpr = 4 if MXFP4 else 2  # int32 code words per block scale
+    G: tl.constexpr = H // (8 * WPG)  # block scales a row
     acc_g = tl.zeros([n.shape[0], BLOCK_G], tl.float32)
     acc_u = tl.zeros([n.shape[0], BLOCK_G], tl.float32)
-    for g0 in tl.static_range(0, H // 16, BLOCK_G):
-        xs = _x_octets(x_ptr, 2 * g0, H // 8, 2 * BLOCK_G)
-        acc_g += _group_partial(blk, gw_off, gs_off, n, g0, H // 16, nmask, xs, BLOCK_G, USE_PTX)
-        acc_u += _group_partial(blk, uw_off, us_off, n, g0, H // 16, nmask, xs, BLOCK_G, USE_PTX)
+    for g0 in tl.static_range(0, G, BLOCK_G):
+        xs = _x_octets(x_ptr, WPG * g0, H // 8, WPG * BLOCK_G)
+        acc_g += _group_partial(blk, gw_off, gs_off, n, g0, G, nmask, xs, BLOCK_G, USE_PTX, MXFP4)
+        acc_u += _group_partial(blk, uw_off, us_off, n, g0, G, nmask, xs, BLOCK_G, USE_PTX, MXFP4)
     unit = nvfp4_unit(USE_PTX)
-    g = tl.sum(acc_g, axis=1) * (tl.load(ws2_ptr) * unit)
-    u = tl.sum(acc_u, axis=1) * (tl.load(ws2_ptr + 1) * unit)
+    g = tl.sum(acc_g, axis=1) * (_global_scale(ws2_ptr, MXFP4) * unit)
+    u = tl.sum(acc_u, axis=1) * (_global_scale(ws2_ptr + 1, MXFP4) * unit)
+    return _swiglu(g, u, limit, CLAMP)
+
+
+@jit
+def _global_scale(ptr, MXFP4: tl.constexpr):
+    # an expert matrix's FP32 weight_scale_2 (NVFP4); MXFP4 has none (its blocks' table holds 1.0, unread)
+    if MXFP4:
+        s = 1.0
+    else:
+        s = tl.load(ptr)
+    return s
+
+
+@jit
+def _swiglu(g, u, limit, CLAMP: tl.constexpr):
+    # silu(g) * u in fp32; CLAMP (DeepSeek-V4's swiglu_limit): g clamped above and u on both sides at limit
+    # first, as torch's clamp (a NaN stays NaN)
+    if CLAMP:
+        nan: tl.constexpr = tl.PropagateNan.ALL
+        g = tl.minimum(g, limit, propagate_nan=nan)
+        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=nan), limit, propagate_nan=nan)
     return g * tl.sigmoid(g) * u
 
 
 @jit
 def _prefetch_down_rows(
     ids_ptr, loc_ptr, slots_ptr, block_bytes, dw_off, ds_off, s, n, K: tl.constexpr, PER: tl.constexpr,
-    I: tl.constexpr, LINES_W: tl.constexpr, LINES_S: tl.constexpr,
+    I: tl.constexpr, LINES_W: tl.constexpr, LINES_S: tl.constexpr, G: tl.constexpr,
 ):  # fmt: skip
     # L2 prefetch of the down rows n (codes, scales) of the split's experts in VRAM slots: a block in host
     # RAM is left alone (read twice over the bus, it would cost the bus twice)
@@ -282,7 +345,7 @@ def _prefetch_down_rows(
             if c >= 0:
                 blk = slots_ptr + c * block_bytes
                 l2_prefetch_rows(blk + dw_off + n * (I // 2), I // 2, LINES_W)  # codes
-                l2_prefetch_rows(blk + ds_off + n * (I // 16), I // 16, LINES_S)  # scales
+                l2_prefetch_rows(blk + ds_off + n * G, G, LINES_S)  # scales, G a row
 
 
 @jit
@@ -290,17 +353,19 @@ def _decode_down_kernel(
     h_ptr, ids_ptr, loc_ptr, scales_ptr, slots_ptr, host_ptr, w_ptr, part_ptr, done_ptr, out_ptr, block_bytes,
     dw_off, ds_off, K: tl.constexpr, PER: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr, USE_PTX: tl.constexpr,
-    LINES_W: tl.constexpr, LINES_S: tl.constexpr,
+    LINES_W: tl.constexpr, LINES_S: tl.constexpr, MXFP4: tl.constexpr,
 ):  # fmt: skip
     # program (n block, split s): part[s, n] = sum over experts k = s PER .. s PER + PER - 1, in order, of
     # w[k] * down_k[n] . h[k]; the splits of a row block run in parallel (more bytes in flight than one
     # program looping over all K)
+    WPG: tl.constexpr = 4 if MXFP4 else 2  # int32 code words per block scale
+    G: tl.constexpr = I // (8 * WPG)  # block scales a row
     nb, s = tl.program_id(0), tl.program_id(1)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < H
     if PDL:  # launched while gate+up runs: start reading the rows into L2, then wait for h
         _prefetch_down_rows(
-            ids_ptr, loc_ptr, slots_ptr, block_bytes, dw_off, ds_off, s, n, K, PER, I, LINES_W, LINES_S
+            ids_ptr, loc_ptr, slots_ptr, block_bytes, dw_off, ds_off, s, n, K, PER, I, LINES_W, LINES_S, G
         )
         gdc_wait()
     rows = tl.zeros([BLOCK_N], tl.float32)
@@ -309,10 +374,10 @@ def _decode_down_kernel(
         if k < K:
             blk, e = _expert_block(ids_ptr, loc_ptr, slots_ptr, host_ptr, k, block_bytes)
             acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-            for g0 in tl.static_range(0, I // 16, BLOCK_G):
-                hs = _x_octets(h_ptr + k * I, 2 * g0, I // 8, 2 * BLOCK_G)
-                acc += _group_partial(blk, dw_off, ds_off, n, g0, I // 16, nmask, hs, BLOCK_G, USE_PTX)
-            rows += tl.sum(acc, axis=1) * (tl.load(scales_ptr + e * 3 + 2) * tl.load(w_ptr + k))
+            for g0 in tl.static_range(0, G, BLOCK_G):
+                hs = _x_octets(h_ptr + k * I, WPG * g0, I // 8, WPG * BLOCK_G)
+                acc += _group_partial(blk, dw_off, ds_off, n, g0, G, nmask, hs, BLOCK_G, USE_PTX, MXFP4)
+            rows += tl.sum(acc, axis=1) * (_global_scale(scales_ptr + e * 3 + 2, MXFP4) * tl.load(w_ptr + k))
     tl.store(part_ptr + s * H + n, rows, mask=nmask)
     # the last of the block's splits to finish sums the partials in order. One thread does the atomic: the
     # barrier orders every thread's partial stores before its release (the grid-sync idiom), and its
@@ -337,7 +402,7 @@ PREFILL_UNIT = tl.constexpr(256.0) if tl is not None else 256.0
 
 
 def nvfp4_moe_prefill_ref(
-    x, slots, expert_ids, expert_to_slot, ws2, weights, layout: ExpertLayout
+    x, slots, expert_ids, expert_to_slot, ws2, weights, layout: ExpertLayout, *, swiglu_limit=None
 ) -> torch.Tensor:
     """Plain-torch twin of `nvfp4_moe_prefill` (FP32 maths, one dequantisation per routed expert)."""
     xf = x.float()
@@ -349,7 +414,7 @@ def nvfp4_moe_prefill_ref(
         tok, kk = (expert_ids == e).nonzero(as_tuple=True)  # duplicates give several (t, k) pairs
         gate, up, down = layout.dequantize(slots[s], ws2[s])
         xs = xf[tok]  # [n, H]
-        y = (F.silu(xs @ gate.T) * (xs @ up.T)) @ down.T  # [n, H]
+        y = swiglu_ref(xs @ gate.T, xs @ up.T, swiglu_limit) @ down.T  # [n, H]
         out.index_add_(0, tok, y * weights[tok, kk, None].float())
     return out.to(x.dtype)
 
@@ -471,6 +536,7 @@ def nvfp4_moe_prefill(
     *,
     config: dict | None = None,
     order: PairOrder | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Routed expert sum for many tokens, grouped by expert, on tensor cores.
 
@@ -479,14 +545,15 @@ def nvfp4_moe_prefill(
         slots: [S, block_bytes] uint8 expert blocks, on the device or in pinned host RAM (read over the bus).
         expert_ids: [T, K] int32/int64 routed experts (zero-token experts and duplicates allowed).
         expert_to_slot: [E] int32/int64 slot holding each expert; every routed expert must have one.
-        ws2: [S, 3] float32 weight_scale_2 (gate, up, down) of each slot.
+        ws2: [S, 3] float32 weight_scale_2 (gate, up, down) of each slot (not read for MXFP4).
         weights: [T, K] float32 router weights.
-        layout: the block layout.
+        layout: the block layout, NVFP4 or MXFP4.
         config: block_m, block_n, block_k (bytes), num_warps, num_stages, optionally maxnreg (a register
             cap per thread for gate+up, so that more programs share an SM), scale_words and tile_major (see
             `nvfp4_moe_prefill_rows`); default from the routing size.
         order: expert_ids' pairs already sorted by `order_pairs` (its config is used): the call then has no
             host-side step, so a CUDA graph can capture it.
+        swiglu_limit: clamp gate x above and up x on both sides first (DeepSeek-V4); None: no clamp.
 
     Returns:
         [T, H] in x.dtype.
@@ -494,7 +561,9 @@ def nvfp4_moe_prefill(
     order = order or order_pairs(expert_ids, expert_to_slot.numel(), layout, config=config)
     tiles = (0, order.tiles)
     y, work = prefill_buffers(x, layout, order.tiles * order.config["block_m"])
-    nvfp4_moe_prefill_rows(x, slots, expert_to_slot, ws2, weights, layout, order, tiles, y, work)
+    nvfp4_moe_prefill_rows(
+        x, slots, expert_to_slot, ws2, weights, layout, order, tiles, y, work, swiglu_limit=swiglu_limit
+    )
     total = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     combine_rows(y, order, expert_to_slot, tiles, total, accumulate=False)
     return total.to(x.dtype)
@@ -519,6 +588,7 @@ def nvfp4_moe_prefill_rows(
     work: torch.Tensor,
     *,
     launch: dict | None = None,
+    swiglu_limit: float | None = None,
 ) -> None:
     """Weighted expert outputs of the pairs in tiles [t0, t1) of `order`, by tile row: y[r - t0 BLOCK_M] =
     weights[p] expert_p(x[token of p]) for the pair p in row r. Tiles whose expert maps to -1 are skipped
@@ -534,7 +604,7 @@ def nvfp4_moe_prefill_rows(
     scale_words reads a step's E4M3 scales as int32 words, which the compiler can stage ahead like the codes,
     where the rows allow it (block_k >= 32, K / 16 a multiple of 4); tile_major launches a tile's n blocks
     one after another (they share its input rows in L2) instead of one n block's tiles; down follows gate+up
-    in both unless it names its own.
+    in both unless it names its own. swiglu_limit: as `nvfp4_moe_decode`'s.
     """
     _check_common(x, slots, layout)
     assert ws2.dtype == torch.float32 and ws2.shape == (slots.shape[0], 3) and ws2.is_contiguous()
@@ -550,8 +620,9 @@ def nvfp4_moe_prefill_rows(
     cfg = {**own, **(launch or {}), "block_m": order.config["block_m"]}
     down = {**{key: v for key, v in cfg.items() if key != "maxnreg"}, **cfg.get("down", {})}
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    for b in (bk, down["block_k"]):  # word tiles: whole int32 words and whole 8-byte scale groups
-        assert b >= 8 and b & (b - 1) == 0, f"block_k {b} must be a power of two >= 8 bytes"
+    group = layout.group
+    for b in (bk, down["block_k"]):  # word tiles: whole int32 words and whole scale groups (8 or 16 bytes)
+        assert b >= group // 2 and b & (b - 1) == 0, f"block_k {b}: a power of two >= {group // 2} bytes"
     assert order.pair_ids.numel() == order.tiles * bm and order.token_rows.numel() == p, "order"
     t0, t1 = tiles
     assert 0 <= t0 <= t1 <= order.tiles, f"tiles {tiles} of {order.tiles}"
@@ -564,18 +635,20 @@ def nvfp4_moe_prefill_rows(
         return
     off = _offsets(layout)
     common = dict(
-        block_bytes=layout.block_bytes, H=h_size, I=i_size, BLOCK_M=bm, DOT_PRECISION=dot_precision(x.dtype)
-    )
+        block_bytes=layout.block_bytes, H=h_size, I=i_size, BLOCK_M=bm, DOT_PRECISION=dot_precision(x.dtype),
+        MXFP4=_format(layout),
+    )  # fmt: skip
     tile_args = (order.pair_ids, order.tile_expert, expert_to_slot)
     launch_e2m1(
         _prefill_gate_up_kernel, _tile_grid(t1 - t0, cdiv(i_size, bn), cfg), x.device,
         x, *tile_args, slots, ws2, work, p, k, t0, gw_off=off["gw_off"], uw_off=off["uw_off"],
-        gs_off=off["gs_off"], us_off=off["us_off"], **common, **_launch_shape(cfg, h_size),
+        gs_off=off["gs_off"], us_off=off["us_off"], **common, **_launch_shape(cfg, h_size, group),
+        **_clamp(swiglu_limit),
     )  # fmt: skip
     launch_e2m1(
         _prefill_down_kernel, _tile_grid(t1 - t0, cdiv(h_size, down["block_n"]), down), x.device,
         work, *tile_args, slots, ws2, weights, y, p, t0, dw_off=off["dw_off"], ds_off=off["ds_off"], **common,
-        **_launch_shape(down, i_size),
+        **_launch_shape(down, i_size, group),
     )  # fmt: skip
 
 
@@ -584,12 +657,13 @@ def _tile_grid(tiles: int, n_blocks: int, cfg: dict) -> tuple[int, ...]:
     return (tiles * n_blocks,) if cfg.get("tile_major") else (tiles, n_blocks)
 
 
-def _launch_shape(cfg: dict, k_in: int) -> dict:
+def _launch_shape(cfg: dict, k_in: int, group: int) -> dict:
     # maxnreg: ptxas' .maxnreg register cap (the interpreter ignores it). scale_words: a step's scale bytes
-    # read as int32 words, where each row's step holds whole words (k_in / 16 groups a row, a multiple of 4).
-    # tile_major: the programs in tile-major launch order (`_program`)
+    # read as int32 words, where each row's step holds whole words (4 groups of `group` elements: block_k
+    # >= 2 group bytes, and k_in / group groups a row, a multiple of 4). tile_major: the programs in
+    # tile-major launch order (`_program`)
     cap = {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
-    words = bool(cfg.get("scale_words")) and cfg["block_k"] >= 32 and (k_in // 16) % 4 == 0
+    words = bool(cfg.get("scale_words")) and cfg["block_k"] >= 2 * group and (k_in // group) % 4 == 0
     return dict(
         BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"],
@@ -722,32 +796,34 @@ def _tile(tile_expert_ptr, e2s_ptr, pair_ptr, slots_ptr, block_bytes, T0, i, P, 
 @jit
 def _word_tile(
     blk, w_off, s_off, k0, n, nmask, row_bytes, row_groups, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr,
-    dtype: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    dtype: tl.constexpr, SCALE_WORDS: tl.constexpr, MXFP4: tl.constexpr,
 ):  # fmt: skip
     # W^T tile [2 BK, BN] of rows n over packed bytes k0 .. k0 + BK - 1 in dtype, read as int32 words of 8
-    # columns (e2m1_word_cols), each weight times 2^-8 (PREFILL_UNIT): a code c times its scale s is exact in
-    # any of the three dtypes (6 significant bits; c s 2^-8 a multiple of 2^-18 and <= 10.5). One scale load
-    # and decode per 16 weights, broadcast over its two words
+    # columns (e2m1_word_cols), each weight times 2^-8 (PREFILL_UNIT): an NVFP4 code c times its scale s is
+    # exact in any of the three dtypes (6 significant bits; c s 2^-8 a multiple of 2^-18 and <= 10.5); an
+    # MXFP4 one (s = 2^e) in fp32 and bf16 for e in -117..9, in fp16 for e in -15..9. One scale load and
+    # decode per group (16 weights NVFP4, 32 MXFP4), broadcast over its WPG words
     BW: tl.constexpr = BLOCK_K // 4
+    WPG: tl.constexpr = 4 if MXFP4 else 2  # int32 code words per block scale
     ww = k0 // 4 + tl.arange(0, BW)
     words = (blk + w_off).to(tl.pointer_type(tl.int32))
     m = (ww < row_bytes // 4)[:, None] & nmask[None, :]
     w = tl.load(words + n[None, :] * (row_bytes // 4) + ww[:, None], mask=m, other=0)  # [BW, BN]
     if SCALE_WORDS:  # int32 words of 4 scale bytes (the pipeliner stages them: cp.async moves >= 4 bytes)
-        SW: tl.constexpr = BLOCK_K // 32
-        sw = k0 // 32 + tl.arange(0, SW)
+        SW: tl.constexpr = BLOCK_K // (16 * WPG)
+        sw = k0 // (16 * WPG) + tl.arange(0, SW)
         sm = (sw < row_groups // 4)[:, None] & nmask[None, :]
         swords = (blk + s_off).to(tl.pointer_type(tl.int32))
         sv = tl.load(swords + n[None, :] * (row_groups // 4) + sw[:, None], mask=sm, other=0)  # [SW, BN]
         byte = tl.arange(0, 4) * 8
         sb = ((sv[:, None, :] >> byte[None, :, None]) & 0xFF).to(tl.uint8)  # [SW, 4, BN]: group 4 sw + j
-        sb = tl.reshape(sb, (BW // 2, n.shape[0]))
-    else:  # a byte per 16 weights
-        g = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        sb = tl.reshape(sb, (BW // WPG, n.shape[0]))
+    else:  # a byte per group
+        g = k0 // (4 * WPG) + tl.arange(0, BW // WPG)
         sm = (g < row_groups)[:, None] & nmask[None, :]
-        sb = tl.load(blk + s_off + n[None, :] * row_groups + g[:, None], mask=sm, other=0)  # [BW / 2, BN]
-    s = (e4m3_f16(sb).to(tl.float32) * e2m1_cols_unit(dtype, USE_PTX)).to(dtype)
-    s = tl.reshape(tl.broadcast_to(s[:, None, :], (BW // 2, 2, n.shape[0])), (BW, n.shape[0]))
+        sb = tl.load(blk + s_off + n[None, :] * row_groups + g[:, None], mask=sm, other=0)  # [BW / WPG, BN]
+    s = (block_scale(sb, MXFP4) * e2m1_cols_unit(dtype, USE_PTX)).to(dtype)
+    s = tl.reshape(tl.broadcast_to(s[:, None, :], (BW // WPG, WPG, n.shape[0])), (BW, n.shape[0]))
     c0, c1, c2, c3, c4, c5, c6, c7 = e2m1_word_cols(w, dtype, USE_PTX)
     # [BW, BN, c >> 2, (c >> 1) & 1, c & 1]: a join's new dimension is its fastest in registers, so the two
     # columns of a byte (one packed multiply) lie next to each other and the registers run in K order
@@ -767,21 +843,24 @@ def _x_tile(xrow, xmask, k0, K_IN, BLOCK_K: tl.constexpr):
 @jit
 def _dot_step(
     acc, xs, blk, w_off, s_off, k0, n, nmask, K_IN, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr, MXFP4: tl.constexpr,
 ):  # fmt: skip
     # acc [BM, BN] += the step's input columns xs [BM, 2 BK] (_x_tile) times W^T 2^-8 for rows n of an
     # [N, K_IN] matrix: one dot of K = 2 BK
+    GROUP: tl.constexpr = 32 if MXFP4 else 16
     wt = _word_tile(
-        blk, w_off, s_off, k0, n, nmask, K_IN // 2, K_IN // 16, BLOCK_K, USE_PTX, xs.dtype, SCALE_WORDS
-    )
+        blk, w_off, s_off, k0, n, nmask, K_IN // 2, K_IN // GROUP, BLOCK_K, USE_PTX, xs.dtype, SCALE_WORDS,
+        MXFP4,
+    )  # fmt: skip
     return tl.dot(xs, wt, acc, input_precision=DOT_PRECISION)
 
 
 @jit(do_not_specialize=("P", "K", "T0"))  # pair counts and tile offsets vary per call: one variant
 def _prefill_gate_up_kernel(
     x_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, h_ptr, P, K, T0, block_bytes, H, I,
-    gw_off, uw_off, gs_off, us_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr, TILE_MAJOR: tl.constexpr,
+    gw_off, uw_off, gs_off, us_off, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    TILE_MAJOR: tl.constexpr, MXFP4: tl.constexpr, CLAMP: tl.constexpr,
 ):  # fmt: skip
     # program (tile T0 + i, n block): h[i BM + m, n] = silu(x[tok] gate^T) * (x[tok] up^T), rows of one expert
     i, nb = _program(tl.cdiv(I, BLOCK_N), TILE_MAJOR)
@@ -798,14 +877,16 @@ def _prefill_gate_up_kernel(
     for k0 in range(0, H // 2, BLOCK_K):  # k0 in packed bytes: column pairs (2 k0, 2 k0 + 1) on
         xs = _x_tile(x_ptr + tok[:, None] * H, valid[:, None], k0, H, BLOCK_K)
         acc_g = _dot_step(
-            acc_g, xs, blk, gw_off, gs_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX, SCALE_WORDS
-        )
+            acc_g, xs, blk, gw_off, gs_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX, SCALE_WORDS,
+            MXFP4,
+        )  # fmt: skip
         acc_u = _dot_step(
-            acc_u, xs, blk, uw_off, us_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX, SCALE_WORDS
-        )
-    g = acc_g * (tl.load(ws2_ptr + slot * 3) * PREFILL_UNIT)
-    u = acc_u * (tl.load(ws2_ptr + slot * 3 + 1) * PREFILL_UNIT)
-    hv = g * tl.sigmoid(g) * u
+            acc_u, xs, blk, uw_off, us_off, k0, n, nmask, H, BLOCK_K, DOT_PRECISION, USE_PTX, SCALE_WORDS,
+            MXFP4,
+        )  # fmt: skip
+    g = acc_g * (_global_scale(ws2_ptr + slot * 3, MXFP4) * PREFILL_UNIT)
+    u = acc_u * (_global_scale(ws2_ptr + slot * 3 + 1, MXFP4) * PREFILL_UNIT)
+    hv = _swiglu(g, u, limit, CLAMP)
     hm = valid[:, None] & nmask[None, :]
     tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], hv.to(h_ptr.dtype.element_ty), mask=hm)
 
@@ -815,7 +896,7 @@ def _prefill_down_kernel(
     h_ptr, pair_ptr, tile_expert_ptr, e2s_ptr, slots_ptr, ws2_ptr, w_ptr, y_ptr, P, T0, block_bytes, H, I,
     dw_off, ds_off,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr, TILE_MAJOR: tl.constexpr,
+    USE_PTX: tl.constexpr, SCALE_WORDS: tl.constexpr, TILE_MAJOR: tl.constexpr, MXFP4: tl.constexpr,
 ):  # fmt: skip
     # program (tile T0 + i, n block): y[i BM + m, n] = w[pair] * h[i BM + m] down^T, rows of one expert
     i, nb = _program(tl.cdiv(H, BLOCK_N), TILE_MAJOR)
@@ -831,9 +912,10 @@ def _prefill_down_kernel(
     for k0 in range(0, I // 2, BLOCK_K):
         hs = _x_tile(h_ptr + rows[:, None] * I, valid[:, None], k0, I, BLOCK_K)
         acc = _dot_step(
-            acc, hs, blk, dw_off, ds_off, k0, n, nmask, I, BLOCK_K, DOT_PRECISION, USE_PTX, SCALE_WORDS
-        )
+            acc, hs, blk, dw_off, ds_off, k0, n, nmask, I, BLOCK_K, DOT_PRECISION, USE_PTX, SCALE_WORDS,
+            MXFP4,
+        )  # fmt: skip
     rw = tl.load(w_ptr + pair, mask=valid, other=0.0)
-    acc = acc * (tl.load(ws2_ptr + slot * 3 + 2) * PREFILL_UNIT) * rw[:, None]
+    acc = acc * (_global_scale(ws2_ptr + slot * 3 + 2, MXFP4) * PREFILL_UNIT) * rw[:, None]
     ym = valid[:, None] & nmask[None, :]
     tl.store(y_ptr + rows[:, None] * H + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ym)

@@ -22,6 +22,7 @@ from torch import nn
 
 from expertstream.formats import mxfp4
 from expertstream.formats.snapshot import Snapshot as Checkpoint
+from expertstream.memory_plan import ELEM_BYTES
 from expertstream.models.state import Snapshot
 
 MODEL_TYPE = "deepseek_v4"
@@ -445,6 +446,20 @@ def dequantized(
             t = mxfp4.dequantize_fp8_blocks_e8m0(t, tensors[name.removesuffix(".weight") + ".scale"])
         out[name] = t.to(dtype) if t.is_floating_point() else t
     return out
+
+
+def dense_surplus(inventory: dict[str, tuple[tuple[int, ...], str]], act_bytes: int, embed: str) -> int:
+    """Bytes `engine_model` holds on the device beyond the stored weights other than `embed` (what a memory
+    plan counts): every weight dense in the activation dtype (FP8 blocks dequantized, scales dropped) and
+    the embedding with them. inventory: resident name -> (shape, safetensors dtype)."""
+    size = ELEM_BYTES
+    dense = stored = 0
+    for name, (shape, dtype) in inventory.items():
+        n = math.prod(shape)
+        stored += n * size[dtype] * (name != embed)
+        if not name.endswith(".scale"):
+            dense += n * (act_bytes if dtype in ("F8_E4M3", "BF16", "F16", "F32") else size[dtype])
+    return dense - stored
 
 
 def engine_model(workdir, args: DeepseekV4Args, bank, dtype: torch.dtype, device) -> DeepseekV4Model:

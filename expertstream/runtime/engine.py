@@ -19,6 +19,7 @@ from expertstream.experts.controls import controlled
 from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.experts.speculation import SpecStats
 from expertstream.formats.fp8 import quantize_fp8_rows
+from expertstream.formats.snapshot import read_header
 from expertstream.formats.text_config import check_config
 from expertstream.log import get_logger
 from expertstream.memory_plan import MemoryPlan, gpu_budget
@@ -95,9 +96,9 @@ class Engine:
     def __init__(self, config: EngineConfig, control: str = "none", vram_cache_blocks: int | None = None):
         t0 = time.perf_counter()
         self.workdir = Workdir(config.model)
-        # a family without the CUDA bank's kernels (MXFP4 experts) runs the eager torch path on any device
-        self.streamed_only = streamed_only = self.workdir.manifest["model_type"] == deepseek_v4.MODEL_TYPE
-        if streamed_only:
+        # DeepSeek-V4: its own model file and state; its experts (MXFP4) go through the same banks
+        self.ds4 = ds4 = self.workdir.manifest["model_type"] == deepseek_v4.MODEL_TYPE
+        if ds4:
             try:
                 self.args = deepseek_v4.DeepseekV4Args.from_dict(self.workdir.config)
             except ValueError as e:
@@ -115,9 +116,11 @@ class Engine:
             config = dataclasses.replace(config, max_model_len=self.args.max_position_embeddings)
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
-        gpu = self.device.type == "cuda" and config.kernels != "torch" and not streamed_only
-        # the small ops, FP8 matmuls and guesses: Triton where the expert kernels run, or when asked for
-        kernels = (gpu or config.kernels == "triton") and not streamed_only
+        # the CUDA expert bank (Triton kernels for NVFP4 and MXFP4 blocks) on CUDA unless torch is asked for
+        gpu = self.device.type == "cuda" and config.kernels != "torch"
+        # qwen4_exp's small ops, FP8 matmuls and guesses: Triton where the expert kernels run, or when asked
+        # for (deepseek_v4's dense part is torch: its FP8 blocks are dequantized at load)
+        kernels = (gpu or config.kernels == "triton") and not ds4
         self.plan = self._plan_gpu_memory() if gpu else None
         # sequences a scheduler may run together (each a state from new_state())
         self.max_num_seqs = self.plan.max_num_seqs if self.plan else config.max_num_seqs
@@ -125,9 +128,7 @@ class Engine:
         pool = self.plan.kv_pool_tokens if self.plan else config.kv_pool_tokens
         pool = pool or self.max_num_seqs * config.max_model_len
         # deepseek_v4's compressed KV is each state's own (models/deepseek_v4.py)
-        self.kv_pool = (
-            None if streamed_only else KVPool(self.args, pool, config.max_model_len, self.dtype, self.device)
-        )
+        self.kv_pool = None if ds4 else KVPool(self.args, pool, config.max_model_len, self.dtype, self.device)
         alloc = {}
         if gpu:
             from expertstream.experts.gpu_bank import GpuExperts
@@ -147,12 +148,17 @@ class Engine:
                 log.warning("cpu_affinity %s also confines torch's CPU compute threads", config.cpu_affinity)
             os.sched_setaffinity(0, parse_cpu_list(config.cpu_affinity))
         speculate = not config.no_speculation
+        swiglu_limit = self.args.swiglu_limit if ds4 else None  # V4 clamps its experts' gate and up
         self.cpu_threads = CpuThreads(config.threads)  # after cpu_affinity: it counts those cores
         if gpu:
             k = self.args.num_experts_per_tok
             # vram_cache_blocks overrides the plan's cache (the bench emulates the 48-layer model's share)
             cache = self.plan.vram_cache_blocks if vram_cache_blocks is None else vram_cache_blocks
             n_slots = self.plan.slots // self.workdir.layout.block_bytes + cache
+            # the CPU expert kernel reads NVFP4 blocks with an unclamped SwiGLU
+            cpu_share = config.cpu_moe_share and self.workdir.layout.fmt == "nvfp4" and swiglu_limit is None
+            if config.cpu_moe_share and not cpu_share:
+                log.warning("--cpu-moe-share ignored: the CPU expert kernel reads NVFP4 blocks only")
 
             def make_bank(store):
                 bank = GpuExperts(
@@ -163,9 +169,10 @@ class Engine:
                     speculate,
                     config.speculation_width,
                     config.stage_guesses,
+                    swiglu_limit,
                 )
                 # a CPU share of RAM-resident decode wraps it (experts/split_bank.py)
-                return self._split_bank(bank, config.cpu_moe_share) if config.cpu_moe_share else bank
+                return self._split_bank(bank, config.cpu_moe_share) if cpu_share else bank
 
         else:
 
@@ -178,7 +185,7 @@ class Engine:
                     config.speculation_width,
                     threads=self.cpu_threads,
                     kernels=kernels,
-                    swiglu_limit=self.args.swiglu_limit if streamed_only else None,
+                    swiglu_limit=swiglu_limit,
                 )
 
             if config.stage_guesses > 0:
@@ -202,7 +209,7 @@ class Engine:
         self.ple = None
         self.decode = None  # one-token steps through CUDA graphs (runtime/decode_graphs.py)
         self._tokenizer = None
-        if streamed_only:
+        if ds4:  # eager decode: its model declares no decode stages for the CUDA graphs
             self.model = deepseek_v4.engine_model(self.workdir, self.args, self.bank, self.dtype, self.device)
             log.info("loaded %s on %s (%s) in %.1f s", self.workdir.path, self.device, self.dtype,
                      time.perf_counter() - t0)  # fmt: skip
@@ -264,7 +271,21 @@ class Engine:
         held = torch.cuda.memory_reserved(self.device)
         budget = gpu_budget(c.gpu_memory_gb, c.gpu_memory_utilization, free, total)
         act = torch.finfo(self.dtype).bits // 8
-        plan = self.workdir.memory_plan(budget, c.max_model_len, act, c.max_num_seqs, c.kv_pool_tokens)
+        # deepseek_v4's model holds its weights dequantized on the device (FP8 as stored is what the plan
+        # counts): the plan gets the budget they leave
+        surplus = 0
+        if self.ds4:
+            inventory = {n: (i.shape, i.dtype) for n, i in read_header(self.workdir.resident_path).items()}
+            surplus = deepseek_v4.dense_surplus(inventory, act, "embed.weight")
+        plan = self.workdir.memory_plan(
+            budget - surplus, c.max_model_len, act, c.max_num_seqs, c.kv_pool_tokens
+        )
+        if self.ds4 and plan.fp8:  # the plan would store matrices FP8 row-scaled; this model keeps them dense
+            raise ValueError(
+                f"a {budget / 2**30:.2f} GiB budget cannot hold this model's weights dequantized "
+                f"({surplus / 2**30:.2f} GiB beyond their stored size) with a {c.max_model_len}-token "
+                "context: raise --gpu-memory-gb or lower --max-model-len"
+            )
         # the allocator's limit is per process, so it covers what this process already holds plus the budget
         torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + held) / total), self.device.index or 0)
         log.info("%s", plan.describe())
@@ -303,7 +324,7 @@ class Engine:
     def new_state(self) -> State:
         """An empty conversation; its KV comes from the engine's pool as it grows (deepseek_v4: preallocated
         for max_model_len)."""
-        if self.streamed_only:
+        if self.ds4:
             return deepseek_v4.State.new(self.args, self.config.max_model_len)
         return State(self.args, self.config.max_model_len, self.dtype, self.device, self.kv_pool)
 
@@ -346,7 +367,7 @@ class Engine:
                 raise ValueError(f"forward_batch takes at most {self.prefill_span} ids a sequence")
             else:
                 batch.append((i, ids, state))
-        if batch and self.streamed_only:  # no layer-major batched pass for it: one sequence at a time
+        if batch and self.ds4:  # no layer-major batched pass for it: one sequence at a time
             for i, ids, state in batch:
                 out[i] = self.forward(state, ids)
         elif batch:

@@ -62,6 +62,12 @@ _DIMS = {
 }  # fmt: skip
 
 
+def preset_dims(preset: str) -> dict:
+    """A preset's config fields other than the layer schedule, vocabulary and token ids (dims, routing,
+    swiglu_limit): what the kernel checks take the expert shapes from."""
+    return {**_SHARED, **_DIMS[preset]}
+
+
 def compress_ratios(layers: int) -> list[int]:
     """The published schedule: two sliding-window layers, then CSA (4) and HCA (128) alternating."""
     return ([0, 0] + [4, 128] * layers)[:layers]
