@@ -206,20 +206,23 @@ def moe_twin(
 def read_rate(nbytes: int = 1 << 30, threads: int = 1, repeats: int = 3) -> float:
     """Best GB/s of `repeats` read sweeps over `nbytes` of RAM on `threads` threads (the kernel's pool): the
     memory rate the expert kernel is measured against."""
+    buf = torch.ones(nbytes // 4)
+    read_seconds(buf, threads)  # warm: pages faulted in, pool up
+    return buf.numel() * 4 / min(read_seconds(buf, threads) for _ in range(repeats)) / 1e9
+
+
+def read_seconds(buf: torch.Tensor, threads: int = 1) -> float:
+    """Seconds of one read sweep over `buf` (FP32, contiguous) on `threads` threads of the kernel's pool."""
     import time
 
     lib = library()
     if lib is None:
         raise RuntimeError("the CPU expert kernel could not be built")
-    buf = torch.ones(nbytes // 4)
-    best = float("inf")
+    assert buf.dtype == torch.float32 and buf.is_contiguous()
     with _lock:
-        lib.read_sweep(buf.data_ptr(), buf.numel(), max(1, threads))  # warm: pages faulted in, pool up
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            lib.read_sweep(buf.data_ptr(), buf.numel(), max(1, threads))
-            best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 4 / best / 1e9
+        t0 = time.perf_counter()
+        lib.read_sweep(buf.data_ptr(), buf.numel(), max(1, threads))
+        return time.perf_counter() - t0
 
 
 def layer_rate(rows: torch.Tensor, layout: ExpertLayout, k: int, threads: int = 1, rounds: int = 4) -> float:
