@@ -8,8 +8,12 @@ a one-token call is host work ("eager" decode mode: the decode graphs keep the r
 the last n of the K routed experts (top-k order: the smallest weights) go to the CPU, the first K - n to the
 GPU, a split that needs nothing from the host, so the GPU kernel is queued at once, behind a copy of the
 CPU's ids, weights and x to the host; the host waits for that copy alone, runs the CPU kernel while the bus
-carries the GPU's blocks, and uploads its [H] sum, which is added on the GPU. A layer then takes about
-max(bus bytes / bus rate, CPU bytes / CPU rate) instead of all its bytes over the bus.
+carries the GPU's blocks, and uploads its [H] sum, which is added on the GPU.
+
+A split layer then takes about d + max(CPU bytes / CPU rate, GPU bytes / bus rate) + the host work in
+series (launch, gather, upload, the sync), against d + all its bytes over the bus in one graph: d, the
+layer's dense GPU work, is in both, so the split pays only where the rest is shorter (`expert_seconds`).
+`SplitTimes` holds where the time went, phase by phase, and with CUDA events the GPU's (the bench prints it).
 """
 
 from __future__ import annotations
