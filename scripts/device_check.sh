@@ -14,7 +14,7 @@
 #   cpu-share  the CPU share of GPU decode (--cpu-moe-share): `bench cpu --with-copy` on $CPU_THREADS (16)
 #              threads (the kernel alone and beside the copy engine), `plan`'s estimate, `bench decode` in
 #              vram ram ram_unstaged ram_CPU_share (the split's time breakdown and model), then shares
-#              $SHARES (0.4) by hand
+#              $SHARES (0.4) by hand on $SHARE_THREADS (8) threads
 #   serve      `bench serve` (Open WebUI's flow, 1/2/4 concurrent decodes) on 4 full-shape layers, with decode
 #              graphs and with --enforce-eager (shared fetches; $SERVE_MODES), in a $GPU_GB (4) GiB budget
 #   ds4        DeepSeek-V4-Flash: full-shape layers through setup, `check` in bf16 on CUDA, `bench decode`
@@ -99,9 +99,12 @@ part_cpu_share() {  # ~3-4 min: kernel beside the copy engine; plan; decode with
     --regimes vram ram ram_unstaged ram_CPU_share --out $OUT/cpu_share.md > $OUT/cpu_share.log 2>&1
   grep -E "^\| (vram|ram)|Greedy tokens|CPU share\`|^Model" $OUT/cpu_share.md
   grep -E "CPU share (of|chosen)" $OUT/cpu_share.log | sed 's/.*INFO[^:]*: //'
-  for share in ${SHARES:-0.4}; do  # the share set by hand: split on every layer, its breakdown
+  # the share set by hand: split on every layer, its breakdown; on $SHARE_THREADS (8) of the cores, so that
+  # the kernel's pool does not fill every core beside the decode thread and the driver's
+  for share in ${SHARES:-0.4}; do
     timeout ${SHARES_S:-60} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens 16 \
-      --regimes ram_CPU_share --cpu-moe-share $share --out $OUT/cpu_share_$share.md > /dev/null 2>&1
+      --regimes ram_CPU_share --cpu-moe-share $share --threads ${SHARE_THREADS:-8} \
+      --out $OUT/cpu_share_$share.md > /dev/null 2>&1
     grep -E "^\| ram, CPU share|CPU share\`|^Model" $OUT/cpu_share_$share.md
   done
 }

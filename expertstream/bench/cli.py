@@ -71,7 +71,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="cpu: also time the kernel while the copy engine streams pinned RAM to the GPU (needs a GPU)",
     )
     p.add_argument(
-        "--threads", type=int, default=0, help="cpu: kernel threads (0: the cores other processes leave free)"
+        "--threads",
+        type=int,
+        default=0,
+        help="cpu: kernel threads; decode, prefill: the engine's --threads (the CPU share's kernel "
+        "threads); 0: the cores other processes leave free",
     )
     p.add_argument(
         "--serve-args", help='serve: flags for the server it starts, in one string (e.g. "--device cpu")'

@@ -390,6 +390,7 @@ def bench_model(args, what: str, max_model_len: int):
         max_model_len=max_model_len,
         no_speculation=args.no_speculation,
         speculation_width=args.speculation_width,
+        threads=getattr(args, "threads", 0) or 0,
     )
     return Workdir(work), base
 

@@ -39,6 +39,7 @@ def split_fields(
             f"split_{p}_ms": getattr(window, p) * ms for p in ("launch", "wait", "gather", "kernel", "upload")
         },
         "cpu_experts": split.n_cpu,
+        "cpu_threads": split.threads(),
         "k": split.k,
         "payload_bytes": split.layout.payload_bytes,
         "block_bytes": split.layout.block_bytes,
@@ -92,6 +93,7 @@ def cpu_share_note(results: dict[str, dict], pcie_gbps: float, layers: int) -> s
 def breakdown(name: str, r: dict) -> str:
     """Where a token's split layers' time went: the decode thread's phases, then the GPU's."""
     rate = f" ({r['cpu_gbps_in_place']:.1f} GB/s in place)" if "cpu_gbps_in_place" in r else ""
+    rate += f" on {r['cpu_threads']} threads" if "cpu_threads" in r else ""
     host = sum(r[f"split_{p}_ms"] for p in ("launch", "wait", "gather", "kernel", "upload"))
     text = (
         f"\n`{name}` a token ({r['split_layers_per_token']:.0f} split layers), decode thread: launch "
