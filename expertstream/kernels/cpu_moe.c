@@ -247,7 +247,7 @@ static void *worker(void *arg) {
   unsigned long seen = born[id];
   for (;;) {
     long until = now_ns() + atomic_load(&spin_ns);
-    for (int spin = 1; atomic_load(&gen) == seen; spin++) {
+    for (unsigned spin = 1; atomic_load(&gen) == seen; spin++) {
       relax();
       if ((spin & 63) == 0 && now_ns() > until) break;  // the clock read costs ~ one pause
     }
