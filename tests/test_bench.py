@@ -381,7 +381,7 @@ def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
         payload_bytes=2_500_000, cpu_gbps_in_place=40.0, cpu_threads=15, split_layers_per_token=4.0,
         split_launch_ms=0.2, split_wait_ms=1.7, split_gather_ms=0.04, split_kernel_ms=1.0,
         split_upload_ms=0.16, split_gpu_share_ms=1.2, split_gpu_idle_ms=0.3,
-        split_gpu_dense_ms_per_layer=0.38,
+        split_gpu_dense_ms_per_layer=0.38, split_kernel_call_ms=[0.2, 0.3, 0.9],
     )  # fmt: skip
     results = {
         "vram": decode_result(1.6, [1, 2]),
@@ -390,7 +390,11 @@ def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
     }
     table = decode_table(results, disk_gbps=2.0, pcie_gbps=50.0, layers=4)
     assert "(4 split layers), decode thread: launch 0.20 ms, wait for x 1.70" in table
-    assert "CPU kernel 1.00 (40.0 GB/s in place) on 15 threads, upload and add 0.16" in table
+    assert (
+        "CPU kernel 1.00 (40.0 GB/s in place) on 15 threads (a call: median 0.200 ms, p90 0.300, max 0.900)"
+        in table
+    )
+    assert "upload and add 0.16" in table
     assert "outside the split calls 3.30" in table
     assert (
         "its share 1.20 ms, then idle until the CPU's sum 0.30 ms, dense work between layers 0.380" in table

@@ -89,6 +89,7 @@ def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_dev
         assert bank.cpu_blocks == wd.num_layers * bank.n_cpu  # each layer's share ran on the CPU
         t, after = bank.split_times() - t0, bank.counters()
         assert t.calls == wd.num_layers and min(t.launch, t.wait, t.gather, t.kernel, t.upload) > 0
+        assert len(bank.kernel_log) == t.calls and sum(bank.kernel_log) == pytest.approx(t.kernel)
         # the split layers' phases are the bank's decode time, the wait for x its sync time
         decode = after.bank_decode_seconds - before.bank_decode_seconds
         assert decode == pytest.approx(t.host + gpu.decode_seconds - g0)

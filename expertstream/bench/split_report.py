@@ -46,6 +46,13 @@ def split_fields(
     }
     if window.kernel > 0:  # the kernel's rate in place: beside the bus's reads of the same RAM
         out["cpu_gbps_in_place"] = cpu_bytes / window.kernel / 1e9
+    calls = sorted(list(split.kernel_log)[-window.calls :]) if window.calls else []
+    if calls:  # median, p90 and max of a call (a parked thread or a late wake-up holds one up)
+        out["split_kernel_call_ms"] = [
+            calls[len(calls) // 2] * 1e3,
+            calls[len(calls) * 9 // 10] * 1e3,
+            calls[-1] * 1e3,
+        ]
     if gpu is not None and gpu.timed:
         g = 1e3 / GPU_TIMED_TOKENS
         out.update(split_gpu_share_ms=gpu.gpu_share * g, split_gpu_idle_ms=gpu.gpu_idle * g)
@@ -94,6 +101,9 @@ def breakdown(name: str, r: dict) -> str:
     """Where a token's split layers' time went: the decode thread's phases, then the GPU's."""
     rate = f" ({r['cpu_gbps_in_place']:.1f} GB/s in place)" if "cpu_gbps_in_place" in r else ""
     rate += f" on {r['cpu_threads']} threads" if "cpu_threads" in r else ""
+    if "split_kernel_call_ms" in r:  # a mean far above the median: a few calls held up
+        med, p90, top = r["split_kernel_call_ms"]
+        rate += f" (a call: median {med:.3f} ms, p90 {p90:.3f}, max {top:.3f})"
     host = sum(r[f"split_{p}_ms"] for p in ("launch", "wait", "gather", "kernel", "upload"))
     text = (
         f"\n`{name}` a token ({r['split_layers_per_token']:.0f} split layers), decode thread: launch "

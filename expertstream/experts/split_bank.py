@@ -18,6 +18,7 @@ layer's dense GPU work, is in both, so the split pays only where the rest is sho
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -146,6 +147,7 @@ class SplitExperts(WrappedBank):
         self._addr: torch.Tensor | None = None  # [L, E] each block's address in the RAM cache
         self.cpu_blocks = 0  # routed blocks the CPU computed
         self.times = SplitTimes()
+        self.kernel_log: collections.deque[float] = collections.deque(maxlen=4096)  # the last calls' kernel s
         self.gpu_timing = False  # record CUDA events per split layer for `split_times` (the bench)
         self._timed: list[tuple[int, tuple]] = []  # (layer, events) not read yet
         # the auto share is chosen again from split calls L + 1 .. 3L (L = layers: a token each)
@@ -236,6 +238,7 @@ class SplitExperts(WrappedBank):
         times.wait += t2 - t1
         times.gather += t3 - t2
         times.kernel += t4 - t3
+        self.kernel_log.append(t4 - t3)
         times.upload += t5 - t4
         if self.adapt_calls and times.calls in self.adapt_calls:
             self._adapt()
