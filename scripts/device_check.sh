@@ -98,7 +98,7 @@ part_cpu_share() {  # ~3-4 min: kernel beside the copy engine; plan; decode with
   timeout ${BENCH_S:-140} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens 16 \
     --regimes vram ram ram_unstaged ram_CPU_share --out $OUT/cpu_share.md > $OUT/cpu_share.log 2>&1
   grep -E "^\| (vram|ram)|Greedy tokens|CPU share\`|^Model" $OUT/cpu_share.md
-  grep -E "CPU share (of|chosen)" $OUT/cpu_share.log | sed 's/.*INFO[^:]*: //'
+  grep -E "CPU share (of|weighed)" $OUT/cpu_share.log | sed 's/.*INFO[^:]*: //'
   # the share set by hand: split on every layer, its breakdown; on $SHARE_THREADS (8) of the cores, so that
   # the kernel's pool does not fill every core beside the decode thread and the driver's
   for share in ${SHARES:-0.4}; do

@@ -78,7 +78,7 @@ def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_dev
         torch.testing.assert_close(
             prompt, ref(0, x, ids, w), rtol=2e-5, atol=2e-5 * prompt.abs().max().item()
         )
-        assert bank.resident == "ram" and bank.splitting and bank.decode_mode == "eager"
+        assert bank.resident == "ram" and bank.splitting and bank.decode_mode == "split"
         syncs, before, t0, g0 = bank.host_syncs, bank.counters(), bank.split_times(), gpu.decode_seconds
         bank.gpu_timing = kernel_device == "cuda"
         for layer in range(wd.num_layers):
@@ -145,3 +145,67 @@ def test_the_auto_share_is_chosen_again_from_its_first_tokens(tiny_workdir, host
         assert bank.n_cpu == 0 and bank.adapt_calls is None and bank.decode_mode == gpu.decode_mode
         assert bank.split_times().calls == 3 * layers
         bank.close()
+
+
+@needs_kernel
+def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device):
+    """The decode graphs' stages of a split layer (x to the host and the CPU's share eager, the GPU's share
+    and the sum graphable), run eagerly, give the layers' own forward bit for bit."""
+    from test_decode_graphs import continue_greedy, layers_step
+
+    from expertstream.config import EngineConfig
+    from expertstream.runtime.decode_graphs import DecodeGraphs
+    from expertstream.runtime.engine import Engine
+    from expertstream.store.reader import pinned_alloc
+
+    cfg = EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
+    eng = Engine(cfg)
+    wd, a = eng.workdir, eng.args
+    store = ExpertStore(wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2,
+                        alloc=pinned_alloc)  # fmt: skip
+    for h in store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
+        h.wait()
+        h.release()
+    bank = SplitExperts(GpuExperts(wd, store, 40, eng.device), wd, share=0.5, threads=lambda: 2)
+    for layer in eng.model.layers:
+        layer.mlp.bank = bank
+    prompt = [3 + i % 50 for i in range(20)]
+    want, _ = continue_greedy(eng, prompt, 4, step=layers_step(eng))  # the prompt adopts the RAM rows
+    assert bank.decode_mode == "split"
+    runs = DecodeGraphs(eng.model, capture=False).program(eng.new_state(), kv_len=256)
+    eager = sum(len(stages) for graphable, stages in runs if not graphable)
+    # host inputs, QSA selections, and per layer x to the host and the CPU's share
+    assert eager == 1 + sum(t != "linear_attention" for t in a.layer_types) + 2 * a.num_hidden_layers
+    program, calls, reads = DecodeGraphs(eng.model, capture=False), bank.times.calls, bank.resident_reads
+    got, _ = continue_greedy(
+        eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
+    )
+    assert torch.equal(got, want)
+    assert bank.times.calls - calls == 4 * a.num_hidden_layers  # one split call a layer and token
+    assert bank.resident_reads - reads == 4 * a.num_hidden_layers * (a.num_experts_per_tok - bank.n_cpu)
+    bank.close()
+    store.close()
+    eng.close()
+
+
+@pytest.mark.gpu  # CUDA graphs need a GPU
+def test_split_decode_in_graphs_equals_eager_on_cuda(tiny_workdir):
+    from test_decode_graphs import continue_greedy
+
+    from expertstream.config import EngineConfig
+    from expertstream.runtime.engine import Engine
+
+    outs = []
+    for eager in (True, False):
+        cfg = EngineConfig(model=str(tiny_workdir), device="cuda", max_model_len=512, gpu_memory_gb=4,
+                           ram_cache_gb=1, cpu_moe_share=0.5, enforce_eager=eager)  # fmt: skip
+        eng = Engine(cfg, vram_cache_blocks=0)  # every block read from RAM: the bank adopts the RAM rows
+        wd = eng.workdir
+        for h in eng.store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
+            h.wait()
+            h.release()
+        rows, _ = continue_greedy(eng, [3 + i % 50 for i in range(40)], 12)
+        assert eng.bank.decode_mode == "split" and eng.bank.times.calls == 12 * wd.num_layers
+        outs.append(rows)
+        eng.close()
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

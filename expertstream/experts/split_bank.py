@@ -4,11 +4,12 @@ GPU bank's decode kernel, and the two sums are added on the GPU.
 
 `SplitExperts` composes a CUDA bank (experts/gpu_bank.py) and the CPU kernel through the bank interface
 (experts/bank.py). Until every block has a fixed RAM row, and for prompts, it is the GPU bank. Once they have,
-a one-token call is host work ("eager" decode mode: the decode graphs keep the rest of the layer captured):
-the last n of the K routed experts (top-k order: the smallest weights) go to the CPU, the first K - n to the
-GPU, a split that needs nothing from the host, so the GPU kernel is queued at once, behind a copy of the
-CPU's ids, weights and x to the host; the host waits for that copy alone, runs the CPU kernel while the bus
-carries the GPU's blocks, and uploads its [H] sum, which is added on the GPU.
+a one-token layer runs as the "split" decode mode's stages: the last n of the K routed experts (top-k
+order: the smallest weights) go to the CPU, the first K - n to the GPU, a split that needs nothing from the
+host. Eagerly, the CPU's ids, weights and x are copied to the host (split_send); the GPU's share is queued
+behind that copy (split_gpu, in the decode graphs a captured launch); the host waits for the copy alone,
+runs the CPU kernel while the bus carries the GPU's blocks and uploads its [H] sum (split_cpu); the sum is
+added on the GPU (split_sum, captured with the rest of the layer).
 
 A split layer then takes about d + max(CPU bytes / CPU rate, GPU bytes / bus rate) + the host work in
 series (launch, gather, upload, the sync), against d + all its bytes over the bus in one graph: d, the
@@ -141,6 +142,8 @@ class SplitExperts(WrappedBank):
         self._out = torch.empty(1, h, pin_memory=pin)  # the CPU's sum, uploaded from here
         self._host = torch.empty(2 * k + h, pin_memory=pin)  # the CPU's ids and weights, and x
         self._copied = torch.cuda.Event() if pin else None  # that copy landed
+        self._sum = torch.empty(1, h, device=gpu.cache.device)  # the CPU's sum on the GPU, read by split_sum
+        self._t0, self._ev = 0.0, ()  # the split layer's start and CUDA events, set by split_send
         # the CPU kernel's arguments, kept from call to call: ids, block addresses, global scales, scratch
         self._ids, self._ptrs = torch.empty(k, dtype=torch.long), torch.empty(k, dtype=torch.long)
         self._ws2, self._scratch = torch.empty(k, 3), torch.empty(cpu_moe.scratch_floats(self.layout, k, 1))
@@ -150,7 +153,7 @@ class SplitExperts(WrappedBank):
         self.kernel_log: collections.deque[float] = collections.deque(maxlen=4096)  # the last calls' kernel s
         self.gpu_timing = False  # record CUDA events per split layer for `split_times` (the bench)
         self._timed: list[tuple[int, tuple]] = []  # (layer, events) not read yet
-        # the auto share is chosen again from split calls L + 1 .. 3L (L = layers: a token each)
+        # the auto share is weighed again over split calls L + 1 .. 3L (L = layers: a token each)
         self.adapt_calls = (workdir.num_layers, 3 * workdir.num_layers) if share < 0 and bus_gbps else None
         self._since: SplitTimes | None = None
 
@@ -171,7 +174,7 @@ class SplitExperts(WrappedBank):
 
     @property
     def decode_mode(self) -> str:
-        return "eager" if self.splitting else self.bank.decode_mode
+        return "split" if self.splitting else self.bank.decode_mode
 
     def warm_up(self, dtype: torch.dtype) -> None:
         """The GPU bank's warm-up, then the decode kernel for the GPU side's K - n experts with FP32 input (K
@@ -195,27 +198,54 @@ class SplitExperts(WrappedBank):
         return self._split(layer, x, expert_ids, weights)
 
     def _split(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
-        t0 = time.perf_counter()
-        g, n, times = self.k - self.n_cpu, self.n_cpu, self.times
-        ev = self._events() if self.gpu_timing else None
-        # the CPU's experts, their weights and x copied to the host first, then the GPU's kernel queued
-        # behind the copy: the host waits for the copy alone while the bus carries the GPU's blocks
+        """A split layer eagerly: the stages the decode graphs run ("split" decode mode), in order."""
+        self.split_send(layer, x, expert_ids, weights)
+        part = self.split_gpu(layer, x, expert_ids, weights)
+        self.split_launched()
+        self.split_cpu(layer)
+        return self.split_sum(part)
+
+    # A split layer as stages (experts/bank.py, "split"): the decode graphs capture split_gpu and split_sum,
+    # and run split_send and split_cpu eagerly between them.
+
+    def split_send(self, layer: int, x, expert_ids, weights) -> None:
+        """Eager: the CPU's experts, their weights and x [1, H] copied to the pinned host buffer, an event
+        behind the copy; the GPU's share is queued after it, so the host waits for the copy alone."""
+        self._t0 = time.perf_counter()
+        g = self.k - self.n_cpu
+        if self.gpu_timing:
+            self._ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+            self._ev[0].record()
         packed = torch.cat((expert_ids[0, g:].float(), weights[0, g:].float(), x[0].float()))
-        host = self._host[: packed.numel()]
-        host.copy_(packed, non_blocking=True)
+        self._host[: packed.numel()].copy_(packed, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        y = None
+
+    def split_gpu(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
+        """Graphable: the GPU bank's decode kernel on the first K - n routed experts, x in FP32 -> [1, H]."""
+        g = self.k - self.n_cpu
+        if not g:
+            return torch.zeros(1, self.layout.hidden_size, device=x.device)
+        return self.bank.decode_compute(layer, x.float(), expert_ids[:, :g], weights[:, :g])
+
+    def split_launched(self) -> None:
+        """The GPU's share is queued: its reads counted, the GPU bank told."""
+        g = self.k - self.n_cpu
         if g:
-            y = self.bank.decode_compute(layer, x.float(), expert_ids[:, :g], weights[:, :g])
             self.bank.decode_fixed_reads(g)
             self.bank.decode_launched()
+
+    def split_cpu(self, layer: int) -> None:
+        """Eager: wait for the copy, run the C kernel on the CPU's n experts from their RAM rows, upload its
+        sum into the fixed device buffer `split_sum` reads."""
+        n, times, ev = self.n_cpu, self.times, self._ev if self.gpu_timing else None
+        t1 = time.perf_counter()
         if ev:
             ev[1].record()
-        t1 = time.perf_counter()
         if self._copied is not None:
             self._copied.synchronize()
         t2 = time.perf_counter()
+        host, h = self._host, self.layout.hidden_size
         ids = self._ids[:n].copy_(host[:n])  # float -> int64
         ptrs, ws2 = self._ptrs[:n], self._ws2[:n]
         torch.index_select(self._rows(layer), 0, ids, out=ptrs)
@@ -223,18 +253,17 @@ class SplitExperts(WrappedBank):
         t3 = time.perf_counter()
         # into the upload buffer: the previous layer's upload from it is done, since this layer's copy,
         # queued after it, has landed
-        cpu_moe.moe_into(ptrs, ws2, host[n : 2 * n, None], host[2 * n :][None], self._out, self._scratch,
-                         self.layout, self.threads())  # fmt: skip
+        cpu_moe.moe_into(ptrs, ws2, host[n : 2 * n, None], host[2 * n : 2 * n + h][None], self._out,
+                         self._scratch, self.layout, self.threads())  # fmt: skip
         t4 = time.perf_counter()
-        cpu_sum = self._out.to(x.device, non_blocking=True, copy=True)
-        y = cpu_sum if y is None else y + cpu_sum  # FP32 [1, H]: the caller casts
+        self._sum.copy_(self._out, non_blocking=True)  # the previous layer's sum has been read by now
         if ev:
             ev[2].record()
             self._timed.append((layer, ev))
         self.cpu_blocks += n
         t5 = time.perf_counter()
         times.calls += 1
-        times.launch += t1 - t0
+        times.launch += t1 - self._t0
         times.wait += t2 - t1
         times.gather += t3 - t2
         times.kernel += t4 - t3
@@ -242,26 +271,35 @@ class SplitExperts(WrappedBank):
         times.upload += t5 - t4
         if self.adapt_calls and times.calls in self.adapt_calls:
             self._adapt()
-        return y
+
+    def split_sum(self, part: torch.Tensor) -> torch.Tensor:
+        """Graphable: the GPU's share plus the CPU's uploaded sum, FP32 [1, H] (the caller casts)."""
+        return part + self._sum
 
     def _adapt(self) -> None:
-        """At the first of `adapt_calls`, note the times; at the second, choose the share again from what
-        the calls between measured: the CPU kernel's rate in place (beside the bus's reads of the same RAM,
+        """At the first of `adapt_calls`, note the times; at the second, weigh the share again with what the
+        calls between measured: the CPU kernel's rate in place (beside the bus's reads of the same RAM,
         against the rate measured alone at start) and the host work a split layer adds in series (launch,
-        gather, upload; a lower bound: the sync's latency is not in it)."""
+        gather, upload; a lower bound: the sync's latency is not in it). Where the bus alone is faster the
+        share turns off (decode becomes the GPU bank's "fixed" program); it never moves to another n, whose
+        shapes the captured decode graphs do not hold: the log names the best n for --cpu-moe-share."""
         if self._since is None:
             self._since = dataclasses.replace(self.times)
             return
         t, self.adapt_calls = self.times - self._since, None
-        payload = self.layout.payload_bytes
-        rate = self.n_cpu * payload * t.calls / t.kernel / 1e9 if t.kernel > 0 else 0.0
+        k, n, payload = self.k, self.n_cpu, self.layout.payload_bytes
+        rate = n * payload * t.calls / t.kernel / 1e9 if t.kernel > 0 else 0.0
         overhead = (t.launch + t.gather + t.upload) / t.calls
-        n = cpu_experts(self.k, rate, self.bus_gbps, payload, overhead)
-        off = "" if n else " (off: the bus alone is faster)"
-        log.info("CPU share chosen again from %d split layers: kernel %.1f GB/s in place (%.1f alone), "
-                 "%.0f us of host work a layer: %d of %d experts a layer on the CPU%s", t.calls, rate,
-                 self.cpu_gbps, overhead * 1e6, n, self.k, off)  # fmt: skip
-        self.n_cpu = n
+        keep = expert_seconds(k, n, payload, rate, self.bus_gbps, overhead) < expert_seconds(
+            k, 0, payload, rate, self.bus_gbps
+        )
+        best = cpu_experts(k, rate, self.bus_gbps, payload, overhead)
+        log.info("CPU share weighed again over %d split layers: kernel %.1f GB/s in place (%.1f alone), %.0f "
+                 "us of host work a layer: %d of %d experts on the CPU %s (the best at these rates: %d, "
+                 "--cpu-moe-share %.2f)", t.calls, rate, self.cpu_gbps, overhead * 1e6, n, k,
+                 "kept" if keep else "lose to the bus alone: off", best, best / k)  # fmt: skip
+        if not keep:
+            self.n_cpu = 0
 
     def _rows(self, layer: int) -> torch.Tensor:
         """[E] int64: the address of each of `layer`'s blocks in the RAM cache (their rows are fixed for good
@@ -271,12 +309,6 @@ class SplitExperts(WrappedBank):
             host = self.bank.host_blocks
             self._addr = rows.long() * host.stride(0) + host.data_ptr()
         return self._addr[layer]
-
-    def _events(self) -> tuple:
-        """A split layer's CUDA events (start, the GPU's share queued, its sum), the first recorded now."""
-        ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
-        ev[0].record()
-        return ev
 
     def split_times(self) -> SplitTimes:
         """A copy of the split layers' times so far; with `gpu_timing`, waits for the GPU to read the events
