@@ -118,7 +118,9 @@ def test_a_zero_share_is_the_gpu_bank(tiny_workdir, host_alloc, kernel_device):
 
 
 @needs_kernel
-def test_the_auto_share_is_chosen_again_from_its_first_tokens(tiny_workdir, host_alloc, kernel_device):
+def test_the_auto_share_turns_off_where_its_host_work_outweighs_the_bus(
+    tiny_workdir, host_alloc, kernel_device
+):
     wd = Workdir(tiny_workdir)
     layers, k = wd.num_layers, wd.text_config["num_experts_per_tok"]
     blocks = layers * wd.num_experts
@@ -141,7 +143,7 @@ def test_the_auto_share_is_chosen_again_from_its_first_tokens(tiny_workdir, host
             got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
             want = ref(layer, x, ids, w)
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
-            assert bank.splitting == (call + 1 < 3 * layers)  # chosen again at the end of the 3L-th call
+            assert bank.splitting == (call + 1 < 3 * layers)  # weighed again at the end of the 3L-th call
         assert bank.n_cpu == 0 and bank.adapt_calls is None and bank.decode_mode == gpu.decode_mode
         assert bank.split_times().calls == 3 * layers
         bank.close()
