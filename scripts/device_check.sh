@@ -86,7 +86,7 @@ part_decode() {
   grep -E "^\| (vram|ram|disk)|Greedy tokens|Block checksums" $OUT/decode.md
 }
 
-part_cpu_share() {  # ~3-4 min: kernel beside the copy engine; plan; decode with every expert in RAM
+part_cpu_share() {  # ~3 min: kernel beside the copy engine; plan; decode with every expert in RAM
   local share
   model 4
   timeout ${KERNEL_S:-45} python3 -m expertstream bench cpu --threads ${CPU_THREADS:-16} --with-copy --tokens 0 \
@@ -95,7 +95,7 @@ part_cpu_share() {  # ~3-4 min: kernel beside the copy engine; plan; decode with
   timeout ${PLAN_S:-30} python3 -m expertstream plan $W/full-4-wd --gpu-memory-gb 8 --ram-cache-gb 7 2>&1 \
     | grep -v INFO | tail -4 | tee $OUT/cpu_share_plan.txt
   # vram gives d (a layer's dense GPU work) to the split's model; the auto share may turn itself off
-  timeout ${BENCH_S:-140} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens 16 \
+  timeout ${BENCH_S:-170} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens 16 \
     --regimes vram ram ram_unstaged ram_CPU_share --out $OUT/cpu_share.md > $OUT/cpu_share.log 2>&1
   grep -E "^\| (vram|ram)|Greedy tokens|CPU share\`|^Model" $OUT/cpu_share.md
   grep -E "CPU share (of|weighed)" $OUT/cpu_share.log | sed 's/.*INFO[^:]*: //'
