@@ -120,3 +120,25 @@ def test_a_tokens_sum_does_not_depend_on_the_tokens_beside_it(t):
     together = cpu_moe.moe(blocks, ws2, wt, x, layout, 2)
     alone = torch.cat([cpu_moe.moe(blocks, ws2, wt[:, i : i + 1], x[i : i + 1], layout, 2) for i in range(t)])
     assert torch.equal(together, alone)
+
+
+def test_bench_cpu_reads_and_runs_the_kernel_in_interleaved_rounds():
+    from expertstream.bench import cpu
+
+    r = cpu.interleaved(cpu.Layers(1), threads=2, rounds=2, read_bytes=1 << 22)
+    assert len(r["read_gbps"]) == 2 and len(r["layer_4_of_read"]) == 2
+    # each round's fraction is that round's kernel rate over that round's read rate
+    for got, kernel, read in zip(r["layer_1_of_read"], r["layer_1_gbps"], r["read_gbps"]):
+        assert got == pytest.approx(kernel / read)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a box without a GPU")
+def test_bench_cpu_with_copy_is_refused_without_a_gpu():
+    import argparse
+
+    from expertstream.bench import cpu
+
+    with pytest.raises(
+        SystemExit, match="--with-copy needs a CUDA GPU to stream pinned RAM to; none is visible"
+    ):
+        cpu.run(argparse.Namespace(with_copy=True, threads=0, tokens=0, out=None, json=False))

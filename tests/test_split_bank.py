@@ -6,7 +6,7 @@ import torch
 
 from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.experts.gpu_bank import GpuExperts
-from expertstream.experts.split_bank import SplitExperts, cpu_experts
+from expertstream.experts.split_bank import SplitExperts, SplitTimes, cpu_experts, expert_seconds
 from expertstream.kernels import cpu_moe
 from expertstream.store import ExpertStore
 from expertstream.workdir.workdir import Workdir
@@ -17,10 +17,37 @@ needs_kernel = pytest.mark.skipif(cpu_moe.library() is None, reason="no C compil
 
 def test_the_share_balances_the_two_sides():
     assert cpu_experts(10, cpu_gbps=55.0, bus_gbps=55.0) == 5
-    assert cpu_experts(10, cpu_gbps=20.0, bus_gbps=55.0) == 3  # 10 x 20 / 75 = 2.7
+    # 2 on the CPU: 0.1 against the bus's 8 / 55 = 0.145; 3: 0.15 (the CPU's side the slower)
+    assert cpu_experts(10, cpu_gbps=20.0, bus_gbps=55.0) == 2
     assert cpu_experts(10, cpu_gbps=1.0, bus_gbps=55.0) == 0
     assert cpu_experts(10, cpu_gbps=0.0, bus_gbps=55.0) == 0
     assert cpu_experts(8, cpu_gbps=1e3, bus_gbps=1.0) == 8
+
+
+def test_host_work_in_series_can_make_the_split_lose():
+    block = 1_000_000  # 10 blocks at 50 GB/s: 0.2 ms; 4 of them at 40 GB/s: 0.1 ms against the bus's 0.12
+    assert expert_seconds(10, 0, block, 40.0, 50.0) == pytest.approx(2e-4)
+    assert expert_seconds(10, 4, block, 40.0, 50.0, overhead_s=1e-5) == pytest.approx(1.3e-4)
+    assert expert_seconds(10, 4, block, 0.0, 50.0) == float("inf")
+    assert cpu_experts(10, 40.0, 50.0, block) == 4
+    assert cpu_experts(10, 40.0, 50.0, block, overhead_s=5e-5) == 4  # 0.17 ms: still ahead
+    assert cpu_experts(10, 40.0, 50.0, block, overhead_s=1e-4) == 0  # 0.22 ms: the bus alone wins
+
+
+def test_split_times_add_up_and_subtract():
+    a = SplitTimes(calls=4, launch=1.0, wait=2.0, gather=0.5, kernel=3.0, upload=0.25, timed=2, gpu_share=1.0)
+    b = SplitTimes(calls=1, launch=0.5, wait=1.0, gather=0.25, kernel=1.0, upload=0.25)
+    assert a.host == 6.75
+    d = a - b
+    assert (d.calls, d.launch, d.wait, d.kernel, d.upload, d.timed, d.gpu_share) == (
+        3,
+        0.5,
+        1.0,
+        2.0,
+        0,
+        2,
+        1.0,
+    )
 
 
 def routing(wd, t, seed):
@@ -51,14 +78,25 @@ def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_dev
         torch.testing.assert_close(
             prompt, ref(0, x, ids, w), rtol=2e-5, atol=2e-5 * prompt.abs().max().item()
         )
-        assert bank.resident == "ram" and bank.splitting and bank.decode_mode == "eager"
-        syncs = bank.host_syncs
+        assert bank.resident == "ram" and bank.splitting and bank.decode_mode == "split"
+        syncs, before, t0, g0 = bank.host_syncs, bank.counters(), bank.split_times(), gpu.decode_seconds
+        bank.gpu_timing = kernel_device == "cuda"
         for layer in range(wd.num_layers):
             x, ids, w = routing(wd, 1, seed=10 + layer)
             got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
             want = ref(layer, x, ids, w)
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
         assert bank.cpu_blocks == wd.num_layers * bank.n_cpu  # each layer's share ran on the CPU
+        t, after = bank.split_times() - t0, bank.counters()
+        assert t.calls == wd.num_layers and min(t.launch, t.wait, t.gather, t.kernel, t.upload) > 0
+        assert len(bank.kernel_log) == t.calls and sum(bank.kernel_log) == pytest.approx(t.kernel)
+        # the split layers' phases are the bank's decode time, the wait for x its sync time
+        decode = after.bank_decode_seconds - before.bank_decode_seconds
+        assert decode == pytest.approx(t.host + gpu.decode_seconds - g0)
+        assert after.bank_sync_seconds - before.bank_sync_seconds == pytest.approx(t.wait)
+        if kernel_device == "cuda":  # every layer's GPU times; dense work between each consecutive pair
+            assert t.timed == wd.num_layers and t.dense_gaps == wd.num_layers - 1
+            assert min(t.gpu_share, t.gpu_idle, t.gpu_dense) > 0
         assert bank.host_syncs == syncs + wd.num_layers  # one read-back a layer
         assert bank.counters().resident_ram_reads == wd.num_layers * (k - bank.n_cpu)  # the bus's share
         # every expert on the CPU: the GPU kernel is not launched at all
@@ -77,3 +115,99 @@ def test_a_zero_share_is_the_gpu_bank(tiny_workdir, host_alloc, kernel_device):
         assert bank.n_cpu == 0 and not bank.splitting and bank.decode_mode == gpu.decode_mode
         assert bank.cache is gpu.cache  # anything else is the GPU bank's
         bank.close()
+
+
+@needs_kernel
+def test_the_auto_share_turns_off_where_its_host_work_outweighs_the_bus(
+    tiny_workdir, host_alloc, kernel_device
+):
+    wd = Workdir(tiny_workdir)
+    layers, k = wd.num_layers, wd.text_config["num_experts_per_tok"]
+    blocks = layers * wd.num_experts
+    with ExpertStore(wd, blocks * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
+        ref = StreamedExperts(wd, store, torch.float32)
+        gpu = GpuExperts(wd, store, 8, kernel_device)
+        # a CPU rate claimed at start that makes the CPU take every expert; in place the host work of a
+        # split layer (tens of microseconds at least) is far more than k tiny blocks take at 100 GB/s
+        bank = SplitExperts(gpu, wd, share=-1.0, threads=lambda: 1, bus_gbps=100.0, cpu_gbps=1e6)
+        assert bank.n_cpu == k and bank.adapt_calls == (layers, 3 * layers)
+        for h in store.request([(layer, e) for layer in range(layers) for e in range(wd.num_experts)]):
+            h.wait()
+            h.release()
+        x, ids, w = routing(wd, 4, seed=1)
+        bank(0, *(v.to(kernel_device) for v in (x, ids, w)))  # a prompt: the GPU bank adopts the rows
+        assert bank.splitting
+        for call in range(3 * layers + 1):
+            layer = call % layers
+            x, ids, w = routing(wd, 1, seed=20 + call)
+            got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
+            want = ref(layer, x, ids, w)
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+            assert bank.splitting == (call + 1 < 3 * layers)  # weighed again at the end of the 3L-th call
+        assert bank.n_cpu == 0 and bank.adapt_calls is None and bank.decode_mode == gpu.decode_mode
+        assert bank.split_times().calls == 3 * layers
+        bank.close()
+
+
+@needs_kernel
+def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device):
+    """The decode graphs' stages of a split layer (x to the host and the CPU's share eager, the GPU's share
+    and the sum graphable), run eagerly, give the layers' own forward bit for bit."""
+    from test_decode_graphs import continue_greedy, layers_step
+
+    from expertstream.config import EngineConfig
+    from expertstream.runtime.decode_graphs import DecodeGraphs
+    from expertstream.runtime.engine import Engine
+    from expertstream.store.reader import pinned_alloc
+
+    cfg = EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
+    eng = Engine(cfg)
+    wd, a = eng.workdir, eng.args
+    store = ExpertStore(wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2,
+                        alloc=pinned_alloc)  # fmt: skip
+    for h in store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
+        h.wait()
+        h.release()
+    bank = SplitExperts(GpuExperts(wd, store, 40, eng.device), wd, share=0.5, threads=lambda: 2)
+    for layer in eng.model.layers:
+        layer.mlp.bank = bank
+    prompt = [3 + i % 50 for i in range(20)]
+    want, _ = continue_greedy(eng, prompt, 4, step=layers_step(eng))  # the prompt adopts the RAM rows
+    assert bank.decode_mode == "split"
+    runs = DecodeGraphs(eng.model, capture=False).program(eng.new_state(), kv_len=256)
+    eager = sum(len(stages) for graphable, stages in runs if not graphable)
+    # host inputs, QSA selections, and per layer x to the host and the CPU's share
+    assert eager == 1 + sum(t != "linear_attention" for t in a.layer_types) + 2 * a.num_hidden_layers
+    program, calls, reads = DecodeGraphs(eng.model, capture=False), bank.times.calls, bank.resident_reads
+    got, _ = continue_greedy(
+        eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
+    )
+    assert torch.equal(got, want)
+    assert bank.times.calls - calls == 4 * a.num_hidden_layers  # one split call a layer and token
+    assert bank.resident_reads - reads == 4 * a.num_hidden_layers * (a.num_experts_per_tok - bank.n_cpu)
+    bank.close()
+    store.close()
+    eng.close()
+
+
+@pytest.mark.gpu  # CUDA graphs need a GPU
+def test_split_decode_in_graphs_equals_eager_on_cuda(tiny_workdir):
+    from test_decode_graphs import continue_greedy
+
+    from expertstream.config import EngineConfig
+    from expertstream.runtime.engine import Engine
+
+    outs = []
+    for eager in (True, False):
+        cfg = EngineConfig(model=str(tiny_workdir), device="cuda", max_model_len=512, gpu_memory_gb=4,
+                           ram_cache_gb=1, cpu_moe_share=0.5, enforce_eager=eager)  # fmt: skip
+        eng = Engine(cfg, vram_cache_blocks=0)  # every block read from RAM: the bank adopts the RAM rows
+        wd = eng.workdir
+        for h in eng.store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
+            h.wait()
+            h.release()
+        rows, _ = continue_greedy(eng, [3 + i % 50 for i in range(40)], 12)
+        assert eng.bank.decode_mode == "split" and eng.bank.times.calls == 12 * wd.num_layers
+        outs.append(rows)
+        eng.close()
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

@@ -62,11 +62,20 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokens",
         type=int,
-        help="decode: tokens timed per regime (32); routing: tokens traced (1024); cpu: demo tokens (48); "
-        "serve: tokens per request of the concurrency rows (32)",
+        help="decode: tokens timed per regime (32); routing: tokens traced (1024); cpu: demo tokens (48; 0: "
+        "no demo decode); serve: tokens per request of the concurrency rows (32)",
     )
     p.add_argument(
-        "--threads", type=int, default=0, help="cpu: kernel threads (0: the cores other processes leave free)"
+        "--with-copy",
+        action="store_true",
+        help="cpu: also time the kernel while the copy engine streams pinned RAM to the GPU (needs a GPU)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="cpu: kernel threads; decode, prefill: the engine's --threads (the CPU share's kernel "
+        "threads); 0: the cores other processes leave free",
     )
     p.add_argument(
         "--serve-args", help='serve: flags for the server it starts, in one string (e.g. "--device cpu")'

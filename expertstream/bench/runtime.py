@@ -29,6 +29,13 @@ from pathlib import Path
 import torch
 
 from expertstream.bench.model import REAL_LAYERS, REAL_VOCAB, bench_layers, ensure_model
+from expertstream.bench.split_report import (
+    cpu_ms,
+    cpu_share_note,
+    gpu_split_times,
+    needed_pcie_bytes,
+    split_fields,
+)
 from expertstream.config import EngineConfig
 from expertstream.experts.split_bank import SplitExperts
 from expertstream.log import get_logger
@@ -149,6 +156,7 @@ def decode_regime(
     s0, c0, k0 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.store.stats
     split = eng.bank if isinstance(eng.bank, SplitExperts) else None  # a CPU share of decode
     cpu0 = split.cpu_bytes if split else 0
+    times0 = split.split_times() if split else None
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(tokens):
@@ -165,7 +173,10 @@ def decode_regime(
     )
     sync_ms = (s1.bank_sync_seconds - s0.bank_sync_seconds) / tokens * 1e3
     bank_ms = (s1.bank_decode_seconds - s0.bank_decode_seconds) / tokens * 1e3
+    if split:
+        window, cpu_bytes = split.split_times() - times0, split.cpu_bytes - cpu0
     all_syncs = count_cuda_syncs(lambda: [eng.forward(state, [last]).argmax() for _ in range(2)]) / 2
+    gpu_times = gpu_split_times(split, lambda: eng.forward(state, [last])) if split else None
     profiled = profile_tokens(lambda: eng.forward(state, [last]), profile_to) if profile_to else None
     out = {
         "tokens": generated,
@@ -204,47 +215,15 @@ def decode_regime(
         "checksum_cpu_seconds": k1.checksum_cpu_seconds - k0.checksum_cpu_seconds,
         "profiled": profiled,
     }
-    if split:  # its bytes and the kernel's rate measured at start
-        out["cpu_bytes_per_token"] = (split.cpu_bytes - cpu0) / tokens
+    if split:  # its bytes, the kernel's rate measured at start, where its time went
+        out["cpu_bytes_per_token"] = cpu_bytes / tokens
         out["cpu_gbps"] = split.cpu_gbps or 0.0
-        out["cpu_experts"] = split.n_cpu
+        out.update(split_fields(split, window, cpu_bytes, tokens, gpu_times))
     if s1.staged_blocks > s0.staged_blocks:  # RAM-resident decode acts on guesses only by staging them
         out["spec_hit_rate"] = out["stage_hit_rate"]
         out["spec_wasted_bytes_per_token"] = out["staged_waste_bytes_per_token"]
     eng.close()
     return out
-
-
-def needed_pcie_bytes(r: dict) -> float:
-    """A regime's PCIe bytes per token that count toward its bound: staged guesses nobody routed to crossed
-    the bus for nothing."""
-    return r["pcie_bytes_per_token"] - r.get("staged_waste_bytes_per_token", 0.0)
-
-
-def cpu_ms(r: dict) -> float:
-    """A regime's CPU share of a token at the CPU kernel's measured rate (0 without a CPU share)."""
-    return r["cpu_bytes_per_token"] / r["cpu_gbps"] / 1e6 if r.get("cpu_gbps") else 0.0
-
-
-def cpu_share_note(results: dict[str, dict], pcie_gbps: float) -> str:
-    """A line per regime with a CPU share: experts a layer on the CPU, its MB/token and rate, the bound's
-    three terms, and its speed against the regimes without the share (`ram`, `ram unstaged`) that ran."""
-    lines = []
-    for name, r in results.items():
-        if "cpu_gbps" not in r:
-            continue
-        vs = "".join(
-            f"; {results[n]['ms_per_token'] / r['ms_per_token']:.2f}x `{n}`"
-            for n in ("ram", "ram unstaged")
-            if n in results
-        )
-        lines.append(
-            f"\n`{name}`: {r['cpu_experts']} routed experts a layer on the CPU, "
-            f"{r['cpu_bytes_per_token'] / 1e6:.1f} MB/token at {r['cpu_gbps']:.1f} GB/s (the kernel's rate "
-            f"measured at start); bound terms PCIe {needed_pcie_bytes(r) / pcie_gbps / 1e6:.2f} ms, CPU "
-            f"{cpu_ms(r):.2f} ms, GPU {r.get('gpu_ms', 0.0):.2f} ms{vs}.\n"
-        )
-    return "".join(lines)
 
 
 def engine_disk_note(rates: dict[str, float], probe_gbps: float) -> str:
@@ -348,7 +327,9 @@ def decode_table(results: dict[str, dict], disk_gbps: float, pcie_gbps: float, l
         for n, r in results.items()
         if r["disk_bytes_per_token"]
     }
-    notes = engine_disk_note(rates, disk_gbps) + cpu_share_note(results, pcie_gbps) + tokens_note(results)
+    notes = (
+        engine_disk_note(rates, disk_gbps) + cpu_share_note(results, pcie_gbps, layers) + tokens_note(results)
+    )
     return "\n".join(rows) + "\n" + notes
 
 
@@ -409,6 +390,7 @@ def bench_model(args, what: str, max_model_len: int):
         max_model_len=max_model_len,
         no_speculation=args.no_speculation,
         speculation_width=args.speculation_width,
+        threads=getattr(args, "threads", 0) or 0,
     )
     return Workdir(work), base
 

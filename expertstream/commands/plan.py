@@ -253,8 +253,8 @@ def cpu_rate(args, model, threads: int) -> tuple[float, str]:
 
 def cpu_share_lines(tb: TokenBytes, k: int, pcie: float, cpu: float, how: str) -> list[str]:
     """What a CPU share of decode gives when every expert is in RAM: the CPU takes n of a layer's K routed
-    experts (n / cpu = (K - n) / bus, as --cpu-moe-share -1 picks), the bus the rest; the bound is the
-    slower side."""
+    experts (the n that makes max(n / cpu, (K - n) / bus) least, as --cpu-moe-share -1 first picks), the bus
+    the rest; the bound is the slower side."""
     from expertstream.experts.split_bank import cpu_experts
 
     n = cpu_experts(k, cpu, pcie)

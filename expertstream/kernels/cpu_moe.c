@@ -8,6 +8,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define TMAX 8
 #define MAXTH 256
@@ -209,9 +210,11 @@ static inline __attribute__((always_inline)) void down_item(Job *j, int item, in
 PHASE(up_phase, up_item)
 PHASE(down_phase, down_item)
 
-// A persistent pool: the caller plus workers 0..active-1 run `fn` on a phase's items; idle workers spin
-// briefly, then sleep. The caller waits only for workers inside the phase (one that wakes after its items
-// are gone finds it closed), so a worker the scheduler has not run yet costs the call nothing.
+// A persistent pool: the caller plus workers 0..active-1 run `fn` on a phase's items; idle workers spin for
+// `spin_ns` (pool_spin), then sleep: a call within that time after the last finds them running, a later one
+// wakes them through the condition variable (tens of microseconds until all run). The caller waits only for
+// workers inside the phase (one that wakes after its items are gone finds it closed), so a worker the
+// scheduler has not run yet costs the call nothing.
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t go = PTHREAD_COND_INITIALIZER;
 static atomic_ulong gen, open_gen;  // gen: phases published; open_gen: the phase workers may join (0: none)
@@ -226,13 +229,28 @@ static inline void relax(void) {
 #endif
 }
 
+static atomic_long spin_ns = 500000;  // a pause's length varies ~10x across CPUs: the spin is timed
+
+static inline long now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+// how long idle workers spin before they sleep; returns the previous value (ns)
+long pool_spin(long ns) { return atomic_exchange(&spin_ns, ns < 0 ? 0 : ns); }
+
 static unsigned long born[MAXTH];  // gen when worker i was made: a job published before it runs is its first
 
 static void *worker(void *arg) {
   int id = (int)(intptr_t)arg;
   unsigned long seen = born[id];
   for (;;) {
-    for (int spin = 0; spin < 20000 && atomic_load(&gen) == seen; spin++) relax();
+    long until = now_ns() + atomic_load(&spin_ns);
+    for (unsigned spin = 1; atomic_load(&gen) == seen; spin++) {
+      relax();
+      if ((spin & 63) == 0 && now_ns() > until) break;  // the clock read costs ~ one pause
+    }
     if (atomic_load(&gen) == seen) {
       pthread_mutex_lock(&mu);
       atomic_fetch_add(&sleepers, 1);

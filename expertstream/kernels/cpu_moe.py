@@ -9,6 +9,7 @@ the GIL while it runs. Without a compiler the twin runs instead (one warning).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -92,6 +93,8 @@ def _build() -> ctypes.CDLL | None:
     lib.nvfp4_moe_cpu.restype = i
     lib.read_sweep.argtypes = [p, ctypes.c_long, i]
     lib.read_sweep.restype = ctypes.c_float
+    lib.pool_spin.argtypes = [ctypes.c_long]
+    lib.pool_spin.restype = ctypes.c_long
     return lib
 
 
@@ -105,8 +108,18 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def _offsets(layout: ExpertLayout) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)
+def offsets(layout: ExpertLayout) -> torch.Tensor:
+    """[6] int64: byte offsets in a block of the gate, up, down codes and the gate, up, down scales."""
     return torch.tensor([layout.part(n).offset for n in _PARTS], dtype=torch.long)
+
+
+def set_spin(seconds: float) -> float:
+    """How long the kernel's idle pool threads spin before they sleep (0.5 ms at load): a call that comes
+    within it finds them running, a later one wakes them (tens of microseconds). Longer suits calls spaced
+    by GPU work on a box whose cores are otherwise idle; returns the previous setting, in seconds."""
+    lib = library()
+    return lib.pool_spin(int(seconds * 1e9)) / 1e9 if lib is not None else 0.0
 
 
 def moe(
@@ -131,7 +144,6 @@ def moe(
     """
     lib = library()
     n, (t, h) = len(blocks), x.shape
-    i = layout.intermediate_size
     if lib is None or not 1 <= t <= TMAX or h != layout.hidden_size:
         raise ValueError(f"the CPU expert kernel takes 1..{TMAX} tokens of width {layout.hidden_size}")
     for b in blocks:
@@ -140,16 +152,42 @@ def moe(
     ptrs = torch.tensor([b.data_ptr() for b in blocks], dtype=torch.long)
     ws2, wt, x = (a.float().contiguous() for a in (ws2, wt, x))
     out = torch.empty(t, h)
-    scratch = torch.empty(n * t * i + t * h)
-    off = _offsets(layout)
+    moe_into(ptrs, ws2, wt, x, out, torch.empty(scratch_floats(layout, n, t)), layout, threads)
+    return out
+
+
+def scratch_floats(layout: ExpertLayout, n: int, t: int) -> int:
+    """FP32 scratch `moe_into` needs for n experts and t tokens."""
+    return n * t * layout.intermediate_size + t * layout.hidden_size
+
+
+def moe_into(
+    ptrs: torch.Tensor,
+    ws2: torch.Tensor,
+    wt: torch.Tensor,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+    layout: ExpertLayout,
+    threads: int = 1,
+) -> None:
+    """`moe` on prepared buffers, for callers that keep them from call to call (the CPU share of decode):
+    ptrs [n] int64 addresses of the n blocks (checked by the caller), ws2 [n, 3], wt [n, T], x [T, H] and
+    out [T, H] contiguous FP32 on the CPU, scratch of `scratch_floats(layout, n, T)` FP32 or more."""
+    (n,), (t, h) = ptrs.shape, x.shape
+    i = layout.intermediate_size
+    assert ptrs.dtype == torch.long and ws2.shape == (n, 3) and wt.shape == (n, t) and out.shape == (t, h)
+    assert all(a.dtype == torch.float32 and a.is_contiguous() for a in (ws2, wt, x, out, scratch))
+    assert scratch.numel() >= scratch_floats(layout, n, t)
+    lib = library()
+    assert lib is not None, "the CPU expert kernel could not be built"
     with _lock:
         rc = lib.nvfp4_moe_cpu(
             ptrs.data_ptr(), ws2.data_ptr(), wt.data_ptr(), x.data_ptr(), out.data_ptr(),
-            scratch.data_ptr(), n, t, h, i, off.data_ptr(), max(1, threads),
+            scratch.data_ptr(), n, t, h, i, offsets(layout).data_ptr(), max(1, threads),
         )  # fmt: skip
     if rc:
         raise ValueError(f"the CPU expert kernel refused its shapes (T {t}, H {h}, I {i})")
-    return out
 
 
 def moe_twin(
@@ -168,20 +206,23 @@ def moe_twin(
 def read_rate(nbytes: int = 1 << 30, threads: int = 1, repeats: int = 3) -> float:
     """Best GB/s of `repeats` read sweeps over `nbytes` of RAM on `threads` threads (the kernel's pool): the
     memory rate the expert kernel is measured against."""
+    buf = torch.ones(nbytes // 4)
+    read_seconds(buf, threads)  # warm: pages faulted in, pool up
+    return buf.numel() * 4 / min(read_seconds(buf, threads) for _ in range(repeats)) / 1e9
+
+
+def read_seconds(buf: torch.Tensor, threads: int = 1) -> float:
+    """Seconds of one read sweep over `buf` (FP32, contiguous) on `threads` threads of the kernel's pool."""
     import time
 
     lib = library()
     if lib is None:
         raise RuntimeError("the CPU expert kernel could not be built")
-    buf = torch.ones(nbytes // 4)
-    best = float("inf")
+    assert buf.dtype == torch.float32 and buf.is_contiguous()
     with _lock:
-        lib.read_sweep(buf.data_ptr(), buf.numel(), max(1, threads))  # warm: pages faulted in, pool up
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            lib.read_sweep(buf.data_ptr(), buf.numel(), max(1, threads))
-            best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 4 / best / 1e9
+        t0 = time.perf_counter()
+        lib.read_sweep(buf.data_ptr(), buf.numel(), max(1, threads))
+        return time.perf_counter() - t0
 
 
 def layer_rate(rows: torch.Tensor, layout: ExpertLayout, k: int, threads: int = 1, rounds: int = 4) -> float:

@@ -304,6 +304,18 @@ class SparseMoe(nn.Module):
             call = lambda u, ids, w: bank(i, u, ids, w)  # noqa: E731
             return [Stage(call, ("u", "top_i", "top_w"), ("routed",), graphable=False)]
         compute = ("u", "top_i", "top_w"), ("routed",)
+        if mode == "split":  # a CPU share: x to the host, the GPU's share, the CPU's, their sum
+            return [
+                Stage(lambda u, ids, w: bank.split_send(i, u, ids, w), compute[0], graphable=False),
+                Stage(
+                    lambda u, ids, w: bank.split_gpu(i, u, ids, w),
+                    compute[0],
+                    ("part",),
+                    after=(bank.split_launched,),
+                ),  # fmt: skip
+                Stage(lambda: bank.split_cpu(i), (), graphable=False),
+                Stage(bank.split_sum, ("part",), ("routed",)),
+            ]
         if mode == "fixed":  # every block placed for good: device work alone, its reads counted on the host
             done = (bank.decode_launched, lambda: bank.decode_fixed_reads(k))
             return [Stage(lambda u, ids, w: bank.decode_compute(i, u, ids, w), *compute, after=done)]

@@ -1,0 +1,151 @@
+"""`bench decode`'s report of the CPU share of decode (`ram, CPU share`, experts/split_bank.py): where a split
+layer's time goes, measured, and what the split can reach on this box by its model.
+
+A split layer costs about d + max(CPU kernel, the GPU's share over the bus) + the host work in series
+(launch, gather, upload, the sync), where the bus alone costs d + all K blocks over the bus: d, the layer's
+dense GPU work, is in both (the CPU needs the layer's x, the next layer needs its sum), so the split pays only
+where max(...) + host work < K blocks over the bus.
+"""
+
+from __future__ import annotations
+
+from expertstream.experts.split_bank import SplitExperts, SplitTimes, cpu_experts, expert_seconds
+
+GPU_TIMED_TOKENS = 4  # tokens decoded again with CUDA events per split layer, after the timed ones
+
+
+def gpu_split_times(split: SplitExperts, step, tokens: int = GPU_TIMED_TOKENS) -> SplitTimes:
+    """The split layers' times over `tokens` calls of step(), with the GPU's (CUDA events) in them."""
+    split.gpu_timing = True
+    try:
+        a = split.split_times()
+        for _ in range(tokens):
+            step()
+        return split.split_times() - a
+    finally:
+        split.gpu_timing = False
+
+
+def split_fields(
+    split: SplitExperts, window: SplitTimes, cpu_bytes: int, tokens: int, gpu: SplitTimes | None
+) -> dict:
+    """The regime's split fields: host phases in ms a token over the timed tokens (`window`, in which the
+    CPU read `cpu_bytes`), the GPU's from `gpu` (ms a token over GPU_TIMED_TOKENS, the dense part in ms a
+    layer), and the shapes the model needs."""
+    ms = 1e3 / tokens
+    out = {
+        "split_layers_per_token": window.calls / tokens,
+        **{
+            f"split_{p}_ms": getattr(window, p) * ms for p in ("launch", "wait", "gather", "kernel", "upload")
+        },
+        "cpu_experts": split.n_cpu,
+        "cpu_threads": split.threads(),
+        "k": split.k,
+        "payload_bytes": split.layout.payload_bytes,
+        "block_bytes": split.layout.block_bytes,
+    }
+    if window.kernel > 0:  # the kernel's rate in place: beside the bus's reads of the same RAM
+        out["cpu_gbps_in_place"] = cpu_bytes / window.kernel / 1e9
+    calls = sorted(list(split.kernel_log)[-window.calls :]) if window.calls else []
+    if calls:  # median, p90 and max of a call (a parked thread or a late wake-up holds one up)
+        out["split_kernel_call_ms"] = [
+            calls[len(calls) // 2] * 1e3,
+            calls[len(calls) * 9 // 10] * 1e3,
+            calls[-1] * 1e3,
+        ]
+    if gpu is not None and gpu.timed:
+        g = 1e3 / GPU_TIMED_TOKENS
+        out.update(split_gpu_share_ms=gpu.gpu_share * g, split_gpu_idle_ms=gpu.gpu_idle * g)
+        if gpu.dense_gaps:
+            out["split_gpu_dense_ms_per_layer"] = gpu.gpu_dense / gpu.dense_gaps * 1e3
+    return out
+
+
+def needed_pcie_bytes(r: dict) -> float:
+    """A regime's PCIe bytes per token that count toward its bound: staged guesses nobody routed to crossed
+    the bus for nothing."""
+    return r["pcie_bytes_per_token"] - r.get("staged_waste_bytes_per_token", 0.0)
+
+
+def cpu_ms(r: dict) -> float:
+    """A regime's CPU share of a token at the CPU kernel's measured rate (0 without a CPU share)."""
+    return r["cpu_bytes_per_token"] / r["cpu_gbps"] / 1e6 if r.get("cpu_gbps") else 0.0
+
+
+def cpu_share_note(results: dict[str, dict], pcie_gbps: float, layers: int) -> str:
+    """Lines per regime with a CPU share: experts a layer on the CPU, its MB/token and rate, the bound's
+    three terms and its speed against the regimes without the share that ran; then where its time went and
+    the model's reach (module docstring), each layer's dense GPU work d from the `vram` regime."""
+    lines = []
+    for name, r in results.items():
+        if "cpu_gbps" not in r:
+            continue
+        vs = "".join(
+            f"; {results[n]['ms_per_token'] / r['ms_per_token']:.2f}x `{n}`"
+            for n in ("ram", "ram unstaged")
+            if n in results
+        )
+        lines.append(
+            f"\n`{name}`: {r['cpu_experts']} routed experts a layer on the CPU, "
+            f"{r['cpu_bytes_per_token'] / 1e6:.1f} MB/token at {r['cpu_gbps']:.1f} GB/s (the kernel's rate "
+            f"measured at start); bound terms PCIe {needed_pcie_bytes(r) / pcie_gbps / 1e6:.2f} ms, CPU "
+            f"{cpu_ms(r):.2f} ms, GPU "
+            f"{r.get('gpu_ms', 0.0):.2f} ms{vs}.\n"
+        )
+        if r.get("split_layers_per_token"):
+            lines.append(breakdown(name, r) + model(r, results, pcie_gbps, layers))
+    return "".join(lines)
+
+
+def breakdown(name: str, r: dict) -> str:
+    """Where a token's split layers' time went: the decode thread's phases, then the GPU's."""
+    rate = f" ({r['cpu_gbps_in_place']:.1f} GB/s in place)" if "cpu_gbps_in_place" in r else ""
+    rate += f" on {r['cpu_threads']} threads" if "cpu_threads" in r else ""
+    if "split_kernel_call_ms" in r:  # a mean far above the median: a few calls held up
+        med, p90, top = r["split_kernel_call_ms"]
+        rate += f" (a call: median {med:.3f} ms, p90 {p90:.3f}, max {top:.3f})"
+    host = sum(r[f"split_{p}_ms"] for p in ("launch", "wait", "gather", "kernel", "upload"))
+    text = (
+        f"\n`{name}` a token ({r['split_layers_per_token']:.0f} split layers), decode thread: launch "
+        f"{r['split_launch_ms']:.2f} ms, wait for x {r['split_wait_ms']:.2f} (the layer's dense GPU work and "
+        f"the sync), gather {r['split_gather_ms']:.2f}, CPU kernel {r['split_kernel_ms']:.2f}{rate}, upload "
+        f"and add {r['split_upload_ms']:.2f}; outside the split calls {r['ms_per_token'] - host:.2f}"
+    )
+    if "split_gpu_share_ms" in r:
+        text += (
+            f"; GPU (CUDA events, {GPU_TIMED_TOKENS} more tokens): its share {r['split_gpu_share_ms']:.2f} "
+            f"ms, then idle until the CPU's sum {r['split_gpu_idle_ms']:.2f} ms"
+        )
+        if "split_gpu_dense_ms_per_layer" in r:
+            text += f", dense work between layers {r['split_gpu_dense_ms_per_layer']:.3f} ms a layer"
+    return text + ".\n"
+
+
+def model(r: dict, results: dict[str, dict], pcie_gbps: float, layers: int) -> str:
+    """The split's reach by the module docstring's model, against the bus alone, at this run's rates."""
+    if "vram" in results:
+        d, where = results["vram"]["ms_per_token"] / layers, "the `vram` regime's ms a token / layers"
+    elif "split_gpu_dense_ms_per_layer" in r:
+        d, where = r["split_gpu_dense_ms_per_layer"], "the GPU's dense work between split layers"
+    else:
+        return "\nModel: needs the `vram` regime (d, a layer's dense GPU work).\n"
+    k, n, block = r["k"], r["cpu_experts"], r["block_bytes"]
+    cpu = r.get("cpu_gbps_in_place", r["cpu_gbps"])
+    per_layer = r["split_layers_per_token"]
+    over = (r["split_launch_ms"] + r["split_gather_ms"] + r["split_upload_ms"]) / per_layer / 1e3
+    alone = d + expert_seconds(k, 0, block, cpu, pcie_gbps) * 1e3
+    ideal = d + expert_seconds(k, n, block, cpu, pcie_gbps) * 1e3
+    real = d + expert_seconds(k, n, block, cpu, pcie_gbps, over) * 1e3
+    best = cpu_experts(k, cpu, pcie_gbps, block, over)
+    reach = d + expert_seconds(k, best, block, cpu, pcie_gbps, over) * 1e3
+    measured = r["ms_per_token"] / per_layer
+    ram = "".join(
+        f", `{m}` {results[m]['ms_per_token'] / layers:.2f}" for m in ("ram", "ram unstaged") if m in results
+    )
+    return (
+        f"\nModel a layer (d = {d:.3f} ms, {where}; CPU kernel {cpu:.1f} GB/s, bus {pcie_gbps:.1f} GB/s): "
+        f"the bus alone d + {k} blocks = {alone:.3f} ms; split d + max(CPU {n}, bus {k - n} blocks) = "
+        f"{ideal:.3f} ms, with this run's host work in series ({over * 1e3:.3f} ms: launch, gather, upload) "
+        f"{real:.3f} ms; measured: split {measured:.3f}{ram}. The model's best share at these rates: {best} "
+        f"of {k} experts, {reach:.3f} ms a layer, {alone / reach:.2f}x the bus alone.\n"
+    )
