@@ -124,6 +124,7 @@ $extra" --serve-log $OUT/server_$mode.log --chat-tokens 32 --title-tokens 128 --
 
 part_ds4() {  # check: 2 layers x 32 experts (the FP32 truth's dense experts fit); bench: 3 layers x 256
   local D=/tmp/ds4
+  [ -n "$tests_pid" ] && wait $tests_pid  # tests that plan on 0.9 of the GPU refuse a GPU shared with it
   python3 -m expertstream synth $D/check --preset ds4-full-shape --layers 2 --experts 32 > /dev/null 2>&1
   timeout ${SETUP_S:-150} python3 -m expertstream setup $D/check $D/check-wd --no-progress 2>&1 | tail -2
   head -c 9000 expertstream/assets/demo-snapshot/heldout.txt > $D/long.txt  # CSA drops entries, HCA compresses
