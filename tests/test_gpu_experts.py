@@ -78,7 +78,9 @@ def test_decode_reads_nothing_back_once_every_block_has_a_place(
         # all in VRAM for good: the kernel is told there is no host pool (the HBM-tuned launch shape)
         pools = []
         real = nvfp4_moe.nvfp4_moe_decode
-        monkeypatch.setattr(nvfp4_moe, "nvfp4_moe_decode", lambda *a: pools.append(a[7]) or real(*a))
+        monkeypatch.setattr(
+            nvfp4_moe, "nvfp4_moe_decode", lambda *a, **kw: pools.append(a[7]) or real(*a, **kw)
+        )
         bank(0, *(v.to(kernel_device) for v in (x, ids, w)))
         assert (pools[0] is None) == (n_slots == 64)
         bank.close()
