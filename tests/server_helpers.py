@@ -79,6 +79,9 @@ class ScriptedEngine:
     def stats(self):
         return EngineStats(**dict.fromkeys(EngineStats.__dataclass_fields__, 0))
 
+    def gpu_memory(self):
+        return {}  # a CPU engine's
+
     def forward(self, state, ids, all_logits=False):
         self.forward_calls += 1
         ids = list(ids)
