@@ -206,7 +206,13 @@ def test_states_decode_in_turns_from_one_shared_graph_pool(tiny_workdir):
     tokens bit for bit, and every graph lives in the runner's one pool (a pool per state held each state's
     intermediates apart: an 8 GiB budget ran out with a few sequences)."""
     prompts = [[3 + i % 200 for i in range(40)], [7 + i % 100 for i in range(30)], [11, 12, 13]]
-    outs = []
+
+    def live_pools():  # memory pools holding live tensors (earlier tests' graphs may hold theirs)
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot() if s["allocated_size"]}
+
+    outs, before = [], live_pools()
     for eager in (True, False):
         cfg = EngineConfig(model=str(tiny_workdir), device="cuda", dtype="bfloat16", max_model_len=512,
                            gpu_memory_gb=4, enforce_eager=eager)  # fmt: skip
@@ -218,10 +224,8 @@ def test_states_decode_in_turns_from_one_shared_graph_pool(tiny_workdir):
                 r.append(eng.forward(st, [int(r[-1].argmax())]))
         outs.append([torch.stack(r) for r in rows])
         if not eager:
-            gc.collect()  # earlier tests' graphs, then their pools' free segments
-            torch.cuda.empty_cache()
-            live = {tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot() if s["allocated_size"]}
-            assert live - {(0, 0)} == {tuple(eng.decode.pool)}, (live, eng.decode.pool)
+            new = live_pools() - before
+            assert new - {(0, 0)} == {tuple(eng.decode.pool)}, (new, before, eng.decode.pool)
             assert eng.decode.captures >= 3
             assert 0 < eng.gpu_memory()["decode_graphs"] <= eng.gpu_memory()["reserved"]
         eng.close()
