@@ -77,10 +77,19 @@ def fp8_block_matmul_ref(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:
     """Plain-torch twin of `fp8_block_matmul` (FP32 maths, output in x.dtype)."""
+    return (x.float() @ dequantize_fp8_scaled(q, scale, block).T).to(x.dtype)
+
+
+def dequantize_fp8_scaled(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """q [N, K] e4m3 (or raw uint8) with one scale per (SN x SK) block, scale [ceil(N/SN), ceil(K/SK)] FP32 or
+    UE8M0 -> w [N, K] float32 (exact: a product of an E4M3 value and a scale)."""
     n, k = q.shape
     s = scale.float() if scale.dtype == torch.float32 else e8m0_to_float(scale)
-    s = s.repeat_interleave(block[0], 0)[:n].repeat_interleave(min(block[1], k), 1)[:, :k]
-    return (x.float() @ (e4m3_to_float(q) * s).T).to(x.dtype)
+    if block[0] > 1:
+        s = s.repeat_interleave(block[0], 0)[:n]
+    if block[1] < k:
+        s = s.repeat_interleave(block[1], 1)[:, :k]
+    return e4m3_to_float(q).mul_(s)  # (one column block: s [N, 1] broadcasts along the row)
 
 
 def fp8_config(m: int, n: int, k: int, device: torch.device, scale_k: int = 0) -> dict:
