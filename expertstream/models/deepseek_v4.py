@@ -24,9 +24,12 @@ from torch import nn
 from expertstream.formats import mxfp4
 from expertstream.formats.fp8 import quantize_fp8_rows
 from expertstream.formats.snapshot import Snapshot as Checkpoint
+from expertstream.log import get_logger
 from expertstream.memory_plan import ELEM_BYTES
 from expertstream.models.base import Linear, upload
 from expertstream.models.state import Snapshot
+
+log = get_logger(__name__)
 
 MODEL_TYPE = "deepseek_v4"
 KINDS = {0: "sliding", 4: "csa", 128: "hca"}  # compress_ratios value -> attention kind
@@ -511,6 +514,12 @@ def engine_model(
         quant = workdir.config.get("quantization_config") or {}
         block = tuple(quant.get("weight_block_size", (mxfp4.FP8_BLOCK, mxfp4.FP8_BLOCK)))
         weights = resident_weights(workdir.load_resident(), dtype, device, block, fp8_rows)
+        fp8 = [w.weight for w in weights.values() if isinstance(w, Linear)]
+        log.info(
+            "%d FP8 matrices (%.2f GiB) through the FP8 kernels",
+            len(fp8),
+            sum(w.numel() for w in fp8) / 2**30,
+        )
     else:
         weights = dequantized(workdir.load_resident(device=device), dtype)  # decoded where the model runs
     bank.set_router_weights(
