@@ -222,16 +222,21 @@ def test_dense_surplus_is_what_the_model_holds_beyond_the_planned_weights(ds4_se
     assert surplus == held - stored and (surplus < 0) == (dtype == torch.bfloat16)  # F32 tensors held BF16
 
 
-def test_fp8_as_shipped_gives_the_dequantized_paths_tokens(ds4_setup, kernel_device):
-    # the kernel path keeps every FP8 matrix FP8 (the block-scaled kernel on CUDA, its twin on a CPU) where
-    # kernels="torch" dequantizes them at load. In FP32 the in-register product e4m3 x 2^(byte - 127) is the
-    # dequantized weight exactly (checked below), so only the FP32 sums' order differs (the kernel's, the
-    # per-group grouped projection's): the greedy tokens are equal and the logits within the 1e-3 the
-    # engine's other FP32 reorderings are held to.
+def test_fp8_as_shipped_gives_the_dequantized_paths_tokens(ds4_setup, kernel_device, monkeypatch):
+    # the kernel path keeps every FP8 matrix FP8 (the block-scaled kernel: on CUDA, or the interpreter on a
+    # CPU) where kernels="torch" dequantizes them at load. In FP32 the in-register product
+    # e4m3 x 2^(byte - 127) is the dequantized weight exactly (checked below), so only the FP32 sums' order
+    # differs (the kernel's, the per-group grouped projection's): the greedy tokens are equal and the logits
+    # within the 1e-3 the engine's other FP32 reorderings are held to.
+    from expertstream.kernels import fp8_gemv
     from expertstream.kernels.fp8_gemv import dequantize_fp8_scaled
     from expertstream.models.base import Linear
     from expertstream.workdir.workdir import Workdir
 
+    pytest.importorskip("triton")
+    launches = []
+    kernel = fp8_gemv.fp8_block_matmul
+    monkeypatch.setattr(fp8_gemv, "fp8_block_matmul", lambda *a, **k: launches.append(1) or kernel(*a, **k))
     _, wd = ds4_setup
     stored = Workdir(wd).load_resident()
     dense = ds4.dequantized(stored, torch.float32)
@@ -248,7 +253,9 @@ def test_fp8_as_shipped_gives_the_dequantized_paths_tokens(ds4_setup, kernel_dev
                 w = dequantize_fp8_scaled(lin.weight.cpu(), lin.scale.cpu(), lin.block)
                 assert torch.equal(w, dense[name]), name
             assert sorted(fp8) == (shipped_fp8 if kernels == "triton" else [])
+            launches.clear()
             runs[kernels] = _greedy(engine, _ids(24, engine.args.vocab_size).tolist(), 4)
+            assert bool(launches) == (kernels == "triton")
         finally:
             engine.close()
     assert torch.equal(runs["triton"].argmax(-1), runs["torch"].argmax(-1))

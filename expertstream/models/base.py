@@ -13,6 +13,7 @@ from torch import nn
 from expertstream.formats import text_config
 from expertstream.formats.fp8 import e4m3_to_float
 from expertstream.kernels import HAVE_TRITON, conv_update, fp8_gemv, gdn_decode, hyper, rms_norm, router
+from expertstream.kernels.codec import interpreting
 from expertstream.kernels.dispatch import Fused
 
 INDEXED_ALIASES = text_config.INDEXED_ALIASES
@@ -202,9 +203,9 @@ def fp8_matmul(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, kernel: bool
 ) -> torch.Tensor:
     """x [M, K] @ w.T for FP8 q [N, K] e4m3 with one scale per row (block None: scale [N] FP32) or per
-    (SN x SK) block (scale [ceil(N/SN), ceil(K/SK)], FP32 or UE8M0): with `kernel` the Triton kernels on CUDA,
-    else dequantised on the fly."""
-    if kernel and HAVE_TRITON and x.is_cuda:
+    (SN x SK) block (scale [ceil(N/SN), ceil(K/SK)], FP32 or UE8M0): with `kernel` the Triton kernels on CUDA
+    (or under the interpreter, as `Fused`), else dequantised on the fly."""
+    if kernel and HAVE_TRITON and (x.is_cuda or interpreting()):
         if block is None:
             return fp8_gemv.fp8_rows_matmul(x, q, scale)
         return fp8_gemv.fp8_block_matmul(x, q, scale, block)
