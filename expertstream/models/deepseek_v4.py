@@ -328,9 +328,8 @@ class Attention(nn.Module):
         if isinstance(self.wo_a, list):  # FP8: one matmul a group
             low = torch.cat([lin(groups[:, i]) for i, lin in enumerate(self.wo_a)], -1)
         else:
-            low = torch.einsum("tgi,gri->tgr", groups, self.wo_a.view(a.o_groups, a.o_lora_rank, -1)).flatten(
-                1
-            )
+            wa = self.wo_a.view(a.o_groups, a.o_lora_rank, -1)
+            low = torch.einsum("tgi,gri->tgr", groups, wa).flatten(1)
         return linear(low, w["wo_b"])
 
 
