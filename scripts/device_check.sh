@@ -18,7 +18,8 @@
 #   serve      `bench serve` (Open WebUI's flow, 1/2/4 concurrent decodes) on 4 full-shape layers, with decode
 #              graphs and with --enforce-eager (shared fetches; $SERVE_MODES), in a $GPU_GB (4) GiB budget
 #   ds4        DeepSeek-V4-Flash: full-shape layers through setup, `check` in bf16 on CUDA through the CUDA
-#              expert bank (MXFP4 kernels), `bench decode` in its regimes vram, ram and disk (~5 min)
+#              expert bank (MXFP4 kernels) and the block-scaled FP8 kernels (its dense matrices as shipped),
+#              `bench decode` in its regimes vram, ram and disk (~5 min)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -129,8 +130,9 @@ part_ds4() {  # check: 2 layers x 32 experts (the FP32 truth's dense experts fit
   timeout ${SETUP_S:-150} python3 -m expertstream setup $D/check $D/check-wd --no-progress 2>&1 | tail -2
   head -c 9000 expertstream/assets/demo-snapshot/heldout.txt > $D/long.txt  # CSA drops entries, HCA compresses
   timeout ${CHECK_S:-180} python3 -m expertstream check $D/check-wd --snapshot $D/check --dtype bfloat16 \
-    --device cuda --prompts 2 --continuation 8 --text "$(cat $D/long.txt)" 2>&1 | grep -v INFO | tail -9 \
-    | tee $OUT/check_ds4_cuda.txt
+    --device cuda --prompts 2 --continuation 8 --text "$(cat $D/long.txt)" 2>&1 | tee $D/check.log \
+    | grep -v INFO | tail -9 | tee $OUT/check_ds4_cuda.txt
+  grep -m1 "FP8 kernels" $D/check.log | tee -a $OUT/check_ds4_cuda.txt  # the FP8 matrices as shipped
   rm -rf $D/check $D/check-wd
   python3 -m expertstream synth $D/bench --preset ds4-full-shape --layers 3 > /dev/null 2>&1
   timeout ${SETUP_S:-150} python3 -m expertstream setup $D/bench $D/bench-wd --no-progress 2>&1 | tail -2

@@ -1,5 +1,6 @@
 """Device check: every kernel in BF16 against its FP32 `_ref` twin on real shapes (the expert kernels in
-NVFP4 at Qwen3.8-Flash-Next's dims and in MXFP4 at DeepSeek-V4-Flash's); exits 1 past tolerance.
+NVFP4 at Qwen3.8-Flash-Next's dims and in MXFP4 at DeepSeek-V4-Flash's, the FP8 matmul row-scaled and with
+DeepSeek-V4-Flash's 128x128 UE8M0 blocks); exits 1 past tolerance.
 
 Run from the repo root on a CUDA machine: `python3 scripts/device_kernel_check.py`.
 Tolerances (docs/kernels.md): relative error ||got - ref|| / ||ref|| <= 1e-2 and max abs error
@@ -27,6 +28,8 @@ from expertstream.bench.kernels import (  # noqa: E402
     route,
 )
 from expertstream.kernels import (  # noqa: E402
+    fp8_block_matmul,
+    fp8_block_matmul_ref,
     fp8_rows_matmul,
     fp8_rows_matmul_ref,
     gdn_step,
@@ -92,6 +95,46 @@ def check_mxfp4() -> bool:
     return ok
 
 
+def check_fp8_blocks() -> bool:
+    """The block-scaled FP8 matmul on DeepSeek-V4-Flash's dense matrices (ds4-full-shape dims), UE8M0 scales
+    per 128x128 block, decode (M = 1, 4) and prompt (M = 64, 512) rows; M = 1 timed (weight bytes / s)."""
+    from expertstream.synth.deepseek_v4 import preset_dims
+
+    d = preset_dims("ds4-full-shape")
+    h, q, nh, hd = d["hidden_size"], d["q_lora_rank"], d["num_attention_heads"], d["head_dim"]
+    g, r, i = d["o_groups"], d["o_lora_rank"], d["moe_intermediate_size"]
+    ih, idim = d["index_n_heads"], d["index_head_dim"]
+    shapes = {  # name: [N, K]
+        "wq_a": (q, h), "wq_b": (nh * hd, q), "wkv": (hd, h), "wo_a group": (r, nh * hd // g),
+        "wo_b": (h, g * r), "indexer wq_b": (ih * idim, q), "shared w1": (i, h), "shared w2": (h, i),
+    }  # fmt: skip
+    ok = True
+    for name, (n, k) in shapes.items():
+        w = torch.randint(0, 255, (n, k), dtype=torch.uint8, device="cuda")
+        w[(w & 0x7F) == 0x7F] = 0
+        w = w.view(torch.float8_e4m3fn)
+        scale = torch.randint(110, 122, (-(-n // 128), -(-k // 128)), dtype=torch.uint8, device="cuda")
+        scale = scale.view(torch.float8_e8m0fnu)
+        for m in (1, 4, 64, 512):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            got = fp8_block_matmul(x, w, scale, (128, 128))
+            ref = fp8_block_matmul_ref(x.float(), w, scale, (128, 128))
+            ok &= compare(f"fp8_block_matmul {name} M={m} N={n} K={k}", got, ref)
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(100):
+            fp8_block_matmul(x, w, scale, (128, 128))
+        end.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(end) * 10  # ms for 100 -> us each
+        print(
+            f"     fp8_block_matmul {name} M=1: {us:.1f} us, {n * k / us / 1e3:.0f} GB/s of weights",
+            flush=True,
+        )
+    return ok
+
+
 def main() -> int:
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     print(torch.cuda.get_device_name(), torch.cuda.get_device_capability(), flush=True)
@@ -143,6 +186,7 @@ def main() -> int:
         ok &= compare(f"nvfp4_moe_prefill T={t}", got, ref)
 
     ok &= check_mxfp4()
+    ok &= check_fp8_blocks()
 
     for n, k in FP8_SHAPES:
         q = torch.randint(0, 255, (n, k), dtype=torch.uint8, device="cuda")

@@ -175,6 +175,8 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
     )
     fp8 = dict(x_ptr="*bf16", scale_ptr="*fp32", out_ptr="*bf16", M="i32", N="i32")
     gemv = dict(K=H, K_SPLIT=H, BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, PDL=True, AHEAD=H)
+    rows = dict(SCALE_N=1, SCALE_K=0, E8M0=False)  # one FP32 scale a row
+    ue8m0 = dict(SCALE_N=128, SCALE_K=128, E8M0=True)  # DeepSeek-V4's 128 x 128 UE8M0 blocks
     # 16-bit weights (matvec16): the GEMV without decode or scale
     wide = dict(fp8, q_ptr="*bf16", scale_ptr="*bf16")
     lines, lines8 = fp8_gemv.prefetch_lines(2 * H), fp8_gemv.prefetch_lines(H)
@@ -183,30 +185,50 @@ def kernels(cap: int) -> list[tuple[str, object, dict, dict, int]]:
             "matvec16",
             fp8_gemv._fp8_gemv_kernel,
             wide,
-            dict(gemv, UNIT=1.0, NATIVE=False, WIDE=True, WORDS=False, AHEAD=2 * H, LINES=lines),
+            dict(gemv, **rows, UNIT=1.0, NATIVE=False, WIDE=True, WORDS=False, AHEAD=2 * H, LINES=lines),
             4,
         )
     )
     for native in (False, True):  # raw bytes decoded with bit ops; float8e4nv loads (sm_89+: both caps here)
         unit = 1.0 if native else 256.0
-        out.append(
-            (
-                "fp8 rows" + (" native" if native else ""),
-                fp8_gemv._fp8_rows_kernel,
-                dict(q_ptr="*fp8e4nv" if native else "*u8", K="i32", **fp8),
-                dict(UNIT=unit, NATIVE=native, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PRECISION="tf32"),
-                4,
+        for form, scales, types in (("rows", rows, fp8), ("ue8m0 blocks", ue8m0, dict(fp8, scale_ptr="*u8"))):
+            suffix = f" {form}" + (" native" if native else "")
+            out.append(
+                (
+                    "fp8 dot" + suffix,
+                    fp8_gemv._fp8_dot_kernel,
+                    dict(q_ptr="*fp8e4nv" if native else "*u8", K="i32", **types),
+                    dict(
+                        scales,
+                        UNIT=unit,
+                        NATIVE=native,
+                        BLOCK_M=64,
+                        BLOCK_N=64,
+                        BLOCK_K=64,
+                        DOT_PRECISION="tf32",
+                    ),  # fmt: skip
+                    4,
+                )
             )
-        )
-        out.append(
-            (
-                "fp8 gemv" + (" native" if native else ""),
-                fp8_gemv._fp8_gemv_kernel,
-                dict(q_ptr="*fp8e4nv" if native else "*i32", **fp8),
-                dict(gemv, UNIT=unit, NATIVE=native, WIDE=False, WORDS=not native, LINES=lines8),
-                4,
+            step = dict(BLOCK_N=16, BLOCK_K=128) if scales["SCALE_K"] else {}
+            out.append(
+                (
+                    "fp8 gemv" + suffix,
+                    fp8_gemv._fp8_gemv_kernel,
+                    dict(q_ptr="*fp8e4nv" if native else "*i32", **types),
+                    dict(
+                        gemv,
+                        **scales,
+                        **step,
+                        UNIT=unit,
+                        NATIVE=native,
+                        WIDE=False,
+                        WORDS=not native,
+                        LINES=lines8,
+                    ),  # fmt: skip
+                    4,
+                )
             )
-        )
     act = {n: "*bf16" for n in ("b_ptr", "a_ptr", "z_ptr", "dtb_ptr", "nw_ptr", "out_ptr")}
     out.append(
         (
@@ -376,7 +398,9 @@ def ptxas_resources(ptx: str, cap: int) -> str:
 
 @pytest.mark.parametrize("cap", [90, 120], ids=["sm_90", "sm_120"])
 def test_every_kernel_compiles_for_hopper_and_blackwell(cap):
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    # the subprocess imports this checkout's package, not whichever one the interpreter has installed
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
     run = subprocess.run(
         [sys.executable, __file__, str(cap)], capture_output=True, text=True, env=env, timeout=600
     )

@@ -197,16 +197,66 @@ def test_the_engine_runs_ds4_through_the_cuda_bank(ds4_setup):
     assert (runs["auto"] - runs["torch"]).abs().max() <= 1e-3
 
 
-def test_dense_surplus_is_what_the_model_holds_beyond_the_planned_weights(ds4_setup):
-    # the CUDA engine plans VRAM with the budget the dequantized weights leave: their bytes, the embedding
-    # included, less the stored bytes the plan counts (every resident tensor but the host-side embedding)
+@pytest.mark.parametrize("dtype,act", [(torch.bfloat16, 2), (torch.float32, 4)])
+def test_dense_surplus_is_what_the_model_holds_beyond_the_planned_weights(ds4_setup, dtype, act):
+    # the CUDA engine plans VRAM with the budget the kernel path's weights leave: FP8 matrices and their
+    # UE8M0 scales as stored, the embedding in host RAM, the other floats in the activation dtype
     from expertstream.formats.snapshot import read_header
+    from expertstream.models.base import Linear
     from expertstream.workdir.workdir import Workdir
 
     wd = Workdir(ds4_setup[1])
     inventory = {n: (i.shape, i.dtype) for n, i in read_header(wd.resident_path).items()}
     tensors = wd.load_resident()
-    held = sum(t.numel() * t.element_size() for t in ds4.dequantized(tensors, torch.bfloat16).values())
+    weights = ds4.resident_weights(tensors, dtype, "cpu", (128, 128))
+    held = sum(
+        sum(b.numel() * b.element_size() for b in w.buffers())
+        if isinstance(w, Linear)
+        else w.numel() * w.element_size()
+        for n, w in weights.items()
+        if n != "embed.weight"
+    )
     stored = sum(t.numel() * t.element_size() for n, t in tensors.items() if n != "embed.weight")
-    assert any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
-    assert ds4.dense_surplus(inventory, 2, "embed.weight") == held - stored > 0
+    assert any(isinstance(w, Linear) and w.weight.dtype == torch.float8_e4m3fn for w in weights.values())
+    surplus = ds4.dense_surplus(inventory, act, "embed.weight")
+    assert surplus == held - stored and (surplus < 0) == (dtype == torch.bfloat16)  # F32 tensors held BF16
+
+
+def test_fp8_as_shipped_gives_the_dequantized_paths_tokens(ds4_setup, kernel_device, monkeypatch):
+    # the kernel path keeps every FP8 matrix FP8 (the block-scaled kernel: on CUDA, or the interpreter on a
+    # CPU) where kernels="torch" dequantizes them at load. In FP32 the in-register product
+    # e4m3 x 2^(byte - 127) is the dequantized weight exactly (checked below), so only the FP32 sums' order
+    # differs (the kernel's, the per-group grouped projection's): the greedy tokens are equal and the logits
+    # within the 1e-3 the engine's other FP32 reorderings are held to.
+    from expertstream.kernels import fp8_gemv
+    from expertstream.kernels.fp8_gemv import dequantize_fp8_scaled
+    from expertstream.models.base import Linear
+    from expertstream.workdir.workdir import Workdir
+
+    pytest.importorskip("triton")
+    launches = []
+    kernel = fp8_gemv.fp8_block_matmul
+    monkeypatch.setattr(fp8_gemv, "fp8_block_matmul", lambda *a, **k: launches.append(1) or kernel(*a, **k))
+    _, wd = ds4_setup
+    stored = Workdir(wd).load_resident()
+    dense = ds4.dequantized(stored, torch.float32)
+    shipped_fp8 = sorted(n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn)
+    runs = {}
+    for kernels in ("torch", "triton"):
+        config = EngineConfig(model=str(wd), device=kernel_device, kernels=kernels, dtype="float32",
+                              max_model_len=512, ram_cache_gb=0.01, gpu_memory_gb=4)  # fmt: skip
+        engine = Engine(config)
+        try:
+            fp8 = {n: w for n, w in engine.model.w.items() if isinstance(w, Linear)}
+            for name, lin in fp8.items():
+                assert lin.weight.dtype == torch.float8_e4m3fn and lin.block == (128, 128)
+                w = dequantize_fp8_scaled(lin.weight.cpu(), lin.scale.cpu(), lin.block)
+                assert torch.equal(w, dense[name]), name
+            assert sorted(fp8) == (shipped_fp8 if kernels == "triton" else [])
+            launches.clear()
+            runs[kernels] = _greedy(engine, _ids(24, engine.args.vocab_size).tolist(), 4)
+            assert bool(launches) == (kernels == "triton")
+        finally:
+            engine.close()
+    assert torch.equal(runs["triton"].argmax(-1), runs["torch"].argmax(-1))
+    assert (runs["triton"] - runs["torch"]).abs().max() <= 1e-3

@@ -6,7 +6,15 @@ import torch
 from kernel_helpers import DEV, FailingKernel, close
 
 from expertstream.formats import fp8
-from expertstream.kernels import codec, fp8_rows_matmul, fp8_rows_matmul_ref, matvec16, matvec16_ref
+from expertstream.kernels import (
+    codec,
+    fp8_block_matmul,
+    fp8_block_matmul_ref,
+    fp8_rows_matmul,
+    fp8_rows_matmul_ref,
+    matvec16,
+    matvec16_ref,
+)
 
 pytest.importorskip("triton")
 
@@ -115,3 +123,85 @@ def test_every_matvec16_sweep_candidate_matches_ref():
     x = torch.randn(1, 300, generator=g).to(DEV)
     for cfg in MATVEC16_SWEEP:
         close(matvec16(x, w, config=cfg), matvec16_ref(x, w), torch.float32)
+
+
+def _blocked(n: int, k: int, block: tuple[int, int], e8m0: bool, seed: int):
+    """Random E4M3 bytes (every one but NaN, subnormals included) and one scale per block: UE8M0 bytes
+    2^-20..2^-4 (DeepSeek-V4's stored form) or FP32."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 255, (n, k), dtype=torch.uint8, generator=g)
+    q[(q & 0x7F) == 0x7F] = 0x03
+    shape = (-(-n // block[0]), -(-k // block[1]))
+    if e8m0:
+        scale = torch.randint(107, 124, shape, dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+    else:
+        scale = torch.rand(shape, generator=g) * 0.01
+    return q.view(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("e8m0", [True, False], ids=["ue8m0", "fp32"])
+@pytest.mark.parametrize(
+    "m,n,k,block,cfg",
+    [
+        # 128 x 128 blocks with partial edge blocks in both dims: the GEMV (words, split K over blocks) ...
+        (1, 200, 300, (128, 128), dict(block_n=4, block_k=256, num_warps=2, split_k=2)),
+        (4, 130, 260, (128, 128), dict(block_n=8, block_k=64, num_warps=2, split_k=1)),
+        (1, 70, 150, (32, 32), dict(block_n=4, block_k=64, num_warps=1, split_k=1)),  # bytes (K % 4 != 0)
+        # ... and tl.dot, block_k above the column block (cut to it)
+        (4, 200, 300, (128, 128), dict(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=2)),
+        (64, 150, 270, (128, 128), dict(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)),
+        (64, 40, 96, (16, 16), dict(block_m=64, block_n=16, block_k=16, num_warps=2, num_stages=2)),
+        # one column block (SK >= K): the scale multiplies the sums once, per (SN x K) row block
+        (1, 50, 90, (16, 128), dict(block_n=4, block_k=32, num_warps=1, split_k=1)),
+        (64, 50, 90, (16, 128), dict(block_m=16, block_n=16, block_k=32, num_warps=2, num_stages=2)),
+        (1, 200, 256, (128, 128), None),  # the default configs
+        (64, 200, 256, (128, 128), None),
+    ],
+)
+def test_fp8_block_matmul_matches_ref(dtype, m, n, k, block, cfg, e8m0, native):
+    q, scale = _blocked(n, k, block, e8m0, seed=m * n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEV, dtype)
+    q, scale = q.to(DEV), scale.to(DEV)
+    if cfg is None and native != NATIVE[-1]:
+        pytest.skip("the default config runs with the device's own conversion")
+    got = fp8_block_matmul(x, q, scale, block, config=cfg if cfg is None else {**cfg, "native": native})
+    assert got.shape == (m, n) and got.dtype == dtype
+    want = fp8_block_matmul_ref(x, q, scale, block)
+    close(got, want, dtype)
+    # the scales matter: one block's scale doubled changes exactly that block's rows
+    s2 = scale.clone()
+    s2.view(torch.uint8)[-1, -1] += 1 if e8m0 else 0
+    if not e8m0:
+        s2[-1, -1] *= 2
+    moved = (fp8_block_matmul(x, q, s2, block, config=cfg) - got).abs().amax(0) > 0
+    rows = torch.arange(n, device=moved.device) >= (scale.shape[0] - 1) * block[0]
+    assert moved[rows].any() and not moved[~rows].any()
+
+
+def test_fp8_block_matmul_twin_is_the_blockwise_dequantization():
+    # the twin against the format's own UE8M0 dequantization (float64 product)
+    from expertstream.formats import mxfp4
+
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(3))
+    q, scale = mxfp4.quantize_fp8_blocks_e8m0(w)
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(4))
+    want = x.double() @ mxfp4.dequantize_fp8_blocks_e8m0(q, scale, dtype=torch.float64).T
+    torch.testing.assert_close(
+        fp8_block_matmul_ref(x, q, scale, (128, 128)).double(), want, rtol=1e-5, atol=1e-5
+    )
+    # the row-scaled form is the (1 x K) case
+    rs = torch.rand(200, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(
+        fp8_rows_matmul_ref(x, q, rs), fp8_block_matmul_ref(x, q, rs[:, None], (1, 300))
+    )
+
+
+def test_fp8_block_matmul_asserts_shapes():
+    q, scale = _blocked(200, 300, (128, 128), True, seed=1)
+    x = torch.randn(1, 300).to(DEV)
+    with pytest.raises(AssertionError, match="scale"):
+        fp8_block_matmul(x, q.to(DEV), scale[:1].contiguous().to(DEV), (128, 128))
+    with pytest.raises(AssertionError, match="column block"):
+        fp8_block_matmul(x, q.to(DEV), torch.ones(2, 10).to(DEV), (128, 30))

@@ -169,3 +169,23 @@ def test_transformers_reference_from_the_quantized_snapshot_is_transformers_own_
     ids = _ids(140, ours.config.vocab_size)[None]
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
+@pytest.mark.parametrize("start,stop", [(128, 256), (256, 300), (100, 200), (0, 300)])
+def test_fp8_linear_rows_are_the_dequantized_rows(start, stop):
+    # the grouped output projection takes each group's rows of an FP8 block-scaled Linear: aligned to the
+    # 128-row blocks they keep the block scales, else each row gets its block's scales (1 x 128 blocks)
+    from expertstream.formats import mxfp4
+    from expertstream.kernels.fp8_gemv import dequantize_fp8_scaled
+    from expertstream.models.base import Linear
+
+    g = torch.Generator().manual_seed(start)
+    q, scale = mxfp4.quantize_fp8_blocks_e8m0(torch.randn(300, 260, generator=g))
+    lin = Linear(q, scale, block=(128, 128))
+    part = lin.rows(start, stop)
+    aligned = start % 128 == 0 and (stop % 128 == 0 or stop == 300)
+    assert part.block == ((128, 128) if aligned else (1, 128))
+    want = dequantize_fp8_scaled(q, scale, (128, 128))[start:stop]
+    assert torch.equal(dequantize_fp8_scaled(part.weight, part.scale, part.block), want)
+    x = torch.randn(3, 260, generator=g)
+    torch.testing.assert_close(part(x), x @ want.T)

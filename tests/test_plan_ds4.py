@@ -2,6 +2,7 @@
 VRAM plans at the published dimensions (43 layers, 256 experts top-6, MXFP4 blocks)."""
 
 import json
+import math
 
 import pytest
 
@@ -47,3 +48,19 @@ def test_the_8_12_16_gib_plans(published, capsys):
     assert cli_main(["plan", *args]) == 0
     out = capsys.readouterr().out
     assert f"  {'routed experts':<44} {43 * 6 * BLOCK / 1e6:9.1f} MB" in out
+
+
+def test_the_12_gib_plan_holds_the_model_as_the_engine_holds_it(published):
+    # the CUDA engine keeps the shipped FP8 matrices FP8 (the block-scaled kernel) and the embedding in host
+    # RAM, so under BF16 it holds no byte beyond what the plan counts (its F32 tensors shrink) and the
+    # 12 GiB plan is the engine's own; dequantized, the weights alone would exceed the budget
+    from expertstream.models import deepseek_v4 as ds4
+
+    model = ConfigModel.from_config(json.loads(published.read_text()))
+    inventory = {name: (shape, dtype) for name, (dtype, shape) in model.resident_spec().items()}
+    assert ds4.dense_surplus(inventory, 2, "embed.weight") < 0
+    budget = int(12 * GiB * 0.9)
+    plan = model.memory_plan(budget, 32768)
+    assert plan.vram_cache_blocks > 0
+    fp8 = sum(math.prod(s) for s, d in inventory.values() if d == "F8_E4M3")
+    assert plan.resident + fp8 > budget  # one more byte a weight (BF16) would not fit

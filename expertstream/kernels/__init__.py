@@ -4,7 +4,14 @@ Importing this package never needs Triton; the launchers raise when it is missin
 """
 
 from expertstream.kernels.codec import HAVE_TRITON, e2m1_uses_ptx
-from expertstream.kernels.fp8_gemv import fp8_rows_matmul, fp8_rows_matmul_ref, matvec16, matvec16_ref
+from expertstream.kernels.fp8_gemv import (
+    fp8_block_matmul,
+    fp8_block_matmul_ref,
+    fp8_rows_matmul,
+    fp8_rows_matmul_ref,
+    matvec16,
+    matvec16_ref,
+)
 from expertstream.kernels.gdn_decode import gdn_step, gdn_step_ref
 from expertstream.kernels.nvfp4_moe import (
     nvfp4_moe_decode,
@@ -16,6 +23,8 @@ from expertstream.kernels.nvfp4_moe import (
 __all__ = [
     "HAVE_TRITON",
     "e2m1_uses_ptx",
+    "fp8_block_matmul",
+    "fp8_block_matmul_ref",
     "fp8_rows_matmul",
     "fp8_rows_matmul_ref",
     "gdn_step",

@@ -13,6 +13,7 @@ from torch import nn
 from expertstream.formats import text_config
 from expertstream.formats.fp8 import e4m3_to_float
 from expertstream.kernels import HAVE_TRITON, conv_update, fp8_gemv, gdn_decode, hyper, rms_norm, router
+from expertstream.kernels.codec import interpreting
 from expertstream.kernels.dispatch import Fused
 
 INDEXED_ALIASES = text_config.INDEXED_ALIASES
@@ -198,36 +199,65 @@ top_ids = Fused(router.top_ids, router.top_ids_ref, "top-k ids")
 FUSED = (gdn_step, rmsnorm, hc_mix, moe_combine, gdn_conv, route_topk, top_ids)
 
 
-def fp8_rows_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """x [M, K] @ (q [N, K] e4m3 * scale [N, 1]).T: with `kernel` the Triton GEMV on CUDA, else dequantised
-    on the fly."""
-    if kernel and HAVE_TRITON and x.is_cuda:
-        return fp8_gemv.fp8_rows_matmul(x, q, scale)
-    w = e4m3_to_float(q).mul_(scale.float()[:, None]).to(x.dtype)
-    return F.linear(x, w)
+def fp8_matmul(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, kernel: bool
+) -> torch.Tensor:
+    """x [M, K] @ w.T for FP8 q [N, K] e4m3 with one scale per row (block None: scale [N] FP32) or per
+    (SN x SK) block (scale [ceil(N/SN), ceil(K/SK)], FP32 or UE8M0): with `kernel` the Triton kernels on CUDA
+    (or under the interpreter, as `Fused`), else dequantised on the fly."""
+    if kernel and HAVE_TRITON and (x.is_cuda or interpreting()):
+        if block is None:
+            return fp8_gemv.fp8_rows_matmul(x, q, scale)
+        return fp8_gemv.fp8_block_matmul(x, q, scale, block)
+    if block is None:
+        w = e4m3_to_float(q).mul_(scale.float()[:, None])
+    else:
+        w = fp8_gemv.dequantize_fp8_scaled(q, scale, block)
+    return F.linear(x, w.to(x.dtype))
 
 
 class Linear(nn.Module):
-    """Linear holding a dense weight [out, in] or FP8 rows (q [out, in] e4m3, scale [out] FP32), and an
-    optional bias [out] (`attention_bias`); `kernel`: FP8 rows through the Triton GEMV on CUDA."""
+    """Linear holding a dense weight [out, in] or FP8 (q [out, in] e4m3 with scale [out] FP32 a row, or with
+    `block` (SN, SK) one scale per block, [ceil(out/SN), ceil(in/SK)] FP32 or UE8M0 bytes), and an optional
+    bias [out] (`attention_bias`); `kernel`: FP8 through the Triton kernels on CUDA."""
 
     def __init__(
-        self, weight: torch.Tensor, scale: torch.Tensor | None = None, bias=None, kernel: bool = False
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        bias=None,
+        kernel: bool = False,
+        block: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.weight = nn.Buffer(weight)
         self.scale = nn.Buffer(scale) if scale is not None else None
         self.bias = nn.Buffer(bias) if bias is not None else None
-        self.kernel = kernel
+        self.kernel, self.block = kernel, block
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    def rows(self, start: int, stop: int) -> Linear:
+        """The Linear of output rows [start, stop) (bias-free), sharing this one's weight. Block scales whose
+        row blocks the range cuts become one scale a (1 x SK) block for those rows."""
+        assert self.bias is None, "rows of a biased Linear"
+        w = self.weight[start:stop]
+        if self.scale is None or self.block is None:
+            return Linear(w, None if self.scale is None else self.scale[start:stop], kernel=self.kernel)
+        sn, sk = self.block
+        if start % sn == 0 and (stop % sn == 0 or stop == self.out_features):
+            return Linear(w, self.scale[start // sn : -(-stop // sn)], kernel=self.kernel, block=self.block)
+        scale = self.scale.view(torch.uint8) if self.scale.dtype != torch.float32 else self.scale
+        return Linear(w, scale.repeat_interleave(sn, 0)[start:stop], kernel=self.kernel, block=(1, sk))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
             return F.linear(x, self.weight, self.bias)
-        y = fp8_rows_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scale, self.kernel)
+        y = fp8_matmul(
+            x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.scale, self.block, self.kernel
+        )
         y = y.unflatten(0, x.shape[:-1])
         return y if self.bias is None else y + self.bias
 

@@ -7,7 +7,8 @@ lightning indexer's top-k entries per query, HCA layers compress every 128 token
 block (hash routing via `tid2eid[token]` in the first layers, sqrt-softplus top-k with a bias after; a shared
 expert). The attention output goes through the grouped output projection. The routed sum comes from the
 expert bank: `bank(layer, x [T, H], expert_ids [T, K], weights [T, K] fp32) -> [T, H]`, as for qwen4_exp.
-Weights come from `load_weights` (checkpoint names, FP8 UE8M0 blocks dequantized; docs/deepseek-v4.md).
+Weights come from `load_weights` (checkpoint names, FP8 UE8M0 blocks dequantized; docs/deepseek-v4.md), or
+from `engine_model`, which on the kernel path keeps them FP8 (`resident_weights`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from expertstream.formats import mxfp4
+from expertstream.formats.fp8 import quantize_fp8_rows
 from expertstream.formats.snapshot import Snapshot as Checkpoint
+from expertstream.log import get_logger
 from expertstream.memory_plan import ELEM_BYTES
+from expertstream.models.base import Linear, upload
 from expertstream.models.state import Snapshot
+
+log = get_logger(__name__)
 
 MODEL_TYPE = "deepseek_v4"
 KINDS = {0: "sliding", 4: "csa", 128: "hca"}  # compress_ratios value -> attention kind
@@ -84,6 +90,11 @@ class DeepseekV4Args:
     @property
     def kinds(self) -> list[str]:
         return [KINDS[r] for r in self.compress_ratios[: self.num_hidden_layers]]
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x [..., in] @ w.T: w a dense weight [out, in], or a `Linear` (FP8 blocks through the kernel)."""
+    return w(x) if isinstance(w, Linear) else F.linear(x, w)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -150,7 +161,7 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, freq: torch.Tensor, st: CompressorState) -> torch.Tensor:
         """x [T, H] the new tokens -> every entry so far [n, width] (st updated)."""
         m, d = self.ratio, self.width
-        kv, gate = F.linear(x, self.kv), F.linear(x, self.gate)
+        kv, gate = linear(x, self.kv), linear(x, self.gate)
         if st.kv is not None:
             kv, gate = torch.cat([st.kv, kv]), torch.cat([st.gate, gate])
         n = kv.shape[0] // m
@@ -255,6 +266,12 @@ class Attention(nn.Module):
         self.a, self.kind = a, kind
         g = {k: w[f"{p}.{k}.weight"] for k in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b")}
         self.w, self.sinks = g, w[f"{p}.attn_sink"]
+        # the grouped output projection: group i's rows [i r, (i + 1) r) of wo_a take its heads' outputs
+        r = a.o_lora_rank
+        wo_a = g["wo_a"]
+        self.wo_a = (
+            [wo_a.rows(i * r, (i + 1) * r) for i in range(a.o_groups)] if isinstance(wo_a, Linear) else wo_a
+        )
         ratio = {"csa": 4, "hca": 128}.get(kind)
         self.compressor = (
             Compressor(w, f"{p}.compressor", a.head_dim, ratio, a.rms_norm_eps) if ratio else None
@@ -269,9 +286,9 @@ class Attention(nn.Module):
         """The lightning indexer: [T, n] bool, the top-k compressed entries each query may see."""
         a = self.a
         keys = self.index(x, self.freq, st.index)  # [n, c]
-        q = rope(F.linear(qr, self.index_q).view(len(pos), a.index_n_heads, -1), pos, self.freq)
+        q = rope(linear(qr, self.index_q).view(len(pos), a.index_n_heads, -1), pos, self.freq)
         s = F.relu(torch.einsum("thc,nc->thn", q.float(), keys.float())) * a.index_head_dim**-0.5
-        wts = F.linear(x, self.index_w).float() * a.index_n_heads**-0.5  # [T, heads]
+        wts = linear(x, self.index_w).float() * a.index_n_heads**-0.5  # [T, heads]
         score = (s * wts[..., None]).sum(1)  # [T, n]
         ready = torch.arange(keys.shape[0], device=pos.device)[None] < ((pos + 1) // 4)[:, None]
         top = score.masked_fill(~ready, float("-inf")).topk(min(a.index_topk, keys.shape[0]), -1).indices
@@ -280,12 +297,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
         """x [T, H] at positions pos [T] (contiguous, after the st.pos already seen) -> [T, H]."""
         a, w, t = self.a, self.w, x.shape[0]
-        qr = rms_norm(F.linear(x, w["wq_a"]), w["q_norm"], a.rms_norm_eps)
-        q = rms_norm(F.linear(qr, w["wq_b"]).view(t, a.num_attention_heads, a.head_dim), None, a.rms_norm_eps)
+        qr = rms_norm(linear(x, w["wq_a"]), w["q_norm"], a.rms_norm_eps)
+        q = rms_norm(linear(qr, w["wq_b"]).view(t, a.num_attention_heads, a.head_dim), None, a.rms_norm_eps)
         q = rope(q, pos, self.freq)
-        kv = rope(rms_norm(F.linear(x, w["wkv"]), w["kv_norm"], a.rms_norm_eps)[:, None], pos, self.freq)[
-            :, 0
-        ]
+        kv = rope(rms_norm(linear(x, w["wkv"]), w["kv_norm"], a.rms_norm_eps)[:, None], pos, self.freq)[:, 0]
         kpos = pos
         if st.kv is not None:
             kv, kpos = torch.cat([st.kv, kv]), torch.cat([st.pos, pos])
@@ -310,8 +325,12 @@ class Attention(nn.Module):
         out = rope(torch.einsum("hts,sd->thd", probs.to(kv.dtype), kv), pos, self.freq, inverse=True)
         # grouped output projection: each group of heads to o_lora_rank, then one matrix to hidden
         groups = out.reshape(t, a.o_groups, -1)
-        wa = w["wo_a"].view(a.o_groups, a.o_lora_rank, -1)
-        return F.linear(torch.einsum("tgi,gri->tgr", groups, wa).flatten(1), w["wo_b"])
+        if isinstance(self.wo_a, list):  # FP8: one matmul a group
+            low = torch.cat([lin(groups[:, i]) for i, lin in enumerate(self.wo_a)], -1)
+        else:
+            wa = self.wo_a.view(a.o_groups, a.o_lora_rank, -1)
+            low = torch.einsum("tgi,gri->tgr", groups, wa).flatten(1)
+        return linear(low, w["wo_b"])
 
 
 class HyperConnection(nn.Module):
@@ -357,7 +376,7 @@ class Moe(nn.Module):
         self.shared = [w[f"{p}.shared_experts.{k}.weight"] for k in ("w1", "w3", "w2")]
 
     def route(self, u: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(F.linear(u, self.gate)).sqrt()
+        scores = F.softplus(linear(u, self.gate)).sqrt()
         if self.tid2eid is not None:
             top = self.tid2eid[ids].long()
         else:
@@ -369,7 +388,7 @@ class Moe(nn.Module):
         top, wts = self.route(u, ids)
         lim = self.a.swiglu_limit
         g, up, down = self.shared
-        shared = F.linear(F.silu(F.linear(u, g).clamp(max=lim)) * F.linear(u, up).clamp(-lim, lim), down)
+        shared = linear(F.silu(linear(u, g).clamp(max=lim)) * linear(u, up).clamp(-lim, lim), down)
         return self.bank(self.layer, u, top, wts).to(u.dtype) + shared
 
 
@@ -400,10 +419,12 @@ class DeepseekV4Model(nn.Module):
             return torch.cat([self.forward(ids[i : i + piece], st) for i in range(0, ids.shape[0], piece)])
         a, w, eps = self.a, self.w, self.a.rms_norm_eps
         st.tokens.extend(ids.tolist())
-        ids = ids.to(w["embed.weight"].device)
+        embed, dev = w["embed.weight"], w["norm.weight"].device
+        # the embedding may stay in host RAM (engine_model): its rows are gathered there
+        x = upload(embed[ids.to(embed.device)], dev, w["norm.weight"].dtype)
+        ids = ids.to(dev)
         pos = st.length + torch.arange(ids.shape[0], device=ids.device)
         st.length += ids.shape[0]
-        x = w["embed.weight"][ids]
         streams = x[:, None].expand(-1, a.hc_mult, -1).contiguous()
         for i in range(a.num_hidden_layers):
             p = f"layers.{i}"
@@ -424,9 +445,7 @@ class DeepseekV4Model(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden [T, H] -> FP32 logits [T, V]."""
-        return F.linear(
-            rms_norm(h, self.w["norm.weight"], self.a.rms_norm_eps), self.w["head.weight"]
-        ).float()
+        return linear(rms_norm(h, self.w["norm.weight"], self.a.rms_norm_eps), self.w["head.weight"]).float()
 
 
 def _is_expert(name: str) -> bool:
@@ -449,23 +468,59 @@ def dequantized(
 
 
 def dense_surplus(inventory: dict[str, tuple[tuple[int, ...], str]], act_bytes: int, embed: str) -> int:
-    """Bytes `engine_model` holds on the device beyond the stored weights other than `embed` (what a memory
-    plan counts): every weight dense in the activation dtype (FP8 blocks dequantized, scales dropped) and
-    the embedding with them. inventory: resident name -> (shape, safetensors dtype)."""
-    size = ELEM_BYTES
-    dense = stored = 0
-    for name, (shape, dtype) in inventory.items():
-        n = math.prod(shape)
-        stored += n * size[dtype] * (name != embed)
-        if not name.endswith(".scale"):
-            dense += n * (act_bytes if dtype in ("F8_E4M3", "BF16", "F16", "F32") else size[dtype])
-    return dense - stored
+    """Bytes `engine_model` with kernels holds on the device beyond the stored weights other than `embed`
+    (what a memory plan counts): FP8 matrices and their UE8M0 scales stay as stored and `embed` in host RAM,
+    so only the float tensors held in the activation dtype differ (F32 ones under BF16: less than stored,
+    a negative sum). inventory: resident name -> (shape, safetensors dtype)."""
+    return sum(
+        math.prod(shape) * (act_bytes - ELEM_BYTES[dtype])
+        for name, (shape, dtype) in inventory.items()
+        if name != embed and dtype in ("BF16", "F16", "F32")
+    )
 
 
-def engine_model(workdir, args: DeepseekV4Args, bank, dtype: torch.dtype, device) -> DeepseekV4Model:
-    """The model over a working directory's resident weights (dense in `dtype` on `device`) and `bank`; the
-    routers go to the bank for its next-layer guesses."""
-    weights = dequantized(workdir.load_resident(device=device), dtype)  # decoded where the model runs
+def resident_weights(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype, device, block: tuple[int, int], fp8_rows=()
+) -> dict[str, torch.Tensor | Linear]:
+    """Checkpoint tensors as the kernel path holds them: each FP8 matrix stays FP8 on `device` (a `Linear`
+    through the block-scaled kernel, one UE8M0 scale per `block` as stored), the BF16 matrices named in
+    `fp8_rows` (what the memory plan moves) become FP8 row-scaled, `embed.weight` stays in host RAM (one row
+    a token is gathered there) and every other float tensor goes to `device` in `dtype`."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".scale"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            scale = tensors[name.removesuffix(".weight") + ".scale"]
+            out[name] = Linear(t.to(device), scale.to(device), kernel=True, block=block)
+        elif name in fp8_rows:
+            q, scale = quantize_fp8_rows(t)
+            out[name] = Linear(q.to(device), scale.to(device), kernel=True)
+        elif name == "embed.weight":
+            out[name] = t.to(dtype)
+        else:
+            out[name] = t.to(device, dtype) if t.is_floating_point() else t.to(device)
+    return out
+
+
+def engine_model(
+    workdir, args: DeepseekV4Args, bank, dtype: torch.dtype, device, kernels: bool = False, fp8_rows=()
+) -> DeepseekV4Model:
+    """The model over a working directory's resident weights and `bank`: with `kernels`, FP8 as shipped
+    (`resident_weights`), else every weight dense in `dtype` on `device`; the routers go to the bank for its
+    next-layer guesses."""
+    if kernels:
+        quant = workdir.config.get("quantization_config") or {}
+        block = tuple(quant.get("weight_block_size", (mxfp4.FP8_BLOCK, mxfp4.FP8_BLOCK)))
+        weights = resident_weights(workdir.load_resident(), dtype, device, block, fp8_rows)
+        fp8 = [w.weight for w in weights.values() if isinstance(w, Linear)]
+        log.info(
+            "%d FP8 matrices (%.2f GiB) through the FP8 kernels",
+            len(fp8),
+            sum(w.numel() for w in fp8) / 2**30,
+        )
+    else:
+        weights = dequantized(workdir.load_resident(device=device), dtype)  # decoded where the model runs
     bank.set_router_weights(
         {i: weights[f"layers.{i}.ffn.gate.weight"] for i in range(args.num_hidden_layers)}
     )

@@ -119,7 +119,7 @@ class Engine:
         # the CUDA expert bank (Triton kernels for NVFP4 and MXFP4 blocks) on CUDA unless torch is asked for
         gpu = self.device.type == "cuda" and config.kernels != "torch"
         # qwen4_exp's small ops, FP8 matmuls and guesses: Triton where the expert kernels run, or when asked
-        # for (deepseek_v4's dense part is torch: its FP8 blocks are dequantized at load)
+        # for (deepseek_v4's small ops are torch; its FP8 matmuls take the same switch, below)
         kernels = (gpu or config.kernels == "triton") and not ds4
         self.plan = self._plan_gpu_memory() if gpu else None
         # sequences a scheduler may run together (each a state from new_state())
@@ -210,7 +210,16 @@ class Engine:
         self.decode = None  # one-token steps through CUDA graphs (runtime/decode_graphs.py)
         self._tokenizer = None
         if ds4:  # eager decode: its model declares no decode stages for the CUDA graphs
-            self.model = deepseek_v4.engine_model(self.workdir, self.args, self.bank, self.dtype, self.device)
+            # FP8 matrices as shipped through the block-scaled kernel wherever qwen4_exp's FP8 runs Triton
+            self.model = deepseek_v4.engine_model(
+                self.workdir,
+                self.args,
+                self.bank,
+                self.dtype,
+                self.device,
+                gpu or config.kernels == "triton",
+                self.plan.fp8 if self.plan else (),
+            )
             log.info("loaded %s on %s (%s) in %.1f s", self.workdir.path, self.device, self.dtype,
                      time.perf_counter() - t0)  # fmt: skip
             return
@@ -271,21 +280,15 @@ class Engine:
         held = torch.cuda.memory_reserved(self.device)
         budget = gpu_budget(c.gpu_memory_gb, c.gpu_memory_utilization, free, total)
         act = torch.finfo(self.dtype).bits // 8
-        # deepseek_v4's model holds its weights dequantized on the device (FP8 as stored is what the plan
-        # counts): the plan gets the budget they leave
+        # deepseek_v4's model holds its FP8 as stored and its other float tensors in the activation dtype: the
+        # plan gets the budget they leave (a negative surplus, F32 tensors held in BF16, stays margin)
         surplus = 0
         if self.ds4:
             inventory = {n: (i.shape, i.dtype) for n, i in read_header(self.workdir.resident_path).items()}
-            surplus = deepseek_v4.dense_surplus(inventory, act, "embed.weight")
+            surplus = max(0, deepseek_v4.dense_surplus(inventory, act, "embed.weight"))
         plan = self.workdir.memory_plan(
             budget - surplus, c.max_model_len, act, c.max_num_seqs, c.kv_pool_tokens
         )
-        if self.ds4 and plan.fp8:  # the plan would store matrices FP8 row-scaled; this model keeps them dense
-            raise ValueError(
-                f"a {budget / 2**30:.2f} GiB budget cannot hold this model's weights dequantized "
-                f"({surplus / 2**30:.2f} GiB beyond their stored size) with a {c.max_model_len}-token "
-                "context: raise --gpu-memory-gb or lower --max-model-len"
-            )
         # the allocator's limit is per process, so it covers what this process already holds plus the budget
         torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + held) / total), self.device.index or 0)
         log.info("%s", plan.describe())
