@@ -192,7 +192,10 @@ class SplitExperts(WrappedBank):
         self.captured_send = bool(self.n_cpu) and pin and send_capturable(dev)  # split_send in the graphs
         self._dev = torch.empty(2 * k + h, device=dev)  # the CPU's ids and weights, and x, packed on the GPU
         self._host = torch.empty(2 * k + h, pin_memory=pin)  # ... copied here
-        self._copied = torch.cuda.Event(external=self.captured_send) if pin else None  # that copy landed
+        # that copy landed (external: a captured record is a node the host can wait on after a replay)
+        self._copied = (
+            (torch.cuda.Event(external=True) if self.captured_send else torch.cuda.Event()) if pin else None
+        )
         self._out = torch.empty(1, h, pin_memory=pin)  # the CPU's sum, uploaded from here by split_sum
         self._sum = torch.empty(1, h, device=dev)  # ... to here
         self._scratch = torch.empty(cpu_moe.scratch_floats(self.layout, k, 1))
