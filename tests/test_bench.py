@@ -391,7 +391,8 @@ def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
         payload_bytes=2_500_000, cpu_gbps_in_place=40.0, cpu_threads=14, split_layers_per_token=4.0,
         split_launch_ms=0.3, split_launches_per_token=3.0, split_wait_ms=1.7, split_kernel_ms=1.0,
         split_send_in_graph=True, split_gpu_share_ms=1.5, split_gpu_idle_ms=0.3,
-        split_gpu_dense_ms_per_layer=0.38, split_kernel_call_ms=[0.2, 0.3, 0.9],
+        split_gpu_dense_ms_per_layer=0.38, split_kernel_call_ms=[0.2, 0.3, 0.9], graphs_per_token=6,
+        eager_stages_per_token=5,
     )  # fmt: skip
     results = {
         "vram": decode_result(1.6, [1, 2]),
@@ -407,7 +408,7 @@ def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
         "CPU kernel 1.00 (40.0 GB/s in place) on 14 threads (a call: median 0.200 ms, p90 0.300, max 0.900)"
         in table
     )
-    assert "outside the split calls 3.40" in table
+    assert "outside the split calls 3.40; a token replays 6 graphs around 5 eager stages; GPU" in table
     assert (
         "its share 1.50 ms, then idle until the CPU's sum 0.30 ms, dense work between layers 0.380" in table
     )

@@ -27,11 +27,17 @@ def gpu_split_times(split: SplitExperts, step, tokens: int = GPU_TIMED_TOKENS) -
 
 
 def split_fields(
-    split: SplitExperts, window: SplitTimes, cpu_bytes: int, tokens: int, gpu: SplitTimes | None
+    split: SplitExperts,
+    window: SplitTimes,
+    cpu_bytes: int,
+    tokens: int,
+    gpu: SplitTimes | None,
+    program: list[tuple[bool, list]] | None = None,
 ) -> dict:
     """The regime's split fields: host phases in ms a token over the timed tokens (`window`, in which the
     CPU read `cpu_bytes`), the GPU's from `gpu` (ms a token over GPU_TIMED_TOKENS, the dense part in ms a
-    layer), and the shapes the model needs."""
+    layer), the shapes the model needs, and with the decode graphs' `program` of a token (its runs:
+    (graphable, stages)) the graphs it replays and the eager stages between them."""
     ms = 1e3 / tokens
     out = {
         "split_layers_per_token": window.calls / tokens,
@@ -44,6 +50,9 @@ def split_fields(
         "payload_bytes": split.layout.payload_bytes,
         "block_bytes": split.layout.block_bytes,
     }
+    if program is not None:
+        out["graphs_per_token"] = sum(graphable for graphable, _ in program)
+        out["eager_stages_per_token"] = sum(len(stages) for graphable, stages in program if not graphable)
     if window.kernel > 0:  # the kernel's rate in place: beside the bus's reads of the same RAM
         out["cpu_gbps_in_place"] = cpu_bytes / window.kernel / 1e9
     calls = sorted(list(split.kernel_log)[-window.calls :]) if window.calls else []
@@ -114,6 +123,11 @@ def breakdown(name: str, r: dict) -> str:
         f"{r['split_wait_ms']:.2f} (the layer's dense GPU work and the sync), CPU kernel "
         f"{r['split_kernel_ms']:.2f}{rate}; outside the split calls {r['ms_per_token'] - host:.2f}"
     )
+    if "graphs_per_token" in r:
+        text += (
+            f"; a token replays {r['graphs_per_token']} graphs around {r['eager_stages_per_token']} eager "
+            "stages"
+        )
     if "split_gpu_share_ms" in r:
         text += (
             f"; GPU (CUDA events, {GPU_TIMED_TOKENS} more tokens): its share {r['split_gpu_share_ms']:.2f} "
