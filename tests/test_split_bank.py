@@ -12,6 +12,7 @@ from expertstream.experts.split_bank import (
     SplitTimes,
     cpu_experts,
     expert_seconds,
+    send_capturable,
     split_threads,
 )
 from expertstream.kernels import cpu_moe
@@ -269,6 +270,12 @@ def test_split_decode_in_graphs_equals_eager_on_cuda(tiny_workdir):
             h.release()
         rows, _ = continue_greedy(eng, [3 + i % 50 for i in range(40)], 12)
         assert eng.bank.decode_mode == "split" and eng.bank.times.calls == 12 * wd.num_layers
+        assert eng.bank.send_in_graph  # the graphs hold the send: one eager point a layer
         outs.append(rows)
         eng.close()
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_the_send_capture_probe_finds_a_capturing_device():
+    assert send_capturable(torch.device("cuda"))

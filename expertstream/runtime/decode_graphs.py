@@ -103,10 +103,10 @@ class _StateGraphs:
     """A state's captures, one per KV window and bank mode (in the runner's shared pool)."""
 
     def __init__(self):
-        # (KV window, KV address in the pool, per bank: every block placed for good, and where blocks
-        # reside): a bank that becomes fixed gets a program without its eager point per layer, one that
-        # becomes resident in RAM a program with its staging copies (decided while capturing), each captured
-        # anew; a capture that outlives a move of the state's KV is dropped
+        # (KV window, KV address in the pool, per bank its `decode_key`: every block placed for good, where
+        # blocks reside, a CPU share's size): a bank that becomes fixed gets a program without its eager
+        # point per layer, one that becomes resident in RAM a program with its staging copies (decided while
+        # capturing), each captured anew; a capture that outlives a move of the state's KV is dropped
         self.by_window: dict[tuple, _Captured] = {}
 
 
