@@ -73,9 +73,7 @@ class SplitTimes:
     calls: int = 0  # split layers
     launches: int = 0  # ... of which `launch` holds (each but a token's first)
     launch: float = 0.0  # from a split layer's end to the next one's wait (in a token): the stages between
-    wait: float = (
-        0.0  # waiting for the CPU's x: the GPU work queued before it (the layer's dense part) + sync
-    )
+    wait: float = 0.0  # for the CPU's x: the GPU work queued before it (the layer's dense part), the sync
     kernel: float = 0.0  # the CPU kernel (the C call: it gathers the blocks and scales, then computes)
     timed: int = 0  # split layers with GPU times
     gpu_share: float = 0.0  # GPU: the packing, its copy and the GPU's share of the experts
@@ -133,10 +131,12 @@ def send_capturable(device: torch.device) -> bool:
             done.synchronize()
             ok &= dst.item() == value
         torch.cuda.synchronize(device)
-        return ok
+        why = "the host's wait on the captured event did not hold"
     except (RuntimeError, TypeError) as e:  # TypeError: a torch without Event(external=...)
-        log.info("split_send stays eager: %s", e)
-        return False
+        ok, why = False, str(e)
+    if not ok:
+        log.info("split_send stays eager: %s", why)
+    return ok
 
 
 class SplitExperts(WrappedBank):
