@@ -130,7 +130,8 @@ class EngineConfig:
         default=0,
         metadata={
             "help": "CPU compute threads (torch's and the CPU expert kernel's); 0: the cores other processes "
-            "leave free, re-measured while running (llama.cpp's name)"
+            "leave free, re-measured while running, less 2 for a CPU share of GPU decode (the decode "
+            "thread's and the driver's) (llama.cpp's name)"
         },
     )
     cpu_moe_share: float = field(
@@ -138,7 +139,8 @@ class EngineConfig:
         metadata={
             "help": "GPU decode with every expert in the pinned RAM cache: the fraction of each layer's "
             "routed experts the CPU computes in place while the bus carries the rest; -1: chosen from the "
-            "bus and CPU kernel rates measured at start; 0: off (llama.cpp: --moe-cache-cpu-share)"
+            "bus and CPU kernel rates measured at start, then once more from both rates in place over the "
+            "first tokens (it may move or turn off); 0: off (llama.cpp: --moe-cache-cpu-share)"
         },
     )
     cpu_affinity: str | None = field(

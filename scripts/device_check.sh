@@ -11,9 +11,10 @@
 #              `check --fp8-dense both --layers` on it and on its cuts to $DEPTHS ("16 8 4")
 #   decode     `bench decode` on 4 full-shape layers, regimes $REGIMES (vram ram disk): efficiency against the
 #              bound, the regimes' greedy tokens, the block checksums' share of a disk-bound token
-#   cpu-share  the CPU share of GPU decode (--cpu-moe-share): `bench cpu --with-copy` on $CPU_THREADS (16)
-#              threads (the kernel alone and beside the copy engine), `plan`'s estimate, `bench decode` in
-#              vram ram ram_unstaged ram_CPU_share (the split's time breakdown and model), then shares
+#   cpu-share  the CPU share of GPU decode (--cpu-moe-share): `bench cpu --with-copy` on $CPU_THREADS (14:
+#              the split's default on 16 cores) threads (the kernel alone and beside the copy engine),
+#              `plan`'s estimate, `bench decode` in vram ram ram_unstaged ram_CPU_share (the auto share on
+#              the default threads: its breakdown, model, and the log's second weighing), then shares
 #              $SHARES (0.4) by hand on $SHARE_THREADS (8) threads
 #   serve      `bench serve` (Open WebUI's flow, 1/2/4 concurrent decodes) on 4 full-shape layers, with decode
 #              graphs and with --enforce-eager (shared fetches; $SERVE_MODES), in a $GPU_GB (4) GiB budget
@@ -91,18 +92,18 @@ part_decode() {
 part_cpu_share() {  # ~3 min: kernel beside the copy engine; plan; decode with every expert in RAM
   local share
   model 4
-  timeout ${KERNEL_S:-45} python3 -m expertstream bench cpu --threads ${CPU_THREADS:-16} --with-copy --tokens 0 \
+  timeout ${KERNEL_S:-45} python3 -m expertstream bench cpu --threads ${CPU_THREADS:-14} --with-copy --tokens 0 \
     2>&1 | grep -v INFO > $OUT/cpu_bench.txt
   grep -E "RAM read|full-shape|streams" $OUT/cpu_bench.txt
   timeout ${PLAN_S:-30} python3 -m expertstream plan $W/full-4-wd --gpu-memory-gb 8 --ram-cache-gb 7 2>&1 \
     | grep -v INFO | tail -4 | tee $OUT/cpu_share_plan.txt
-  # vram gives d (a layer's dense GPU work) to the split's model; the auto share may turn itself off
+  # vram gives d (a layer's dense GPU work) to the split's model; the auto share, on the free cores less 2,
+  # weighs itself again after its first tokens and may move or turn off (the log's lines)
   timeout ${BENCH_S:-170} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens 16 \
     --regimes vram ram ram_unstaged ram_CPU_share --out $OUT/cpu_share.md > $OUT/cpu_share.log 2>&1
   grep -E "^\| (vram|ram)|Greedy tokens|CPU share\`|^Model" $OUT/cpu_share.md
-  grep -E "CPU share (of|weighed)" $OUT/cpu_share.log | sed 's/.*INFO[^:]*: //'
-  # the share set by hand: split on every layer, its breakdown; on $SHARE_THREADS (8) of the cores, so that
-  # the kernel's pool does not fill every core beside the decode thread and the driver's
+  grep -E "CPU share (of|weighed)|split_send stays" $OUT/cpu_share.log | sed 's/.*INFO[^:]*: //'
+  # the share set by hand: split on every layer, its breakdown; on $SHARE_THREADS (8) of the cores
   for share in ${SHARES:-0.4}; do
     timeout ${SHARES_S:-60} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens 16 \
       --regimes ram_CPU_share --cpu-moe-share $share --threads ${SHARE_THREADS:-8} \

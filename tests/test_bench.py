@@ -385,13 +385,14 @@ def test_serve_throughput_table_gives_the_vram_columns_where_measured():
 
 def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
     # d = 1.6 / 4 = 0.4 ms; 10 blocks of 2.5 MB over a 50 GB/s bus 0.5 ms; 4 on the CPU at 40 GB/s 0.25 ms
-    # against the bus's 6 in 0.3 ms; host work in series (0.2 + 0.04 + 0.16) / 4 layers = 0.1 ms a layer
+    # against the bus's 6 in 0.3 ms
     split = dict(
         cpu_bytes_per_token=40e6, cpu_gbps=45.0, cpu_experts=4, k=10, block_bytes=2_500_000,
-        payload_bytes=2_500_000, cpu_gbps_in_place=40.0, cpu_threads=15, split_layers_per_token=4.0,
-        split_launch_ms=0.2, split_wait_ms=1.7, split_gather_ms=0.04, split_kernel_ms=1.0,
-        split_upload_ms=0.16, split_gpu_share_ms=1.2, split_gpu_idle_ms=0.3,
-        split_gpu_dense_ms_per_layer=0.38, split_kernel_call_ms=[0.2, 0.3, 0.9],
+        payload_bytes=2_500_000, cpu_gbps_in_place=40.0, cpu_threads=14, split_layers_per_token=4.0,
+        split_launch_ms=0.3, split_launches_per_token=3.0, split_wait_ms=1.7, split_kernel_ms=1.0,
+        split_send_in_graph=True, split_gpu_share_ms=1.5, split_gpu_idle_ms=0.3,
+        split_gpu_dense_ms_per_layer=0.38, split_kernel_call_ms=[0.2, 0.3, 0.9], graphs_per_token=6,
+        eager_stages_per_token=5,
     )  # fmt: skip
     results = {
         "vram": decode_result(1.6, [1, 2]),
@@ -399,21 +400,24 @@ def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
         "ram, CPU share": decode_result(6.4, [1, 2], pcie_bytes_per_token=60e6, **split),
     }
     table = decode_table(results, disk_gbps=2.0, pcie_gbps=50.0, layers=4)
-    assert "(4 split layers), decode thread: launch 0.20 ms, wait for x 1.70" in table
     assert (
-        "CPU kernel 1.00 (40.0 GB/s in place) on 15 threads (a call: median 0.200 ms, p90 0.300, max 0.900)"
+        "(4 split layers; x sent to the host captured with the GPU's share), decode thread: launch " in table
+    )
+    assert "launch between split layers 0.30 ms (0.100 ms each of 3), wait for x 1.70" in table
+    assert (
+        "CPU kernel 1.00 (40.0 GB/s in place) on 14 threads (a call: median 0.200 ms, p90 0.300, max 0.900)"
         in table
     )
-    assert "upload and add 0.16" in table
-    assert "outside the split calls 3.30" in table
+    assert "outside the split calls 3.40; a token replays 6 graphs around 5 eager stages; GPU" in table
     assert (
-        "its share 1.20 ms, then idle until the CPU's sum 0.30 ms, dense work between layers 0.380" in table
+        "its share 1.50 ms, then idle until the CPU's sum 0.30 ms, dense work between layers 0.380" in table
     )
     assert "the bus alone d + 10 blocks = 0.900 ms; split d + max(CPU 4, bus 6 blocks) = 0.700 ms" in table
-    assert "host work in series (0.100 ms: launch, gather, upload) 0.800 ms" in table
     assert "measured: split 1.600, `ram unstaged` 1.00" in table
-    # 3 on the CPU: 0.35 + 0.1; 5: 0.3125 + 0.1; 4 is the best
-    assert "best share at these rates: 4 of 10 experts, 0.800 ms a layer" in table
+    # 5 on the CPU: 0.3125 ms against the bus's 0.25; 4 is the best
+    assert "best share at these rates: 4 of 10 experts, 0.700 ms a layer, 1.29x the bus alone." in table
+    # the GPU's 6 blocks took 1.5 / 4 ms: 40 GB/s in place; 5 on each side 0.3125 ms
+    assert "its rate in place (40.0 GB/s, CUDA events): best 5 of 10, 0.713 ms a layer, 1.26x" in table
     # without the `vram` regime, d is the GPU's dense work between split layers
     del results["vram"]
     table = decode_table(results, disk_gbps=2.0, pcie_gbps=50.0, layers=4)

@@ -40,6 +40,31 @@ def test_kernel_matches_twin(t, threads):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_the_packed_call_gathers_its_experts_from_the_layers_tables():
+    """`moe_packed` (the split decode layer's call): ids, weights and x in one FP32 buffer, blocks and global
+    scales gathered from [E] tables on the C side, equal to `moe` on the gathered blocks bit for bit; on a
+    pool first made for more threads (its extra workers asleep) and on more again."""
+    layout = ExpertLayout.for_dims(96, 48)
+    blocks, ws2 = random_blocks(layout, 6, seed=3)
+    rows = torch.stack(blocks)  # [E, block_bytes]: a layer's rows, as in the RAM cache
+    addr = torch.arange(6, dtype=torch.long) * rows.stride(0) + rows.data_ptr()
+    g = torch.Generator().manual_seed(4)
+    ids, w, x = torch.tensor([4, 0, 5]), torch.rand(3, generator=g), torch.randn(96, generator=g)
+    packed = torch.cat((ids.float(), w, x, torch.full((7,), float("nan"))))  # room left past 2n + H is unread
+    want = cpu_moe.moe([blocks[e] for e in ids], ws2[ids], w[:, None], x[None], layout, 1)
+    scratch, out = torch.empty(cpu_moe.scratch_floats(layout, 6, 1)), torch.empty(1, 96)
+    for threads in (4, 2, 1, 4):
+        out.fill_(float("nan"))
+        cpu_moe.moe_packed(addr, ws2, packed, 3, out, scratch, layout, threads)
+        assert torch.equal(out, want)
+    packed[1] = 6.0  # no such expert in the layer
+    with pytest.raises(ValueError, match="refused"):
+        cpu_moe.moe_packed(addr, ws2, packed, 3, out, scratch, layout)
+    packed[1] = 0.5  # not an id
+    with pytest.raises(ValueError, match="refused"):
+        cpu_moe.moe_packed(addr, ws2, packed, 3, out, scratch, layout)
+
+
 def test_kernel_reads_every_code_and_the_nibble_order():
     # a one-hot input picks single columns: any swap of the two nibbles of a byte changes the result
     layout = ExpertLayout.for_dims(32, 16)

@@ -6,7 +6,15 @@ import torch
 
 from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.experts.gpu_bank import GpuExperts
-from expertstream.experts.split_bank import SplitExperts, SplitTimes, cpu_experts, expert_seconds
+from expertstream.experts.split_bank import (
+    SPARE_CORES,
+    SplitExperts,
+    SplitTimes,
+    cpu_experts,
+    expert_seconds,
+    send_capturable,
+    split_threads,
+)
 from expertstream.kernels import cpu_moe
 from expertstream.store import ExpertStore
 from expertstream.workdir.workdir import Workdir
@@ -24,27 +32,43 @@ def test_the_share_balances_the_two_sides():
     assert cpu_experts(8, cpu_gbps=1e3, bus_gbps=1.0) == 8
 
 
-def test_host_work_in_series_can_make_the_split_lose():
+def test_the_bus_alone_is_weighed_at_its_own_rate():
     block = 1_000_000  # 10 blocks at 50 GB/s: 0.2 ms; 4 of them at 40 GB/s: 0.1 ms against the bus's 0.12
     assert expert_seconds(10, 0, block, 40.0, 50.0) == pytest.approx(2e-4)
-    assert expert_seconds(10, 4, block, 40.0, 50.0, overhead_s=1e-5) == pytest.approx(1.3e-4)
+    assert expert_seconds(10, 4, block, 40.0, 50.0) == pytest.approx(1.2e-4)
     assert expert_seconds(10, 4, block, 0.0, 50.0) == float("inf")
     assert cpu_experts(10, 40.0, 50.0, block) == 4
-    assert cpu_experts(10, 40.0, 50.0, block, overhead_s=5e-5) == 4  # 0.17 ms: still ahead
-    assert cpu_experts(10, 40.0, 50.0, block, overhead_s=1e-4) == 0  # 0.22 ms: the bus alone wins
+    # the bus at 20 GB/s beside the CPU: 7 on the CPU (0.175 ms) against 3 in 0.15 ms, below 0.2 alone
+    assert cpu_experts(10, 40.0, 20.0, block, alone_gbps=50.0) == 7
+    # at 5 GB/s beside it: 9 on the CPU take 0.225 ms; the bus alone at 50 GB/s wins
+    assert cpu_experts(10, 40.0, 5.0, block, alone_gbps=50.0) == 0
+    assert cpu_experts(10, 40.0, 5.0, block) == 9  # weighed at 5 GB/s, the bus alone would lose
+
+
+def test_the_split_threads_leave_cores_to_the_decode_thread():
+    class Threads:  # a CpuThreads: `--threads` in fixed, the free cores when called
+        def __init__(self, fixed, free):
+            self.fixed, self.free = fixed, free
+
+        def __call__(self):
+            return self.fixed or self.free
+
+    assert split_threads(Threads(0, 16))() == 16 - SPARE_CORES
+    assert split_threads(Threads(0, 2))() == 1
+    assert split_threads(Threads(8, 16))() == 8  # set by hand: kept
 
 
 def test_split_times_add_up_and_subtract():
-    a = SplitTimes(calls=4, launch=1.0, wait=2.0, gather=0.5, kernel=3.0, upload=0.25, timed=2, gpu_share=1.0)
-    b = SplitTimes(calls=1, launch=0.5, wait=1.0, gather=0.25, kernel=1.0, upload=0.25)
-    assert a.host == 6.75
+    a = SplitTimes(calls=4, launches=3, launch=1.0, wait=2.0, kernel=3.0, timed=2, gpu_share=1.0)
+    b = SplitTimes(calls=1, launch=0.5, wait=1.0, kernel=1.0)
+    assert a.host == 6.0
     d = a - b
-    assert (d.calls, d.launch, d.wait, d.kernel, d.upload, d.timed, d.gpu_share) == (
+    assert (d.calls, d.launches, d.launch, d.wait, d.kernel, d.timed, d.gpu_share) == (
+        3,
         3,
         0.5,
         1.0,
         2.0,
-        0,
         2,
         1.0,
     )
@@ -88,7 +112,9 @@ def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_dev
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
         assert bank.cpu_blocks == wd.num_layers * bank.n_cpu  # each layer's share ran on the CPU
         t, after = bank.split_times() - t0, bank.counters()
-        assert t.calls == wd.num_layers and min(t.launch, t.wait, t.gather, t.kernel, t.upload) > 0
+        # a launch between each pair of consecutive split layers
+        assert t.calls == wd.num_layers and t.launches == wd.num_layers - 1
+        assert min(t.launch, t.wait, t.kernel) > 0
         assert len(bank.kernel_log) == t.calls and sum(bank.kernel_log) == pytest.approx(t.kernel)
         # the split layers' phases are the bank's decode time, the wait for x its sync time
         decode = after.bank_decode_seconds - before.bank_decode_seconds
@@ -99,8 +125,10 @@ def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_dev
             assert min(t.gpu_share, t.gpu_idle, t.gpu_dense) > 0
         assert bank.host_syncs == syncs + wd.num_layers  # one read-back a layer
         assert bank.counters().resident_ram_reads == wd.num_layers * (k - bank.n_cpu)  # the bus's share
-        # every expert on the CPU: the GPU kernel is not launched at all
+        # every expert on the CPU: the GPU kernel is not launched at all; the decode graphs capture anew
+        key = bank.decode_key
         bank.n_cpu = k
+        assert bank.decode_key != key
         x, ids, w = routing(wd, 1, seed=99)
         got = bank(2, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
         torch.testing.assert_close(got, ref(2, x, ids, w), rtol=2e-5, atol=2e-5 * got.abs().max().item())
@@ -137,22 +165,54 @@ def test_the_auto_share_turns_off_where_its_host_work_outweighs_the_bus(
         x, ids, w = routing(wd, 4, seed=1)
         bank(0, *(v.to(kernel_device) for v in (x, ids, w)))  # a prompt: the GPU bank adopts the rows
         assert bank.splitting
-        for call in range(3 * layers + 1):
-            layer = call % layers
+        # the first split token starts at layer 1: the share is weighed between tokens, at a last layer
+        # past the 3L-th call (a token's program keeps one share throughout)
+        for call in range(4 * layers):
+            layer = (call + 1) % layers
             x, ids, w = routing(wd, 1, seed=20 + call)
             got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
             want = ref(layer, x, ids, w)
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
-            assert bank.splitting == (call + 1 < 3 * layers)  # weighed again at the end of the 3L-th call
+            assert bank.splitting == (call + 1 < 4 * layers - 1)
         assert bank.n_cpu == 0 and bank.adapt_calls is None and bank.decode_mode == gpu.decode_mode
-        assert bank.split_times().calls == 3 * layers
+        assert bank.split_times().calls == 4 * layers - 1
         bank.close()
 
 
 @needs_kernel
-def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device):
-    """The decode graphs' stages of a split layer (x to the host and the CPU's share eager, the GPU's share
-    and the sum graphable), run eagerly, give the layers' own forward bit for bit."""
+def test_the_auto_share_moves_to_the_best_share_at_the_rates_in_place(
+    tiny_workdir, host_alloc, kernel_device
+):
+    wd = Workdir(tiny_workdir)
+    k, payload = wd.text_config["num_experts_per_tok"], wd.layout.payload_bytes
+    with ExpertStore(wd, 1 << 20, io_threads=2, **host_alloc) as store:
+        # K = 4; a CPU as fast as the bus (50 GB/s) at start takes half
+        bank = SplitExperts(GpuExperts(wd, store, 8, kernel_device), wd, share=-1.0, threads=lambda: 1,
+                            bus_gbps=50.0, cpu_gbps=50.0)  # fmt: skip
+        assert k == 4 and bank.n_cpu == 2
+
+        def weigh(cpu_gbps, bus_gbps):  # 10 split layers at those rates in place, n = 2
+            bank.n_cpu = 2
+            n_bytes = 2 * payload * 10
+            bank.weigh(SplitTimes(calls=10, kernel=n_bytes / cpu_gbps / 1e9, timed=10,
+                                  gpu_share=n_bytes / bus_gbps / 1e9))  # fmt: skip
+            return bank.n_cpu
+
+        # 2 blocks each side at 30 GB/s (2 / 30) beat the bus alone's 4 at 50 (4 / 50)
+        assert weigh(30.0, 30.0) == 2
+        # the CPU at 60 and the bus at 20 beside it: 3 on the CPU (3 / 60 against 1 / 20)
+        assert weigh(60.0, 20.0) == 3
+        # the CPU at 10: its one block (1 / 10) is slower than the bus alone's 4 (4 / 50): off
+        assert weigh(10.0, 40.0) == 0
+        assert not bank.splitting
+        bank.close()
+
+
+@needs_kernel
+@pytest.mark.parametrize("send_in_graph", [False, True], ids=["eager-send", "captured-send"])
+def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device, send_in_graph):
+    """The decode graphs' stages of a split layer (x to the host eager or graphable, the CPU's share eager,
+    the GPU's share and the sum graphable), run eagerly, give the layers' own forward bit for bit."""
     from test_decode_graphs import continue_greedy, layers_step
 
     from expertstream.config import EngineConfig
@@ -174,10 +234,12 @@ def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device):
     prompt = [3 + i % 50 for i in range(20)]
     want, _ = continue_greedy(eng, prompt, 4, step=layers_step(eng))  # the prompt adopts the RAM rows
     assert bank.decode_mode == "split"
+    bank.captured_send = send_in_graph  # as the CUDA probe (`send_capturable`) finds
     runs = DecodeGraphs(eng.model, capture=False).program(eng.new_state(), kv_len=256)
     eager = sum(len(stages) for graphable, stages in runs if not graphable)
-    # host inputs, QSA selections, and per layer x to the host and the CPU's share
-    assert eager == 1 + sum(t != "linear_attention" for t in a.layer_types) + 2 * a.num_hidden_layers
+    # host inputs, QSA selections, and per layer the CPU's share (and x to the host unless captured)
+    per_layer = 1 if send_in_graph else 2
+    assert eager == 1 + sum(t != "linear_attention" for t in a.layer_types) + per_layer * a.num_hidden_layers
     program, calls, reads = DecodeGraphs(eng.model, capture=False), bank.times.calls, bank.resident_reads
     got, _ = continue_greedy(
         eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
@@ -208,6 +270,12 @@ def test_split_decode_in_graphs_equals_eager_on_cuda(tiny_workdir):
             h.release()
         rows, _ = continue_greedy(eng, [3 + i % 50 for i in range(40)], 12)
         assert eng.bank.decode_mode == "split" and eng.bank.times.calls == 12 * wd.num_layers
+        assert eng.bank.send_in_graph  # the graphs hold the send: one eager point a layer
         outs.append(rows)
         eng.close()
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_the_send_capture_probe_finds_a_capturing_device():
+    assert send_capturable(torch.device("cuda"))

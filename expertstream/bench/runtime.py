@@ -40,6 +40,7 @@ from expertstream.config import EngineConfig
 from expertstream.experts.split_bank import SplitExperts
 from expertstream.log import get_logger
 from expertstream.memory_plan import GiB
+from expertstream.models.attention import kv_bucket
 from expertstream.runtime.probes import disk_rate, pcie_rate
 
 log = get_logger(__name__)
@@ -177,6 +178,8 @@ def decode_regime(
         window, cpu_bytes = split.split_times() - times0, split.cpu_bytes - cpu0
     all_syncs = count_cuda_syncs(lambda: [eng.forward(state, [last]).argmax() for _ in range(2)]) / 2
     gpu_times = gpu_split_times(split, lambda: eng.forward(state, [last])) if split else None
+    # the decode graphs' program of a token as the timed ones ran it: its graphs and eager stages
+    program = eng.decode.program(state, kv_bucket(state.pos + 1, state.max_model_len)) if eng.decode else None
     profiled = profile_tokens(lambda: eng.forward(state, [last]), profile_to) if profile_to else None
     out = {
         "tokens": generated,
@@ -218,7 +221,7 @@ def decode_regime(
     if split:  # its bytes, the kernel's rate measured at start, where its time went
         out["cpu_bytes_per_token"] = cpu_bytes / tokens
         out["cpu_gbps"] = split.cpu_gbps or 0.0
-        out.update(split_fields(split, window, cpu_bytes, tokens, gpu_times))
+        out.update(split_fields(split, window, cpu_bytes, tokens, gpu_times, program))
     if s1.staged_blocks > s0.staged_blocks:  # RAM-resident decode acts on guesses only by staging them
         out["spec_hit_rate"] = out["stage_hit_rate"]
         out["spec_wasted_bytes_per_token"] = out["staged_waste_bytes_per_token"]

@@ -1,10 +1,10 @@
 """`bench decode`'s report of the CPU share of decode (`ram, CPU share`, experts/split_bank.py): where a split
 layer's time goes, measured, and what the split can reach on this box by its model.
 
-A split layer costs about d + max(CPU kernel, the GPU's share over the bus) + the host work in series
-(launch, gather, upload, the sync), where the bus alone costs d + all K blocks over the bus: d, the layer's
-dense GPU work, is in both (the CPU needs the layer's x, the next layer needs its sum), so the split pays only
-where max(...) + host work < K blocks over the bus.
+A split layer costs about d + max(CPU kernel, the GPU's share over the bus), where the bus alone costs d +
+all K blocks over the bus: d, the layer's dense GPU work, is in both (the CPU needs the layer's x, the next
+layer needs its sum), so the split pays only where max(...) < K blocks over the bus; the host's launch work
+between two split layers hides behind d while it is shorter.
 """
 
 from __future__ import annotations
@@ -27,23 +27,32 @@ def gpu_split_times(split: SplitExperts, step, tokens: int = GPU_TIMED_TOKENS) -
 
 
 def split_fields(
-    split: SplitExperts, window: SplitTimes, cpu_bytes: int, tokens: int, gpu: SplitTimes | None
+    split: SplitExperts,
+    window: SplitTimes,
+    cpu_bytes: int,
+    tokens: int,
+    gpu: SplitTimes | None,
+    program: list[tuple[bool, list]] | None = None,
 ) -> dict:
     """The regime's split fields: host phases in ms a token over the timed tokens (`window`, in which the
     CPU read `cpu_bytes`), the GPU's from `gpu` (ms a token over GPU_TIMED_TOKENS, the dense part in ms a
-    layer), and the shapes the model needs."""
+    layer), the shapes the model needs, and with the decode graphs' `program` of a token (its runs:
+    (graphable, stages)) the graphs it replays and the eager stages between them."""
     ms = 1e3 / tokens
     out = {
         "split_layers_per_token": window.calls / tokens,
-        **{
-            f"split_{p}_ms": getattr(window, p) * ms for p in ("launch", "wait", "gather", "kernel", "upload")
-        },
+        **{f"split_{p}_ms": getattr(window, p) * ms for p in ("launch", "wait", "kernel")},
+        "split_launches_per_token": window.launches / tokens,
+        "split_send_in_graph": split.captured_send,
         "cpu_experts": split.n_cpu,
         "cpu_threads": split.threads(),
         "k": split.k,
         "payload_bytes": split.layout.payload_bytes,
         "block_bytes": split.layout.block_bytes,
     }
+    if program is not None:
+        out["graphs_per_token"] = sum(graphable for graphable, _ in program)
+        out["eager_stages_per_token"] = sum(len(stages) for graphable, stages in program if not graphable)
     if window.kernel > 0:  # the kernel's rate in place: beside the bus's reads of the same RAM
         out["cpu_gbps_in_place"] = cpu_bytes / window.kernel / 1e9
     calls = sorted(list(split.kernel_log)[-window.calls :]) if window.calls else []
@@ -104,13 +113,21 @@ def breakdown(name: str, r: dict) -> str:
     if "split_kernel_call_ms" in r:  # a mean far above the median: a few calls held up
         med, p90, top = r["split_kernel_call_ms"]
         rate += f" (a call: median {med:.3f} ms, p90 {p90:.3f}, max {top:.3f})"
-    host = sum(r[f"split_{p}_ms"] for p in ("launch", "wait", "gather", "kernel", "upload"))
+    host = sum(r[f"split_{p}_ms"] for p in ("launch", "wait", "kernel"))
+    launches = r.get("split_launches_per_token", 0)
+    per = f" ({r['split_launch_ms'] / launches:.3f} ms each of {launches:.0f})" if launches else ""
+    send = "captured with the GPU's share" if r.get("split_send_in_graph") else "eager"
     text = (
-        f"\n`{name}` a token ({r['split_layers_per_token']:.0f} split layers), decode thread: launch "
-        f"{r['split_launch_ms']:.2f} ms, wait for x {r['split_wait_ms']:.2f} (the layer's dense GPU work and "
-        f"the sync), gather {r['split_gather_ms']:.2f}, CPU kernel {r['split_kernel_ms']:.2f}{rate}, upload "
-        f"and add {r['split_upload_ms']:.2f}; outside the split calls {r['ms_per_token'] - host:.2f}"
+        f"\n`{name}` a token ({r['split_layers_per_token']:.0f} split layers; x sent to the host {send}), "
+        f"decode thread: launch between split layers {r['split_launch_ms']:.2f} ms{per}, wait for x "
+        f"{r['split_wait_ms']:.2f} (the layer's dense GPU work and the sync), CPU kernel "
+        f"{r['split_kernel_ms']:.2f}{rate}; outside the split calls {r['ms_per_token'] - host:.2f}"
     )
+    if "graphs_per_token" in r:
+        text += (
+            f"; a token replays {r['graphs_per_token']} graphs around {r['eager_stages_per_token']} eager "
+            "stages"
+        )
     if "split_gpu_share_ms" in r:
         text += (
             f"; GPU (CUDA events, {GPU_TIMED_TOKENS} more tokens): its share {r['split_gpu_share_ms']:.2f} "
@@ -132,20 +149,26 @@ def model(r: dict, results: dict[str, dict], pcie_gbps: float, layers: int) -> s
     k, n, block = r["k"], r["cpu_experts"], r["block_bytes"]
     cpu = r.get("cpu_gbps_in_place", r["cpu_gbps"])
     per_layer = r["split_layers_per_token"]
-    over = (r["split_launch_ms"] + r["split_gather_ms"] + r["split_upload_ms"]) / per_layer / 1e3
     alone = d + expert_seconds(k, 0, block, cpu, pcie_gbps) * 1e3
-    ideal = d + expert_seconds(k, n, block, cpu, pcie_gbps) * 1e3
-    real = d + expert_seconds(k, n, block, cpu, pcie_gbps, over) * 1e3
-    best = cpu_experts(k, cpu, pcie_gbps, block, over)
-    reach = d + expert_seconds(k, best, block, cpu, pcie_gbps, over) * 1e3
+    split = d + expert_seconds(k, n, block, cpu, pcie_gbps) * 1e3
+    best = cpu_experts(k, cpu, pcie_gbps, block)
+    reach = d + expert_seconds(k, best, block, cpu, pcie_gbps) * 1e3
     measured = r["ms_per_token"] / per_layer
     ram = "".join(
         f", `{m}` {results[m]['ms_per_token'] / layers:.2f}" for m in ("ram", "ram unstaged") if m in results
     )
-    return (
+    text = (
         f"\nModel a layer (d = {d:.3f} ms, {where}; CPU kernel {cpu:.1f} GB/s, bus {pcie_gbps:.1f} GB/s): "
         f"the bus alone d + {k} blocks = {alone:.3f} ms; split d + max(CPU {n}, bus {k - n} blocks) = "
-        f"{ideal:.3f} ms, with this run's host work in series ({over * 1e3:.3f} ms: launch, gather, upload) "
-        f"{real:.3f} ms; measured: split {measured:.3f}{ram}. The model's best share at these rates: {best} "
-        f"of {k} experts, {reach:.3f} ms a layer, {alone / reach:.2f}x the bus alone.\n"
+        f"{split:.3f} ms; measured: split {measured:.3f}{ram}. The model's best share at these rates: {best} "
+        f"of {k} experts, {reach:.3f} ms a layer, {alone / reach:.2f}x the bus alone."
     )
+    if r.get("split_gpu_share_ms") and k > n:  # the GPU's share read beside the CPU's reads of the same RAM
+        bus = (k - n) * block / (r["split_gpu_share_ms"] / per_layer / 1e3) / 1e9
+        best = cpu_experts(k, cpu, bus, block, alone_gbps=pcie_gbps)
+        reach = d + expert_seconds(k, best, block, cpu, bus if best else pcie_gbps) * 1e3
+        text += (
+            f" With the GPU's share at its rate in place ({bus:.1f} GB/s, CUDA events): best {best} of {k}, "
+            f"{reach:.3f} ms a layer, {alone / reach:.2f}x the bus alone."
+        )
+    return text + "\n"

@@ -388,9 +388,9 @@ def main(args: argparse.Namespace) -> int:
         print(disk_report(model), end="\n\n")
     print(report(plan, tb, disk, pcie, cfg.ram_cache_gb, prompts))
     if tb.ram_holds_all and tb.over_bus and pcie:
+        from expertstream.experts.split_bank import split_threads
         from expertstream.runtime.cpu_threads import CpuThreads
 
-        print(
-            "\n" + "\n".join(cpu_share_lines(tb, k, pcie, *cpu_rate(args, model, CpuThreads(cfg.threads)())))
-        )
+        threads = split_threads(CpuThreads(cfg.threads))()  # those the share runs on
+        print("\n" + "\n".join(cpu_share_lines(tb, k, pcie, *cpu_rate(args, model, threads))))
     return 0

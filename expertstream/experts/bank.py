@@ -80,6 +80,12 @@ class ExpertBank(ABC):
     def decode_mode(self) -> str:
         return "eager"
 
+    @property
+    def decode_key(self) -> tuple:
+        """What a captured decode program depends on in the bank: the decode graphs capture anew when it
+        changes (every block placed for good, and where blocks reside; a CPU share's size)."""
+        return (self.decode_mode == "fixed", self.resident)
+
     def decode_want(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} decodes eagerly")
 
@@ -158,6 +164,10 @@ class WrappedBank(ExpertBank):
     @property
     def decode_mode(self) -> str:
         return self.bank.decode_mode
+
+    @property
+    def decode_key(self) -> tuple:
+        return self.bank.decode_key
 
     def decode_want(self, layer, x, expert_ids):
         return self.bank.decode_want(layer, x, expert_ids)

@@ -6,15 +6,19 @@ GPU bank's decode kernel, and the two sums are added on the GPU.
 (experts/bank.py). Until every block has a fixed RAM row, and for prompts, it is the GPU bank. Once they have,
 a one-token layer runs as the "split" decode mode's stages: the last n of the K routed experts (top-k
 order: the smallest weights) go to the CPU, the first K - n to the GPU, a split that needs nothing from the
-host. Eagerly, the CPU's ids, weights and x are copied to the host (split_send); the GPU's share is queued
-behind that copy (split_gpu, in the decode graphs a captured launch); the host waits for the copy alone,
-runs the CPU kernel while the bus carries the GPU's blocks and uploads its [H] sum (split_cpu); the sum is
-added on the GPU (split_sum, captured with the rest of the layer).
+host. split_send packs the CPU's ids, weights and x into one buffer and copies it to pinned host memory, an
+event behind the copy; split_gpu queues the GPU's share behind it; split_cpu (eager) waits for that event
+alone, runs the C kernel (which gathers the blocks from the layer's address table itself) while the bus
+carries the GPU's blocks; split_sum uploads the CPU's [H] sum and adds it. Where the device captures a
+copy to pinned memory and an external event (`send_capturable`, probed once), split_send is captured too,
+so the decode graphs keep one eager point a layer (split_cpu) and replay one graph between two of them.
 
-A split layer then takes about d + max(CPU bytes / CPU rate, GPU bytes / bus rate) + the host work in
-series (launch, gather, upload, the sync), against d + all its bytes over the bus in one graph: d, the
-layer's dense GPU work, is in both, so the split pays only where the rest is shorter (`expert_seconds`).
-`SplitTimes` holds where the time went, phase by phase, and with CUDA events the GPU's (the bench prints it).
+A split layer then takes about d + max(CPU bytes / CPU rate, GPU bytes / bus rate) (the CPU's side holds
+the sync and the kernel's call), against d + all its bytes over the bus: d, the layer's dense GPU work, is
+in both, so the split pays only where the rest is shorter (`expert_seconds`). `SplitTimes` holds where the
+time went, phase by phase, and with CUDA events the GPU's (the bench prints it). The kernel runs on the
+free cores less `SPARE_CORES` unless --threads says otherwise (`split_threads`): on every core its spinning
+pool starves the decode thread and the driver's.
 """
 
 from __future__ import annotations
@@ -34,29 +38,31 @@ from expertstream.log import get_logger
 log = get_logger(__name__)
 
 
-def expert_seconds(
-    k: int, n: int, block_bytes: int, cpu_gbps: float, bus_gbps: float, overhead_s: float = 0.0
-) -> float:
+def expert_seconds(k: int, n: int, block_bytes: int, cpu_gbps: float, bus_gbps: float) -> float:
     """Seconds a decode layer's k routed experts take beyond its dense GPU work, which a split layer waits
-    for as the bus alone does: with n on the CPU, the slower of the CPU's n blocks and the bus's k - n,
-    plus `overhead_s` of host work in series that a split layer adds (launches, gathering, the upload, the
-    sync); with none, the bus's k."""
+    for as the bus alone does: with n on the CPU, the slower of the CPU's n blocks (the kernel's call,
+    gathering its blocks included) and the bus's k - n; with none, the bus's k."""
     bus = (k - n) * block_bytes / (bus_gbps * 1e9)
     if n == 0:
         return bus
     if cpu_gbps <= 0:
         return math.inf
-    return max(n * block_bytes / (cpu_gbps * 1e9), bus) + overhead_s
+    return max(n * block_bytes / (cpu_gbps * 1e9), bus)
 
 
 def cpu_experts(
-    k: int, cpu_gbps: float, bus_gbps: float, block_bytes: int = 1, overhead_s: float = 0.0
+    k: int, cpu_gbps: float, bus_gbps: float, block_bytes: int = 1, alone_gbps: float | None = None
 ) -> int:
     """Routed experts a layer the CPU takes: the n whose layer takes least by `expert_seconds` (both sides
-    about equal without overhead; 0 when no share beats the bus alone; the smaller n on a tie)."""
+    about equal), 0 when no share beats the bus alone, at `alone_gbps` when given (the bus's rate without
+    the CPU reading the same RAM); the smaller n on a tie."""
     if cpu_gbps <= 0 or bus_gbps <= 0:
         return 0
-    return min(range(k + 1), key=lambda n: expert_seconds(k, n, block_bytes, cpu_gbps, bus_gbps, overhead_s))
+
+    def cost(n: int) -> float:
+        return expert_seconds(k, n, block_bytes, cpu_gbps, alone_gbps if n == 0 and alone_gbps else bus_gbps)
+
+    return min(range(k + 1), key=cost)
 
 
 @dataclasses.dataclass
@@ -65,21 +71,20 @@ class SplitTimes:
     order, then the GPU's, from CUDA events while `SplitExperts.gpu_timing` is on."""
 
     calls: int = 0  # split layers
-    launch: float = 0.0  # x, ids and weights packed, their copy to the host queued, the GPU's share launched
-    wait: float = 0.0  # waiting for that copy: the GPU work queued before it (the layer's dense part) + sync
-    gather: float = 0.0  # the CPU's block addresses and scales gathered
-    kernel: float = 0.0  # the CPU kernel (the C call)
-    upload: float = 0.0  # the CPU's sum uploaded and added to the GPU's
+    launches: int = 0  # ... of which `launch` holds (each but a token's first)
+    launch: float = 0.0  # from a split layer's end to the next one's wait (in a token): the stages between
+    wait: float = 0.0  # for the CPU's x: the GPU work queued before it (the layer's dense part), the sync
+    kernel: float = 0.0  # the CPU kernel (the C call: it gathers the blocks and scales, then computes)
     timed: int = 0  # split layers with GPU times
     gpu_share: float = 0.0  # GPU: the packing, its copy and the GPU's share of the experts
-    gpu_idle: float = 0.0  # GPU: from there to the sum, mostly waiting for the CPU's
-    gpu_dense: float = 0.0  # GPU: from a split layer's sum to the next layer's start (its dense work)
+    gpu_idle: float = 0.0  # GPU: from there until the CPU's sum is computed (waiting for it)
+    gpu_dense: float = 0.0  # GPU: from there to the next layer's start (upload, add, its dense work)
     dense_gaps: int = 0  # pairs of consecutive layers gpu_dense sums over
 
     @property
     def host(self) -> float:
         """The decode thread's time in split calls."""
-        return self.launch + self.wait + self.gather + self.kernel + self.upload
+        return self.launch + self.wait + self.kernel
 
     def __sub__(self, other: SplitTimes) -> SplitTimes:
         return SplitTimes(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -88,6 +93,50 @@ class SplitTimes:
 # how long the CPU kernel's idle threads spin before sleeping while decode splits: past a layer's dense GPU
 # work (~0.4 ms for a full-shape layer on an H100), so that each call finds them running
 SPLIT_SPIN_S = 0.002
+# cores the kernel's threads leave to the rest of this process by default: the decode thread, the driver's
+SPARE_CORES = 2
+
+
+def split_threads(threads) -> Callable[[], int]:
+    """The CPU share's threads from a `CpuThreads`: `--threads` as given, else its free cores less
+    SPARE_CORES (at least 1)."""
+    return lambda: threads.fixed or max(1, threads() - SPARE_CORES)
+
+
+def send_capturable(device: torch.device) -> bool:
+    """Whether a CUDA graph here holds split_send: a copy into pinned host memory and an external event the
+    host waits on after a replay. Probed with a graph that sleeps on the GPU before the copy, so an event
+    that did not wait for it would leave the old value."""
+    try:
+        src, dst = torch.zeros(1, device=device), torch.zeros(1, pin_memory=True)
+        done, graph, stream = (
+            torch.cuda.Event(external=True),
+            torch.cuda.CUDAGraph(),
+            torch.cuda.Stream(device),
+        )
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                torch.cuda._sleep(1 << 20)  # ~0.5 ms
+                dst.copy_(src, non_blocking=True)
+                done.record()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        ok = True
+        for value in (1.0, 2.0):
+            src.fill_(value)
+            graph.replay()
+            done.synchronize()
+            ok &= dst.item() == value
+        torch.cuda.synchronize(device)
+        why = "the host's wait on the captured event did not hold"
+    except (RuntimeError, TypeError) as e:  # TypeError: a torch without Event(external=...)
+        ok, why = False, str(e)
+    if not ok:
+        log.info("split_send stays eager: %s", why)
+    return ok
 
 
 class SplitExperts(WrappedBank):
@@ -98,11 +147,11 @@ class SplitExperts(WrappedBank):
             decode methods are used; any other attribute is the GPU bank's.
         workdir: the `Workdir` (layout, global scales, K).
         share: fraction of a layer's K routed experts the CPU computes (rounded to whole experts); < 0: chosen
-            from `cpu_gbps` and `bus_gbps` (`cpu_experts`), then once more from the kernel's rate and the
-            host work measured in the first split tokens (`_adapt`), which may turn the share off.
-        threads: callable -> the CPU kernel's threads now (`CpuThreads`).
+            from `cpu_gbps` and `bus_gbps` (`cpu_experts`), then once more from the rates and host work
+            measured in the first split tokens (`weigh`), which may move the share or turn it off.
+        threads: callable -> the CPU kernel's threads now (`split_threads`).
         bus_gbps: the host -> device rate (needed when share < 0).
-        cpu_gbps: the CPU kernel's rate; None: measured on the RAM cache's rows.
+        cpu_gbps: the CPU kernel's rate; None: measured on the RAM cache's rows on `threads()` threads.
     """
 
     def __init__(
@@ -117,9 +166,10 @@ class SplitExperts(WrappedBank):
         super().__init__(gpu)
         self.layout, self.threads = workdir.layout, threads
         self.k = k = workdir.text_config["num_experts_per_tok"]
-        self.ws2 = workdir.expert_scales()[0].float()  # [L, E, 3] on the host
+        self.last_layer = workdir.num_layers - 1
+        self.ws2 = workdir.expert_scales()[0].float().contiguous()  # [L, E, 3] on the host
         host = gpu.host_blocks
-        usable = host is not None and cpu_moe.library() is not None
+        usable = host is not None and cpu_moe.library() is not None and k <= cpu_moe.NMAX
         self.cpu_gbps, self.bus_gbps = cpu_gbps, bus_gbps
         if not usable:
             self.n_cpu = 0
@@ -135,25 +185,30 @@ class SplitExperts(WrappedBank):
             if self.n_cpu:  # the pool's threads stay up over a layer's dense GPU work between two calls
                 cpu_moe.set_spin(SPLIT_SPIN_S)
             bus = f"bus {bus_gbps:.1f} GB/s" if bus_gbps else "bus not measured"
-            log.info("CPU share of RAM-resident decode: %d of %d experts a layer (CPU kernel %.1f GB/s, %s)",
-                     self.n_cpu, k, self.cpu_gbps, bus)  # fmt: skip
+            log.info("CPU share of RAM-resident decode: %d of %d experts a layer (CPU kernel %.1f GB/s on %d "
+                     "threads, %s)", self.n_cpu, k, self.cpu_gbps, threads(), bus)  # fmt: skip
         pin = host is not None and host.is_pinned()
-        h = workdir.layout.hidden_size
-        self._out = torch.empty(1, h, pin_memory=pin)  # the CPU's sum, uploaded from here
-        self._host = torch.empty(2 * k + h, pin_memory=pin)  # the CPU's ids and weights, and x
-        self._copied = torch.cuda.Event() if pin else None  # that copy landed
-        self._sum = torch.empty(1, h, device=gpu.cache.device)  # the CPU's sum on the GPU, read by split_sum
-        self._t0, self._ev = 0.0, ()  # the split layer's start and CUDA events, set by split_send
-        # the CPU kernel's arguments, kept from call to call: ids, block addresses, global scales, scratch
-        self._ids, self._ptrs = torch.empty(k, dtype=torch.long), torch.empty(k, dtype=torch.long)
-        self._ws2, self._scratch = torch.empty(k, 3), torch.empty(cpu_moe.scratch_floats(self.layout, k, 1))
+        h, dev = workdir.layout.hidden_size, gpu.cache.device
+        self.captured_send = bool(self.n_cpu) and pin and send_capturable(dev)  # split_send in the graphs
+        self._dev = torch.empty(2 * k + h, device=dev)  # the CPU's ids and weights, and x, packed on the GPU
+        self._host = torch.empty(2 * k + h, pin_memory=pin)  # ... copied here
+        # that copy landed (external: a captured record is a node the host can wait on after a replay)
+        self._copied = (
+            (torch.cuda.Event(external=True) if self.captured_send else torch.cuda.Event()) if pin else None
+        )
+        self._out = torch.empty(1, h, pin_memory=pin)  # the CPU's sum, uploaded from here by split_sum
+        self._sum = torch.empty(1, h, device=dev)  # ... to here
+        self._scratch = torch.empty(cpu_moe.scratch_floats(self.layout, k, 1))
         self._addr: torch.Tensor | None = None  # [L, E] each block's address in the RAM cache
+        self._ended: tuple[int, float] | None = None  # the last split layer and when its call ended
+        self._ev: tuple = ()  # the split layer's CUDA events, set by split_send
         self.cpu_blocks = 0  # routed blocks the CPU computed
         self.times = SplitTimes()
         self.kernel_log: collections.deque[float] = collections.deque(maxlen=4096)  # the last calls' kernel s
         self.gpu_timing = False  # record CUDA events per split layer for `split_times` (the bench)
         self._timed: list[tuple[int, tuple]] = []  # (layer, events) not read yet
-        # the auto share is weighed again over split calls L + 1 .. 3L (L = layers: a token each)
+        # the auto share is weighed again over the split calls after the first L up to 3L (L = layers: a
+        # token each), at a token's last layer, with the GPU's times on (CUDA events) meanwhile
         self.adapt_calls = (workdir.num_layers, 3 * workdir.num_layers) if share < 0 and bus_gbps else None
         self._since: SplitTimes | None = None
 
@@ -176,21 +231,34 @@ class SplitExperts(WrappedBank):
     def decode_mode(self) -> str:
         return "split" if self.splitting else self.bank.decode_mode
 
+    @property
+    def send_in_graph(self) -> bool:
+        """split_send is graphable now: the device captures it, and no CUDA events are timed per layer."""
+        return self.captured_send and not self.gpu_timing
+
+    @property
+    def decode_key(self) -> tuple:
+        if not self.splitting:
+            return self.bank.decode_key
+        return (*self.bank.decode_key, self.n_cpu, self.send_in_graph)
+
     def warm_up(self, dtype: torch.dtype) -> None:
-        """The GPU bank's warm-up, then the decode kernel for the GPU side's K - n experts with FP32 input (K
-        is a compile-time constant of its down kernel)."""
+        """The GPU bank's warm-up, then the decode kernel for the GPU side's K - n experts (`_warm_share`)."""
+        self.bank.warm_up(dtype)
+        self._warm_share()
+
+    def _warm_share(self) -> None:
+        """The decode kernel for the GPU side's K - n experts with FP32 input compiled (K is a compile-time
+        constant of its down kernel): before a capture, which cannot compile."""
         from expertstream.kernels import nvfp4_moe
 
-        self.bank.warm_up(dtype)
-        if not self.n_cpu:
+        if not self.n_cpu or self.k == self.n_cpu:
             return
-        dev, h = self.bank.cache.device, self.layout.hidden_size
+        dev, h, n = self.bank.cache.device, self.layout.hidden_size, self.k - self.n_cpu
         e2s = torch.zeros(self.bank.num_experts, dtype=torch.int32, device=dev)
-        if self.k > self.n_cpu:
-            n = self.k - self.n_cpu
-            ids, w = torch.zeros(n, dtype=torch.int64, device=dev), torch.ones(n, device=dev)
-            nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, device=dev), ids, e2s, self.bank.scales[0], w,
-                                       self.layout, self.bank.cache.slots, self.bank.host_blocks)  # fmt: skip
+        ids, w = torch.zeros(n, dtype=torch.int64, device=dev), torch.ones(n, device=dev)
+        nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, device=dev), ids, e2s, self.bank.scales[0], w,
+                                   self.layout, self.bank.cache.slots, self.bank.host_blocks)  # fmt: skip
 
     def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, **kw):
         if x.shape[0] != 1 or not self.splitting:  # prompts and batches (`segments`): the GPU bank's
@@ -206,18 +274,19 @@ class SplitExperts(WrappedBank):
         return self.split_sum(part)
 
     # A split layer as stages (experts/bank.py, "split"): the decode graphs capture split_gpu and split_sum,
-    # and run split_send and split_cpu eagerly between them.
+    # split_send where `send_in_graph`, and run the others eagerly between them.
 
     def split_send(self, layer: int, x, expert_ids, weights) -> None:
-        """Eager: the CPU's experts, their weights and x [1, H] copied to the pinned host buffer, an event
-        behind the copy; the GPU's share is queued after it, so the host waits for the copy alone."""
-        self._t0 = time.perf_counter()
+        """The CPU's experts, their weights and x [1, H] packed as FP32 into a fixed device buffer, copied
+        to the pinned host buffer, an event behind the copy; the GPU's share is queued after it, so the host
+        waits for the copy alone."""
         g = self.k - self.n_cpu
         if self.gpu_timing:
             self._ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
             self._ev[0].record()
-        packed = torch.cat((expert_ids[0, g:].float(), weights[0, g:].float(), x[0].float()))
-        self._host[: packed.numel()].copy_(packed, non_blocking=True)
+        m = 2 * self.n_cpu + self.layout.hidden_size
+        torch.cat((expert_ids[0, g:].float(), weights[0, g:].float(), x[0].float()), out=self._dev[:m])
+        self._host[:m].copy_(self._dev[:m], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
@@ -236,8 +305,9 @@ class SplitExperts(WrappedBank):
             self.bank.decode_launched()
 
     def split_cpu(self, layer: int) -> None:
-        """Eager: wait for the copy, run the C kernel on the CPU's n experts from their RAM rows, upload its
-        sum into the fixed device buffer `split_sum` reads."""
+        """Eager: wait for the copy, run the C kernel on the CPU's n experts from their RAM rows into the
+        pinned buffer split_sum uploads (the previous layer's upload from it is done: this layer's copy,
+        queued after it, has landed)."""
         n, times, ev = self.n_cpu, self.times, self._ev if self.gpu_timing else None
         t1 = time.perf_counter()
         if ev:
@@ -245,70 +315,68 @@ class SplitExperts(WrappedBank):
         if self._copied is not None:
             self._copied.synchronize()
         t2 = time.perf_counter()
-        host, h = self._host, self.layout.hidden_size
-        ids = self._ids[:n].copy_(host[:n])  # float -> int64
-        ptrs, ws2 = self._ptrs[:n], self._ws2[:n]
-        torch.index_select(self._rows(layer), 0, ids, out=ptrs)
-        torch.index_select(self.ws2[layer], 0, ids, out=ws2)
+        if self._addr is None:
+            self._addr = self._addresses()
+        cpu_moe.moe_packed(self._addr[layer], self.ws2[layer], self._host, n, self._out, self._scratch,
+                           self.layout, self.threads())  # fmt: skip
         t3 = time.perf_counter()
-        # into the upload buffer: the previous layer's upload from it is done, since this layer's copy,
-        # queued after it, has landed
-        cpu_moe.moe_into(ptrs, ws2, host[n : 2 * n, None], host[2 * n : 2 * n + h][None], self._out,
-                         self._scratch, self.layout, self.threads())  # fmt: skip
-        t4 = time.perf_counter()
-        self._sum.copy_(self._out, non_blocking=True)  # the previous layer's sum has been read by now
-        if ev:
+        if ev:  # the GPU idles from ev[1] to here (it waits for the CPU's sum)
             ev[2].record()
             self._timed.append((layer, ev))
         self.cpu_blocks += n
-        t5 = time.perf_counter()
         times.calls += 1
-        times.launch += t1 - self._t0
+        if self._ended is not None and self._ended[0] == layer - 1:  # since the previous layer's call
+            times.launches += 1
+            times.launch += t1 - self._ended[1]
         times.wait += t2 - t1
-        times.gather += t3 - t2
-        times.kernel += t4 - t3
-        self.kernel_log.append(t4 - t3)
-        times.upload += t5 - t4
-        if self.adapt_calls and times.calls in self.adapt_calls:
+        times.kernel += t3 - t2
+        self.kernel_log.append(t3 - t2)
+        if self.adapt_calls and layer == self.last_layer:  # between tokens: the next one may run another n
             self._adapt()
+        self._ended = (layer, time.perf_counter())
 
     def split_sum(self, part: torch.Tensor) -> torch.Tensor:
-        """Graphable: the GPU's share plus the CPU's uploaded sum, FP32 [1, H] (the caller casts)."""
+        """Graphable: the CPU's sum uploaded, plus the GPU's share, FP32 [1, H] (the caller casts)."""
+        self._sum.copy_(self._out, non_blocking=True)
         return part + self._sum
 
     def _adapt(self) -> None:
-        """At the first of `adapt_calls`, note the times; at the second, weigh the share again with what the
-        calls between measured: the CPU kernel's rate in place (beside the bus's reads of the same RAM,
-        against the rate measured alone at start) and the host work a split layer adds in series (launch,
-        gather, upload; a lower bound: the sync's latency is not in it). Where the bus alone is faster the
-        share turns off (decode becomes the GPU bank's "fixed" program); it never moves to another n, whose
-        shapes the captured decode graphs do not hold: the log names the best n for --cpu-moe-share."""
+        """At a token's end past the first of `adapt_calls`: note the times and turn the GPU's on; past the
+        second, `weigh` the share with what the calls between measured."""
         if self._since is None:
-            self._since = dataclasses.replace(self.times)
+            if self.times.calls >= self.adapt_calls[0]:
+                self._since, self.gpu_timing = self.split_times(), self._copied is not None  # on CUDA
             return
-        t, self.adapt_calls = self.times - self._since, None
+        if self.times.calls < self.adapt_calls[1]:
+            return
+        t, self.adapt_calls, self.gpu_timing = self.split_times() - self._since, None, False
+        self.weigh(t)
+
+    def weigh(self, t: SplitTimes) -> None:
+        """The share chosen again from the split layers' times `t`: the CPU kernel's rate in place (beside
+        the bus's reads of the same RAM), the GPU share's rate in place (from its CUDA events, when `t` has
+        them; else the bus rate measured at start). It moves to the n that `cpu_experts` finds best: 0
+        (off: the GPU bank's "fixed" program) where the bus alone, at the rate measured at start, is
+        faster; the decode graphs capture the new program (`decode_key`)."""
         k, n, payload = self.k, self.n_cpu, self.layout.payload_bytes
         rate = n * payload * t.calls / t.kernel / 1e9 if t.kernel > 0 else 0.0
-        overhead = (t.launch + t.gather + t.upload) / t.calls
-        keep = expert_seconds(k, n, payload, rate, self.bus_gbps, overhead) < expert_seconds(
-            k, 0, payload, rate, self.bus_gbps
-        )
-        best = cpu_experts(k, rate, self.bus_gbps, payload, overhead)
-        log.info("CPU share weighed again over %d split layers: kernel %.1f GB/s in place (%.1f alone), %.0f "
-                 "us of host work a layer: %d of %d experts on the CPU %s (the best at these rates: %d, "
-                 "--cpu-moe-share %.2f)", t.calls, rate, self.cpu_gbps, overhead * 1e6, n, k,
-                 "kept" if keep else "lose to the bus alone: off", best, best / k)  # fmt: skip
-        if not keep:
-            self.n_cpu = 0
+        timed = t.timed and t.gpu_share > 0 and k > n
+        bus = (k - n) * payload * t.timed / t.gpu_share / 1e9 if timed else self.bus_gbps
+        best = cpu_experts(k, rate, bus, payload, alone_gbps=self.bus_gbps)
+        log.info("CPU share weighed again over %d split layers: kernel %.1f GB/s in place (%.1f alone), the "
+                 "GPU's share %.1f GB/s (%s; the bus alone %.1f): %d of %d experts on the CPU %s", t.calls,
+                 rate, self.cpu_gbps, bus, "in place" if timed else "not timed", self.bus_gbps, n, k,
+                 "kept" if best == n else f"-> {best}" + (" (off)" if not best else ""))  # fmt: skip
+        self.n_cpu = best
+        if best and best != n:
+            self._warm_share()
 
-    def _rows(self, layer: int) -> torch.Tensor:
-        """[E] int64: the address of each of `layer`'s blocks in the RAM cache (their rows are fixed for good
-        once every block has one: the table is made at the first split call)."""
-        if self._addr is None:
-            rows = torch.stack([torch.from_numpy(self.bank.ram_rows(i)) for i in range(self.ws2.shape[0])])
-            host = self.bank.host_blocks
-            self._addr = rows.long() * host.stride(0) + host.data_ptr()
-        return self._addr[layer]
+    def _addresses(self) -> torch.Tensor:
+        """[L, E] int64: the address of each block in the RAM cache (their rows are fixed for good once
+        every block has one: the table is made at the first split call)."""
+        rows = torch.stack([torch.from_numpy(self.bank.ram_rows(i)) for i in range(self.ws2.shape[0])])
+        host = self.bank.host_blocks
+        return (rows.long() * host.stride(0) + host.data_ptr()).contiguous()
 
     def split_times(self) -> SplitTimes:
         """A copy of the split layers' times so far; with `gpu_timing`, waits for the GPU to read the events

@@ -12,6 +12,7 @@
 
 #define TMAX 8
 #define MAXTH 256
+#define NMAX 64       // most experts one packed call (nvfp4_moe_cpu_packed) takes
 #define ROWS_UP 16    // gate/up rows per work item
 #define ROWS_DOWN 32  // output rows per work item
 #define RMAX 4        // rows one pass over x (or h) takes: each load of x feeds R FMAs
@@ -212,14 +213,17 @@ PHASE(down_phase, down_item)
 
 // A persistent pool: the caller plus workers 0..active-1 run `fn` on a phase's items; idle workers spin for
 // `spin_ns` (pool_spin), then sleep: a call within that time after the last finds them running, a later one
-// wakes them through the condition variable (tens of microseconds until all run). The caller waits only for
-// workers inside the phase (one that wakes after its items are gone finds it closed), so a worker the
-// scheduler has not run yet costs the call nothing.
+// wakes them through the condition variable (tens of microseconds until all run). A worker a phase does not
+// take (the pool was made for more threads than the calls now take) sleeps through it instead of spinning:
+// it would hold a core the caller's other threads (the decode thread, the driver's) need. The
+// caller waits only for workers inside the phase (one that wakes after its items are gone finds it closed),
+// so a worker the scheduler has not run yet costs the call nothing.
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t go = PTHREAD_COND_INITIALIZER;
 static atomic_ulong gen, open_gen;  // gen: phases published; open_gen: the phase workers may join (0: none)
-static atomic_int inside, sleepers;
-static int active, workers;
+static atomic_int inside, asleep[MAXTH];
+static atomic_int active;
+static int workers;
 static void (*job_fn)(Job *);
 static Job *job_arg;
 
@@ -245,22 +249,23 @@ static unsigned long born[MAXTH];  // gen when worker i was made: a job publishe
 static void *worker(void *arg) {
   int id = (int)(intptr_t)arg;
   unsigned long seen = born[id];
-  for (;;) {
+  // it spins after its first phase and after each it took part in; after one it did not, it sleeps at once
+  for (int wanted = 1;; wanted = id < atomic_load(&active)) {
     long until = now_ns() + atomic_load(&spin_ns);
-    for (unsigned spin = 1; atomic_load(&gen) == seen; spin++) {
+    for (unsigned spin = 1; wanted && atomic_load(&gen) == seen; spin++) {
       relax();
       if ((spin & 63) == 0 && now_ns() > until) break;  // the clock read costs ~ one pause
     }
-    if (atomic_load(&gen) == seen) {
+    if (atomic_load(&gen) == seen || id >= atomic_load(&active)) {  // asleep until a phase that takes it
       pthread_mutex_lock(&mu);
-      atomic_fetch_add(&sleepers, 1);
-      while (atomic_load(&gen) == seen) pthread_cond_wait(&go, &mu);
-      atomic_fetch_sub(&sleepers, 1);
+      atomic_store(&asleep[id], 1);
+      while (atomic_load(&gen) == seen || id >= atomic_load(&active)) pthread_cond_wait(&go, &mu);
+      atomic_store(&asleep[id], 0);
       pthread_mutex_unlock(&mu);
     }
     seen = atomic_load(&gen);
     atomic_fetch_add(&inside, 1);
-    if (atomic_load(&open_gen) == seen && id < active) job_fn(job_arg);  // set before the phase opened
+    if (atomic_load(&open_gen) == seen && id < atomic_load(&active)) job_fn(job_arg);  // set before it opened
     atomic_fetch_sub(&inside, 1);
   }
   return NULL;
@@ -278,13 +283,16 @@ static void run(void (*fn)(Job *), Job *j, int threads) {
   }
   if (extra > workers) extra = workers;
   if (extra > 0) {
-    job_fn = fn, job_arg = j, active = extra;
+    job_fn = fn, job_arg = j;
+    atomic_store(&active, extra);
     atomic_store(&open_gen, atomic_fetch_add(&gen, 1) + 1);
-    if (atomic_load(&sleepers)) {
-      pthread_mutex_lock(&mu);
-      pthread_cond_broadcast(&go);
-      pthread_mutex_unlock(&mu);
-    }
+    for (int i = 0; i < extra; i++)  // a worker this phase takes is asleep: wake them
+      if (atomic_load(&asleep[i])) {
+        pthread_mutex_lock(&mu);
+        pthread_cond_broadcast(&go);
+        pthread_mutex_unlock(&mu);
+        break;
+      }
   }
   fn(j);
   if (extra > 0) {  // no items left: close the phase, then wait for the workers still in one
@@ -314,6 +322,23 @@ int nvfp4_moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *w
   j.items = (H + ROWS_DOWN - 1) / ROWS_DOWN;
   run(down_phase, &j, threads);
   return 0;
+}
+
+// One token's experts from a layer's tables, as the CPU share of a split decode layer gets them in one copy
+// from the GPU: packed = [n] expert ids (as floats), [n] routing weights, [H] x; addr [E] each block's
+// address, ws2 [E, 3] the layer's global scales. Gathers the n blocks and scales, then nvfp4_moe_cpu.
+int nvfp4_moe_cpu_packed(const long *addr, const float *ws2, const float *packed, float *out, float *scratch,
+                         int n, int E, int H, int I, const long *off, int threads) {
+  if (n < 1 || n > NMAX) return 1;
+  const uint8_t *blocks[NMAX];
+  float w[3 * NMAX];
+  for (int j = 0; j < n; j++) {
+    long e = (long)packed[j];
+    if (e < 0 || e >= E || (float)e != packed[j]) return 2;
+    blocks[j] = (const uint8_t *)addr[e];
+    memcpy(w + 3 * j, ws2 + 3 * e, 3 * sizeof(float));
+  }
+  return nvfp4_moe_cpu(blocks, w, packed + n, packed + 2 * n, out, scratch, n, 1, H, I, off, threads);
 }
 
 // bytes/s of a read-only sweep over buf ([n] floats) on `threads` threads: the memory rate the kernel meets

@@ -91,6 +91,8 @@ def _build() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.nvfp4_moe_cpu.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i]
     lib.nvfp4_moe_cpu.restype = i
+    lib.nvfp4_moe_cpu_packed.argtypes = [p, p, p, p, p, i, i, i, i, p, i]
+    lib.nvfp4_moe_cpu_packed.restype = i
     lib.read_sweep.argtypes = [p, ctypes.c_long, i]
     lib.read_sweep.restype = ctypes.c_float
     lib.pool_spin.argtypes = [ctypes.c_long]
@@ -188,6 +190,45 @@ def moe_into(
         )  # fmt: skip
     if rc:
         raise ValueError(f"the CPU expert kernel refused its shapes (T {t}, H {h}, I {i})")
+
+
+NMAX = 64  # most experts `moe_packed` takes (cpu_moe.c's NMAX)
+
+
+def moe_packed(
+    addr: torch.Tensor,
+    ws2: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+    layout: ExpertLayout,
+    threads: int = 1,
+) -> None:
+    """`moe_into` for one token whose n experts' ids, weights and x come in one buffer, as the CPU share of a
+    split decode layer gets them from the GPU; the C side gathers their blocks and scales from the layer's
+    tables, so the caller does no per-call tensor work.
+
+    Args:
+        addr: [E] int64 each of the layer's blocks' address (rows of `layout.block_bytes`, checked by the
+            caller).
+        ws2: [E, 3] FP32 the layer's global scales.
+        packed: FP32 [2n + H] or longer: n expert ids, their n routing weights, x [H].
+        out: [1, H] FP32; scratch: `scratch_floats(layout, n, 1)` FP32 or more.
+    """
+    (e,), h = addr.shape, layout.hidden_size
+    assert 1 <= n <= NMAX and addr.dtype == torch.long and ws2.shape == (e, 3) and out.shape == (1, h)
+    assert packed.numel() >= 2 * n + h and scratch.numel() >= scratch_floats(layout, n, 1)
+    assert all(a.dtype == torch.float32 and a.is_contiguous() for a in (ws2, packed, out, scratch))
+    lib = library()
+    assert lib is not None, "the CPU expert kernel could not be built"
+    with _lock:
+        rc = lib.nvfp4_moe_cpu_packed(
+            addr.data_ptr(), ws2.data_ptr(), packed.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+            n, e, h, layout.intermediate_size, offsets(layout).data_ptr(), max(1, threads),
+        )  # fmt: skip
+    if rc:
+        raise ValueError(f"the CPU expert kernel refused its arguments (n {n}, ids {packed[:n].tolist()})")
 
 
 def moe_twin(

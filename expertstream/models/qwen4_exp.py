@@ -304,9 +304,11 @@ class SparseMoe(nn.Module):
             call = lambda u, ids, w: bank(i, u, ids, w)  # noqa: E731
             return [Stage(call, ("u", "top_i", "top_w"), ("routed",), graphable=False)]
         compute = ("u", "top_i", "top_w"), ("routed",)
-        if mode == "split":  # a CPU share: x to the host, the GPU's share, the CPU's, their sum
+        if mode == "split":  # a CPU share: x to the host (captured where the bank can), the GPU's share, the
+            # CPU's, their sum
+            send = lambda u, ids, w: bank.split_send(i, u, ids, w)  # noqa: E731
             return [
-                Stage(lambda u, ids, w: bank.split_send(i, u, ids, w), compute[0], graphable=False),
+                Stage(send, compute[0], graphable=bank.send_in_graph),
                 Stage(
                     lambda u, ids, w: bank.split_gpu(i, u, ids, w),
                     compute[0],

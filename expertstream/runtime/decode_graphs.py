@@ -103,10 +103,10 @@ class _StateGraphs:
     """A state's captures, one per KV window and bank mode (in the runner's shared pool)."""
 
     def __init__(self):
-        # (KV window, KV address in the pool, per bank: every block placed for good, and where blocks
-        # reside): a bank that becomes fixed gets a program without its eager point per layer, one that
-        # becomes resident in RAM a program with its staging copies (decided while capturing), each captured
-        # anew; a capture that outlives a move of the state's KV is dropped
+        # (KV window, KV address in the pool, per bank its `decode_key`: every block placed for good, where
+        # blocks reside, a CPU share's size): a bank that becomes fixed gets a program without its eager
+        # point per layer, one that becomes resident in RAM a program with its staging copies (decided while
+        # capturing), each captured anew; a capture that outlives a move of the state's KV is dropped
         self.by_window: dict[tuple, _Captured] = {}
 
 
@@ -144,15 +144,9 @@ class DecodeGraphs:
             self.warm = True
         else:
             graphs = self._states.setdefault(st, _StateGraphs())
-            # the program (and its graphs) depends on which banks have every block placed for good, and where;
-            # the state's KV may move within the pool: graphs read it where they were captured
-            banks = self._banks
-            key = (
-                kv_len,
-                st.kv_address,
-                tuple(b.decode_mode == "fixed" for b in banks),
-                tuple(b.resident for b in banks),
-            )
+            # the program (and its graphs) depends on the banks' `decode_key` (which have every block placed
+            # for good, and where); the state's KV may move within the pool: graphs read it where captured
+            key = (kv_len, st.kv_address, tuple(b.decode_key for b in self._banks))
             cap = graphs.by_window.get(key)
             if cap is None:
                 # graphs of the state's KV at another address read rows it no longer holds

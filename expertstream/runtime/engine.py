@@ -261,7 +261,7 @@ class Engine:
     def _split_bank(self, bank, share: float):
         """The GPU bank with a CPU share of RAM-resident decode (experts/split_bank.py); share < 0 measures
         the bus here for it."""
-        from expertstream.experts.split_bank import SplitExperts
+        from expertstream.experts.split_bank import SplitExperts, split_threads
 
         bus = None
         if share < 0:
@@ -269,7 +269,7 @@ class Engine:
 
             bus = pcie_rate(64 << 20)
             torch.cuda.empty_cache()  # the probe's 64 MB go back, outside the plan's budget
-        return SplitExperts(bank, self.workdir, share, self.cpu_threads, bus_gbps=bus)
+        return SplitExperts(bank, self.workdir, share, split_threads(self.cpu_threads), bus_gbps=bus)
 
     def _plan_gpu_memory(self) -> MemoryPlan:
         """Plan VRAM for the budget and enforce it through the caching allocator's per-process limit."""
