@@ -5,6 +5,7 @@ import gc
 
 import pytest
 import torch
+from bank_helpers import ram_store
 
 from expertstream.config import EngineConfig
 from expertstream.models.batched import forward_many
@@ -145,11 +146,7 @@ def test_a_fixed_bank_leaves_no_eager_point_and_equals_the_model(tiny_workdir, k
         EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
     )
     wd, a = eng.workdir, eng.args
-    store = ExpertStore(wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2,
-                        alloc=pinned_alloc)  # fmt: skip
-    for h in store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
-        h.wait()
-        h.release()
+    store = ram_store(wd, alloc=pinned_alloc)
     bank = GpuExperts(wd, store, 40, eng.device)
     bank.set_router_weights({i: layer.mlp.gate.weight for i, layer in enumerate(eng.model.layers)})
     for layer in eng.model.layers:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from bank_helpers import routing
+from bank_helpers import ram_store, routing
 
 from expertstream.experts.controls import controlled
 from expertstream.experts.cpu_bank import StreamedExperts
@@ -381,16 +381,6 @@ def test_hot_split_leaves_a_hot_set_only_where_the_passes_leave_a_slot_a_layer()
     assert hot_split(8, 16, 4, 4) == (4, 0)
 
 
-def _ram_store(wd, host_alloc):
-    store = ExpertStore(
-        wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2, **host_alloc
-    )
-    for h in store.request([(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]):
-        h.wait()
-        h.release()
-    return store
-
-
 def _hot_rows_hold_their_blocks(bank, store) -> bool:
     """Every hot block's slot (from the location table) holds that block's bytes."""
     slots, loc = bank.cache.slots.cpu(), bank.locations()
@@ -411,7 +401,7 @@ def test_a_ram_resident_bank_reads_its_hot_set_from_vram(tiny_workdir, kernel_de
     out of the bus bytes."""
     wd = Workdir(tiny_workdir)
     n_layers, k, block = wd.num_layers, wd.text_config["num_experts_per_tok"], wd.layout.block_bytes
-    with _ram_store(wd, host_alloc) as store:
+    with ram_store(wd, **host_alloc) as store:
         ref = StreamedExperts(wd, store, torch.float32)
         plain, hot = GpuExperts(wd, store, 8, kernel_device), GpuExperts(wd, store, 40, kernel_device)
         # a prompt on layer 2: experts 11-15 routed most, so they become its hot set when the bank adopts
@@ -477,7 +467,7 @@ def test_staged_guesses_skip_the_hot_set_and_both_are_counted(tiny_workdir, kern
     n_layers, n_experts, k = wd.num_layers, wd.num_experts, wd.text_config["num_experts_per_tok"]
     g = torch.Generator().manual_seed(12)
     routers = {layer: torch.randn(n_experts, wd.layout.hidden_size, generator=g) for layer in range(n_layers)}
-    with _ram_store(wd, host_alloc) as store:
+    with ram_store(wd, **host_alloc) as store:
         plain = GpuExperts(wd, store, 4 * k, kernel_device)
         both = GpuExperts(wd, store, 44, kernel_device, stage_guesses=2)  # 40 cache slots, 4 staging rows
         assert both.stage_guesses == 2

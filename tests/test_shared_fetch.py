@@ -4,6 +4,7 @@ union, and every row's sum is the one its sequence alone gets."""
 
 import pytest
 import torch
+from bank_helpers import ram_store
 
 from expertstream.config import EngineConfig
 from expertstream.experts import gpu_prefill
@@ -112,17 +113,6 @@ def batch(wd, dtype, device):
     return x.to(device, dtype), ids.to(device), (w / w.sum(-1, keepdim=True)).to(device), segments
 
 
-def ram_store(wd, host_alloc):
-    """A store whose RAM cache holds every block (the bank adopts their rows: `resident` "ram")."""
-    store = ExpertStore(
-        wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2, **host_alloc
-    )
-    for h in store.request([(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]):
-        h.wait()
-        h.release()
-    return store
-
-
 def record_launches(monkeypatch) -> list:
     """The list that gets (prompt tokens, the launch's experts, its rows) of each prompt launch from here."""
     seen, real = [], nvfp4_moe.nvfp4_moe_prefill_rows
@@ -155,7 +145,7 @@ def test_prompts_share_one_sweep_and_get_the_sums_of_their_own_calls(
 
     def bank_of():
         if regime == "ram":
-            store = ram_store(wd, host_alloc)
+            store = ram_store(wd, **host_alloc)
         else:
             store = ExpertStore(wd, 1 << 20, io_threads=2, **host_alloc)
         bank = GpuExperts(wd, store, 8, kernel_device, speculate=False)

@@ -3,6 +3,7 @@ the CPU, the CPU share through the C kernel, against the torch bank."""
 
 import pytest
 import torch
+from bank_helpers import ram_store
 
 from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.experts.gpu_bank import GpuExperts
@@ -223,11 +224,7 @@ def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device, 
     cfg = EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
     eng = Engine(cfg)
     wd, a = eng.workdir, eng.args
-    store = ExpertStore(wd, wd.num_layers * wd.num_experts * wd.layout.block_bytes, io_threads=2,
-                        alloc=pinned_alloc)  # fmt: skip
-    for h in store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
-        h.wait()
-        h.release()
+    store = ram_store(wd, alloc=pinned_alloc)
     bank = SplitExperts(GpuExperts(wd, store, 40, eng.device), wd, share=0.5, threads=lambda: 2)
     for layer in eng.model.layers:
         layer.mlp.bank = bank
