@@ -222,6 +222,7 @@ def test_dense_surplus_is_what_the_model_holds_beyond_the_planned_weights(ds4_se
     assert surplus == held - stored and (surplus < 0) == (dtype == torch.bfloat16)  # F32 tensors held BF16
 
 
+@pytest.mark.slow  # ~9 s of kernels under the Triton interpreter on a CPU
 def test_fp8_as_shipped_gives_the_dequantized_paths_tokens(ds4_setup, kernel_device, monkeypatch):
     # the kernel path keeps every FP8 matrix FP8 (the block-scaled kernel: on CUDA, or the interpreter on a
     # CPU) where kernels="torch" dequantizes them at load. In FP32 the in-register product

@@ -140,7 +140,7 @@ def _blocked(n: int, k: int, block: tuple[int, int], e8m0: bool, seed: int):
 
 
 @pytest.mark.parametrize("native", NATIVE)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("e8m0", [True, False], ids=["ue8m0", "fp32"])
 @pytest.mark.parametrize(
     "m,n,k,block,cfg",

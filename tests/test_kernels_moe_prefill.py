@@ -68,6 +68,7 @@ def test_mxfp4_prefill_matches_ref(mx_bank, dtype, limit, t, block_m):
         nvfp4_moe_prefill(x, slots, ids, e2s, ws2, w, layout, config={**cfg, "block_k": 8})
 
 
+@pytest.mark.slow  # several interpreted prefill launches
 def test_mxfp4_prefill_scale_words_host_rows_and_decode():
     # MXFP4 at H = I = 128 (4 scale groups a row): scale words (block_k >= 64) give the byte reads' bits;
     # blocks in pinned host RAM the slots' bits; one token equals decode

@@ -15,6 +15,8 @@ from expertstream.store import ExpertStore
 from expertstream.workdir.workdir import Workdir
 
 pytest.importorskip("triton")  # conftest runs it through the interpreter when there is no CUDA
+# bf16 repeats the fp32 cases at a second dtype: slow (the CPU runs them through the Triton interpreter)
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,7 @@ def test_a_union_larger_than_half_the_slots_goes_in_groups(workdir, kernel_devic
     store.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_prompt_among_them_gets_the_sums_of_its_own_call(workdir, kernel_device, dtype):
     """A prompt's FP32 sums and the one-token rows' sums (x's dtype, widened exactly) share the output."""
     wd, host_alloc = workdir
@@ -127,7 +129,7 @@ def record_launches(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("regime", ["disk", "ram"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_prompts_share_one_sweep_and_get_the_sums_of_their_own_calls(
     workdir, kernel_device, dtype, regime, monkeypatch
 ):

@@ -210,7 +210,9 @@ def test_the_auto_share_moves_to_the_best_share_at_the_rates_in_place(
 
 
 @needs_kernel
-@pytest.mark.parametrize("send_in_graph", [False, True], ids=["eager-send", "captured-send"])
+@pytest.mark.parametrize(  # the eager send (a GPU that cannot capture it): slow under the interpreter
+    "send_in_graph", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager-send", "captured-send"]
+)
 def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device, send_in_graph):
     """The decode graphs' stages of a split layer (x to the host eager or graphable, the CPU's share eager,
     the GPU's share and the sum graphable), run eagerly, give the layers' own forward bit for bit."""
