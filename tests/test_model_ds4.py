@@ -9,6 +9,7 @@ from expertstream.commands.check import FP32_THRESHOLDS
 from expertstream.experts.cpu_bank import DenseExperts
 from expertstream.formats.snapshot import Snapshot
 from expertstream.models import deepseek_v4 as ds4
+from expertstream.models.deepseek_v4_reference import transformers_reference
 from expertstream.synth.deepseek_v4 import write_synthetic_ds4
 
 transformers = pytest.importorskip("transformers")
@@ -159,7 +160,7 @@ def test_transformers_reference_from_the_quantized_snapshot_is_transformers_own_
     # renames, equal to what transformers' own conversion mapping makes of the BF16 twin
     q = write_synthetic_ds4(tmp_path / "q", "ds4-tiny", seed=6)
     twin = write_synthetic_ds4(tmp_path / "t", "ds4-tiny", seed=6, dtype="bf16")
-    ours = ds4.transformers_reference(Snapshot(q))
+    ours = transformers_reference(Snapshot(q))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         twin, dtype=torch.float32, attn_implementation="eager"
     ).eval()

@@ -19,7 +19,7 @@ from expertstream.formats import nvfp4
 from expertstream.formats.expert_block import PROJ
 from expertstream.formats.fp8 import e4m3_to_float
 from expertstream.formats.snapshot import Snapshot
-from expertstream.models import deepseek_v4
+from expertstream.models import deepseek_v4, deepseek_v4_reference
 
 PREFIX = "model.language_model."
 EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
@@ -31,7 +31,7 @@ UNUSED_RE = re.compile(r"^hyper_connection_mixer\.block_inject_weight\.weight$")
 SKIP_RE = re.compile(r"^(mtp\.|model\.visual\.)")
 EXPERT_PARTS = ("weight", "weight_scale", "weight_scale_2")
 # model_type -> (snapshot, dtype) -> transformers' model of a family whose model file builds its own truth
-OWN_REFERENCES = {deepseek_v4.MODEL_TYPE: deepseek_v4.transformers_reference}
+OWN_REFERENCES = {deepseek_v4.MODEL_TYPE: deepseek_v4_reference.transformers_reference}
 
 
 def text_config_of(snapshot: Path) -> dict:
