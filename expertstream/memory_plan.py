@@ -216,8 +216,7 @@ def plan_memory(
     fp8 = sorted(n for n, (_, dt) in weights.items() if dt == "F8_E4M3" and f"{n}_scale" in weights)
     base = sum(_tensor_bytes(s, d) for s, d in weights.values())
     reserve = int(budget_bytes * RESERVE_FRACTION)
-    decode_ws = DECODE_ACTIVATIONS
-    fixed = state + pool * pool_tok + slots + decode_ws + GRAPH_OUTPUTS + reserve
+    fixed = state + pool * pool_tok + slots + DECODE_ACTIVATIONS + GRAPH_OUTPUTS + reserve
 
     def minimum(weight_bytes: int, piece: int = PREFILL_PIECES[-1]) -> int:
         return weight_bytes + fixed + prefill_ws(piece)
@@ -326,7 +325,7 @@ def plan_memory(
         kv=pool * kv_tok + t.own_kv,
         indexer_keys=pool * idx_tok + t.own_indexer_keys,
         slots=slots,
-        decode_workspace=decode_ws + GRAPH_OUTPUTS,
+        decode_workspace=DECODE_ACTIVATIONS + GRAPH_OUTPUTS,
         seq_workspace=GRAPH_OUTPUTS,
         prefill_piece=piece,
         prefill_span=span,

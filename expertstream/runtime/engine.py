@@ -413,7 +413,7 @@ class Engine:
         decode graphs' shared pool (part of the reserved); empty off CUDA."""
         if self.device.type != "cuda":
             return {}
-        graphs = self.decode.pool_bytes() if self.decode is not None and self.decode.capture else 0
+        graphs = self.decode.pool_bytes() if self.decode is not None else 0  # 0 without graphs
         return {
             "allocated": torch.cuda.memory_allocated(self.device),
             "reserved": torch.cuda.memory_reserved(self.device),
