@@ -355,13 +355,14 @@ def test_decode_table_bound_takes_the_cpu_share():
     assert "bound terms PCIe 4.80 ms, CPU 8.80 ms, GPU 2.00 ms; 1.20x `ram unstaged`." in table
 
 
-def test_the_cpu_share_regime_is_ram_unstaged_with_a_measured_share(tiny_workdir):
+def test_the_cpu_share_regime_is_ram_with_a_measured_share_and_k_copy_rows(tiny_workdir):
     wd = Workdir(tiny_workdir)
     base = EngineConfig(model=str(tiny_workdir), gpu_memory_gb=8.0, max_model_len=4096)
     regimes, _ = decode_regimes(wd, base, stage_guesses=2)
-    share, without = regimes["ram, CPU share"], regimes["ram unstaged"]
+    share, without = regimes["ram, CPU share"], regimes["ram"]
     assert share[0].cpu_moe_share == -1.0 and without[0].cpu_moe_share == 0.0
-    assert dataclasses.replace(share[0], cpu_moe_share=0.0) == without[0] and share[1] == without[1]
+    assert dataclasses.replace(share[0], cpu_moe_share=0.0) == without[0]
+    assert share[1] == without[1] + wd.text_config["num_experts_per_tok"]  # the GPU share's copy rows
 
 
 def test_serve_table_says_why_a_background_task_failed():
@@ -410,7 +411,8 @@ def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
     )
     assert "outside the split calls 3.40; a token replays 6 graphs around 5 eager stages; GPU" in table
     assert (
-        "its share 1.50 ms, then idle until the CPU's sum 0.30 ms, dense work between layers 0.380" in table
+        "its share 1.50 ms, then idle until the CPU's sum 0.30 ms, from the CPU's sum to the next layer's "
+        "send 0.380 ms a layer" in table
     )
     assert "the bus alone d + 10 blocks = 0.900 ms; split d + max(CPU 4, bus 6 blocks) = 0.700 ms" in table
     assert "measured: split 1.600, `ram unstaged` 1.00" in table
@@ -418,7 +420,7 @@ def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
     assert "best share at these rates: 4 of 10 experts, 0.700 ms a layer, 1.29x the bus alone." in table
     # the GPU's 6 blocks took 1.5 / 4 ms: 40 GB/s in place; 5 on each side 0.3125 ms
     assert "its rate in place (40.0 GB/s, CUDA events): best 5 of 10, 0.713 ms a layer, 1.26x" in table
-    # without the `vram` regime, d is the GPU's dense work between split layers
+    # without the `vram` regime there is no d: the timed gap between split layers holds host launches
     del results["vram"]
     table = decode_table(results, disk_gbps=2.0, pcie_gbps=50.0, layers=4)
-    assert "d = 0.380 ms, the GPU's dense work between split layers" in table
+    assert "Model: needs the `vram` regime" in table and "Model a layer" not in table

@@ -166,7 +166,8 @@ def test_fp8_block_matmul_matches_ref(dtype, m, n, k, block, cfg, e8m0, native):
     q, scale = q.to(DEV), scale.to(DEV)
     if cfg is None and native != NATIVE[-1]:
         pytest.skip("the default config runs with the device's own conversion")
-    got = fp8_block_matmul(x, q, scale, block, config=cfg if cfg is None else {**cfg, "native": native})
+    cfg = cfg if cfg is None else {**cfg, "native": native}
+    got = fp8_block_matmul(x, q, scale, block, config=cfg)
     assert got.shape == (m, n) and got.dtype == dtype
     want = fp8_block_matmul_ref(x, q, scale, block)
     close(got, want, dtype)

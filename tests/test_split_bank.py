@@ -84,15 +84,16 @@ def routing(wd, t, seed):
 
 
 @needs_kernel
-def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_device):
+@pytest.mark.parametrize("copy", [True, False], ids=["copied", "in_place"])
+def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_device, copy):
     wd = Workdir(tiny_workdir)
     k = wd.text_config["num_experts_per_tok"]
     blocks = wd.num_layers * wd.num_experts
     with ExpertStore(wd, blocks * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
         ref = StreamedExperts(wd, store, torch.float32)
-        gpu = GpuExperts(wd, store, 8, kernel_device)
+        gpu = GpuExperts(wd, store, 8 + k * copy, kernel_device, copy_rows=k * copy)
         bank = SplitExperts(gpu, wd, share=0.5, threads=lambda: 2)
-        assert bank.n_cpu == round(0.5 * k)
+        assert bank.n_cpu == round(0.5 * k) and bank.copies == copy and gpu.cache.n_slots == 8
         # before every block has a RAM row it is the GPU bank, staged
         assert not bank.splitting and bank.decode_mode == "staged"
         for h in store.request([(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]):
@@ -111,6 +112,10 @@ def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_dev
             got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
             want = ref(layer, x, ids, w)
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+            # the GPU's share was copied into the copy rows (after the cache's), in its order
+            rows = gpu.cache.slots[gpu.cache.n_slots : gpu.cache.n_slots + k - bank.n_cpu].cpu()
+            blocks = gpu.host_blocks[gpu.ram_rows(layer)[ids[0, : k - bank.n_cpu]]]
+            assert torch.equal(rows, blocks) == copy
         assert bank.cpu_blocks == wd.num_layers * bank.n_cpu  # each layer's share ran on the CPU
         t, after = bank.split_times() - t0, bank.counters()
         # a launch between each pair of consecutive split layers
@@ -227,7 +232,8 @@ def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device, 
     eng = Engine(cfg)
     wd, a = eng.workdir, eng.args
     store = ram_store(wd, alloc=pinned_alloc)
-    bank = SplitExperts(GpuExperts(wd, store, 40, eng.device), wd, share=0.5, threads=lambda: 2)
+    gpu = GpuExperts(wd, store, 40, eng.device, copy_rows=a.num_experts_per_tok)
+    bank = SplitExperts(gpu, wd, share=0.5, threads=lambda: 2)
     for layer in eng.model.layers:
         layer.mlp.bank = bank
     prompt = [3 + i % 50 for i in range(20)]
@@ -246,6 +252,55 @@ def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device, 
     assert torch.equal(got, want)
     assert bank.times.calls - calls == 4 * a.num_hidden_layers  # one split call a layer and token
     assert bank.resident_reads - reads == 4 * a.num_hidden_layers * (a.num_experts_per_tok - bank.n_cpu)
+    bank.close()
+    store.close()
+    eng.close()
+
+
+@needs_kernel
+def test_with_staged_guesses_the_cpu_takes_what_would_cross_the_bus(tiny_workdir, kernel_device):
+    """With the next layer's guesses staged to VRAM, a split layer's experts are ordered with those the GPU
+    reads from VRAM first: the CPU's last n are blocks that would otherwise cross the bus. The decode
+    program (staging stages included) gives the layers' own forward (which stages nothing, so its experts
+    split otherwise) to FP32 rounding, and the same tokens."""
+    from test_decode_graphs import continue_greedy, layers_step
+
+    from expertstream.config import EngineConfig
+    from expertstream.runtime.decode_graphs import DecodeGraphs
+    from expertstream.runtime.engine import Engine
+    from expertstream.store.reader import pinned_alloc
+
+    cfg = EngineConfig(model=str(tiny_workdir), device=kernel_device, max_model_len=512, gpu_memory_gb=4)
+    eng = Engine(cfg)
+    wd, a = eng.workdir, eng.args
+    k = a.num_experts_per_tok
+    store = ram_store(wd, alloc=pinned_alloc)
+    gpu = GpuExperts(wd, store, 40, eng.device, stage_guesses=k // 2, copy_rows=k)
+    gpu.set_router_weights({i: layer.mlp.gate.weight for i, layer in enumerate(eng.model.layers)})
+    bank = SplitExperts(gpu, wd, share=0.5, threads=lambda: 2)
+    for layer in eng.model.layers:
+        layer.mlp.bank = bank
+    prompt = [3 + i % 50 for i in range(20)]
+    want, _ = continue_greedy(eng, prompt, 4, step=layers_step(eng))  # the prompt adopts the RAM rows
+    assert bank.decode_mode == "split" and bank.stage_guesses == k // 2
+    orders, send = [], bank.split_send
+
+    def spy(layer, x, ids, w):  # split_send's order: VRAM-read experts first, each part in top-k order
+        send(layer, x, ids, w)
+        vram = gpu.decode_in_vram(layer, ids[0]).tolist()
+        routed = ids[0].tolist()
+        first = [e for e, v in zip(routed, vram) if v] + [e for e, v in zip(routed, vram) if not v]
+        orders.append((bank._ids[0].tolist() == first, sum(vram)))
+
+    bank.split_send = spy
+    program, staged = DecodeGraphs(eng.model, capture=False), gpu.stage_counts()[0]
+    got, _ = continue_greedy(
+        eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert len(orders) == 4 * a.num_hidden_layers and all(ok for ok, _ in orders)
+    assert gpu.stage_counts()[0] > staged and any(hits for _, hits in orders)  # guesses were staged and hit
     bank.close()
     store.close()
     eng.close()
@@ -270,6 +325,7 @@ def test_split_decode_in_graphs_equals_eager_on_cuda(tiny_workdir):
         rows, _ = continue_greedy(eng, [3 + i % 50 for i in range(40)], 12)
         assert eng.bank.decode_mode == "split" and eng.bank.times.calls == 12 * wd.num_layers
         assert eng.bank.send_in_graph  # the graphs hold the send: one eager point a layer
+        assert eng.bank.copies  # the engine gives the GPU's share rows to copy its blocks into
         outs.append(rows)
         eng.close()
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

@@ -7,8 +7,8 @@ efficiency = bound / actual:
   vram:        every expert resident in VRAM (GPU-bound: the compute floor)
   vram eager:  the same without CUDA graphs (what the graphs save)
   ram:         experts in pinned RAM, VRAM cache sized as the 48-layer 8 GiB plan leaves it (PCIe-bound)
-  ram, CPU share: the same, unstaged, with the CPU computing a share of each layer's routed experts in
-               place (--cpu-moe-share; -1, the default: the share the rates measured at start balance); its
+  ram, CPU share: the same, with the CPU computing a share of each layer's routed experts in place
+               (--cpu-moe-share; -1, the default: the share the rates measured at start balance); its
                bound is max(PCIe bytes / PCIe rate, CPU bytes / CPU kernel rate, GPU)
   disk:        RAM cache = 25% of the expert bytes, the rest read from disk (disk-bound)
   disk, 24 GiB VRAM: the disk regime's RAM cache with the VRAM cache a 24 GiB card's plan leaves
@@ -424,10 +424,10 @@ def decode_regimes(
         "vram eager": (dataclasses.replace(all_in_vram, enforce_eager=True), wd.num_layers * wd.num_experts),
         "ram": (dataclasses.replace(all_in_ram, stage_guesses=staged), vram_blocks + 2 * staged),
         "ram unstaged": (dataclasses.replace(all_in_ram, stage_guesses=0), vram_blocks),
-        # the CPU computes a share of each layer's experts in place (staging off: the bank is eager)
+        # the CPU computes a share of each layer's experts in place; the GPU's share takes K copy rows
         "ram, CPU share": (
-            dataclasses.replace(all_in_ram, stage_guesses=0, cpu_moe_share=cpu_moe_share),
-            vram_blocks,
+            dataclasses.replace(all_in_ram, stage_guesses=staged, cpu_moe_share=cpu_moe_share),
+            vram_blocks + 2 * staged + k,
         ),
         # every expert in RAM beside a large VRAM cache: decode reads the hot set there (not an issue regime)
         f"ram, {BIG_BUDGET_GB:g} GiB VRAM": (
@@ -489,8 +489,8 @@ def run(args) -> int:
         f"VRAM cache {vram_blocks} blocks "
         f"({share:.1f} per layer, the 48-layer plan's share; {share24:.1f} per layer at "
         f"{BIG_BUDGET_GB} GiB); "
-        f"CUDA graphs on except in `vram eager`; `ram` copies {staged} guesses per layer to VRAM early "
-        f"(--stage-guesses), `ram unstaged` and `ram, CPU share` none; `ram, CPU share` computes a share "
+        f"CUDA graphs on except in `vram eager`; `ram` and `ram, CPU share` copy {staged} guesses per layer "
+        f"to VRAM early (--stage-guesses), `ram unstaged` none; `ram, CPU share` computes a share "
         f"of each layer's experts on the CPU (--cpu-moe-share {args.cpu_moe_share:g}); "
         f"`ram, {BIG_BUDGET_GB:g} GiB VRAM` also reads a hot set "
         "from VRAM (half its cache share); speculation "

@@ -134,18 +134,18 @@ def breakdown(name: str, r: dict) -> str:
             f"ms, then idle until the CPU's sum {r['split_gpu_idle_ms']:.2f} ms"
         )
         if "split_gpu_dense_ms_per_layer" in r:
-            text += f", dense work between layers {r['split_gpu_dense_ms_per_layer']:.3f} ms a layer"
+            text += (
+                f", from the CPU's sum to the next layer's send {r['split_gpu_dense_ms_per_layer']:.3f} ms "
+                "a layer (the upload, the dense work and the host's launches between)"
+            )
     return text + ".\n"
 
 
 def model(r: dict, results: dict[str, dict], pcie_gbps: float, layers: int) -> str:
     """The split's reach by the module docstring's model, against the bus alone, at this run's rates."""
-    if "vram" in results:
-        d, where = results["vram"]["ms_per_token"] / layers, "the `vram` regime's ms a token / layers"
-    elif "split_gpu_dense_ms_per_layer" in r:
-        d, where = r["split_gpu_dense_ms_per_layer"], "the GPU's dense work between split layers"
-    else:
+    if "vram" not in results:  # the timed gap between split layers holds the host's launches too
         return "\nModel: needs the `vram` regime (d, a layer's dense GPU work).\n"
+    d, where = results["vram"]["ms_per_token"] / layers, "the `vram` regime's ms a token / layers"
     k, n, block = r["k"], r["cpu_experts"], r["block_bytes"]
     cpu = r.get("cpu_gbps_in_place", r["cpu_gbps"])
     per_layer = r["split_layers_per_token"]

@@ -29,6 +29,7 @@ from expertstream.experts.speculation import Speculator
 from expertstream.experts.vram_cache import VramExpertCache
 from expertstream.kernels import nvfp4_moe
 from expertstream.kernels.decode_counts import decode_counts
+from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
 from expertstream.memory_plan import bank_slots
 
@@ -50,6 +51,9 @@ class GpuExperts(ExpertBank):
             (2 x this many of the slots become staging rows); 0: off.
         swiglu_limit: clamp gate x above and up x on both sides first (DeepSeek-V4), None: no clamp. The
             kernels read the workdir's block format (NVFP4 or MXFP4) from its layout.
+        copy_rows: VRAM rows, taken from n_slots, that a RAM-resident decode call asked to (`decode_compute`'s
+            `copy`) copies its routed RAM blocks into before its kernel reads them (the CPU share's GPU
+            side, experts/split_bank.py); 0: none.
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class GpuExperts(ExpertBank):
         speculation_width: float = 1.0,
         stage_guesses: int = 0,
         swiglu_limit: float | None = None,
+        copy_rows: int = 0,
     ):
         self.layout, self.store = workdir.layout, store
         self.swiglu_limit = swiglu_limit
@@ -76,6 +81,7 @@ class GpuExperts(ExpertBank):
         self.k = k = workdir.text_config["num_experts_per_tok"]
         # staged guesses a layer; experts per prompt pass and hot blocks a layer of a RAM-resident bank
         n_layers = workdir.num_layers
+        n_slots -= copy_rows
         guesses, hot_pass, hot_quota = bank_slots(
             stage_guesses, k, n_slots, speculation_width if speculate else 0, self.num_experts, n_layers
         )
@@ -87,9 +93,12 @@ class GpuExperts(ExpertBank):
         pinned = rows is not None and (dev.type != "cuda" or rows.is_pinned())
         self.host_blocks = rows if pinned else None  # [C, B] the decode kernel may read in place
         self.cache = VramExpertCache(
-            fetch_host, self.layout.block_bytes, n_slots - 2 * guesses, scales, dev, extra_rows=2 * guesses,
-            host_rows=self.host_blocks,
+            fetch_host, self.layout.block_bytes, n_slots - 2 * guesses, scales, dev,
+            extra_rows=2 * guesses + copy_rows, host_rows=self.host_blocks,
         )  # fmt: skip
+        # the copy rows follow the staging rows; the working location row [E] points at what was copied
+        self.copy_rows, self._copy_first = copy_rows, n_slots
+        self._copy_loc = torch.zeros(self.num_experts, dtype=torch.int32, device=dev) if copy_rows else None
         self.residency = Residency(
             store, self.cache, self.host_blocks, n_layers, self.num_experts, hot_pass, hot_quota, dev
         )
@@ -287,8 +296,11 @@ class GpuExperts(ExpertBank):
             self.spec_seconds += time.perf_counter() - t1
         self.decode_seconds += time.perf_counter() - t0
 
-    def decode_compute(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
-        """The routed sum of x [1, H] from the places `decode_prepare` gave (no host work but launches)."""
+    def decode_compute(self, layer: int, x, expert_ids, weights, copy: bool = False) -> torch.Tensor:
+        """The routed sum of x [1, H] from the places `decode_prepare` gave (no host work but launches). With
+        `copy` and every block in RAM, the routed blocks there are first copied into the copy rows by a
+        kernel (graphable) and read from VRAM: a few blocks read in place leave the bus half idle (a kernel
+        that reads 3-7 blocks over the bus reaches 30-37 GB/s on an H100, copying them first 37-44)."""
         self.decode_join()
         loc = self.residency.loc[layer]
         uncounted, self._uncounted = self._uncounted, False
@@ -299,6 +311,11 @@ class GpuExperts(ExpertBank):
             decode_counts(expert_ids[0], loc, *(hot or (None, None)), *stage_hits)
         if staged:
             loc = staged[2]
+        if copy and self.resident == "ram":
+            ids, rows = expert_ids[0], self.cache.slots
+            assert ids.numel() <= self.copy_rows, f"{ids.numel()} blocks, {self.copy_rows} copy rows"
+            stage_blocks(ids, loc, self.host_blocks, rows, self._copy_first, self._copy_loc)
+            loc = self._copy_loc
         # with every block in VRAM for good there is no host pool to pass (the launch shape, and so the sums,
         # are the same either way)
         host = None if self.resident == "vram" else self.host_blocks
@@ -306,6 +323,13 @@ class GpuExperts(ExpertBank):
             x, expert_ids[0], loc, self.scales[layer], weights[0].float(), self.layout, self.cache.slots,
             host, swiglu_limit=self.swiglu_limit,
         )  # fmt: skip
+
+    def decode_in_vram(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """[K] bool (graphable): which of `layer`'s routed experts ids [K] its decode kernel reads from VRAM
+        (a slot in the location table, or a guess staged for it), without waiting for the staging copies."""
+        vram = self.residency.loc[layer][ids] >= 0
+        staged = self.staging.ids(layer)
+        return vram if staged is None else vram | (ids[:, None] == staged[None, :]).any(1)
 
     def decode_stage(self, layer: int, want: torch.Tensor, k: int) -> None:
         """After layer's kernel is queued (graphable): with every block in RAM, copy layer + 1's best guesses

@@ -59,6 +59,11 @@ class Staging:
         p = layer % 2
         return self._ids[p], self._counts[1:], self.loc_work[p]
 
+    def ids(self, layer: int) -> torch.Tensor | None:
+        """The guesses [G] staged for `layer` (device ids, written on the current stream before the copies
+        were queued: readable there at once), or None; `take` still finds them."""
+        return self._ids[layer % 2] if self._staged == layer else None
+
     def join(self) -> None:
         """The current stream waits for queued staging (a no-op when nothing is queued)."""
         if self._forked:

@@ -7,9 +7,11 @@ GPU bank's decode kernel, and the two sums are added on the GPU.
 a one-token layer runs as the "split" decode mode's stages: the last n of the K routed experts (top-k
 order: the smallest weights) go to the CPU, the first K - n to the GPU, a split that needs nothing from the
 host. split_send packs the CPU's ids, weights and x into one buffer and copies it to pinned host memory, an
-event behind the copy; split_gpu queues the GPU's share behind it; split_cpu (eager) waits for that event
-alone, runs the C kernel (which gathers the blocks from the layer's address table itself) while the bus
-carries the GPU's blocks; split_sum uploads the CPU's [H] sum and adds it. Where the device captures a
+event behind the copy; split_gpu queues the GPU's share behind it (a kernel copies its blocks into the
+GPU bank's copy rows, where the engine gives it K of them, then the decode kernel reads them from VRAM: a
+few blocks read in place leave the bus partly idle); split_cpu (eager) waits for that event alone, runs the
+C kernel (which gathers the blocks from the layer's address table itself) while the bus carries the GPU's
+blocks; split_sum uploads the CPU's [H] sum and adds it. Where the device captures a
 copy to pinned memory and an external event (`send_capturable`, probed once), split_send is captured too,
 so the decode graphs keep one eager point a layer (split_cpu) and replay one graph between two of them.
 
@@ -33,6 +35,7 @@ import torch
 
 from expertstream.experts.bank import BankCounters, ExpertBank, WrappedBank
 from expertstream.kernels import cpu_moe
+from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
 
 log = get_logger(__name__)
@@ -190,6 +193,10 @@ class SplitExperts(WrappedBank):
         pin = host is not None and host.is_pinned()
         h, dev = workdir.layout.hidden_size, gpu.cache.device
         self.captured_send = bool(self.n_cpu) and pin and send_capturable(dev)  # split_send in the graphs
+        # the routed experts [1, K] and weights in the order split_send gives them (the GPU's first)
+        self._ids = torch.zeros(1, k, dtype=torch.int64, device=dev)
+        self._w = torch.zeros(1, k, device=dev)
+        self._pos = torch.arange(k, device=dev)
         self._dev = torch.empty(2 * k + h, device=dev)  # the CPU's ids and weights, and x, packed on the GPU
         self._host = torch.empty(2 * k + h, pin_memory=pin)  # ... copied here
         # that copy landed (external: a captured record is a node the host can wait on after a replay)
@@ -257,6 +264,8 @@ class SplitExperts(WrappedBank):
         dev, h, n = self.bank.cache.device, self.layout.hidden_size, self.k - self.n_cpu
         e2s = torch.zeros(self.bank.num_experts, dtype=torch.int32, device=dev)
         ids, w = torch.zeros(n, dtype=torch.int64, device=dev), torch.ones(n, device=dev)
+        if self.copies:  # its copy kernel (every entry of e2s a slot: nothing is copied)
+            stage_blocks(ids[:1], e2s, self.bank.host_blocks, self.bank.cache.slots, 0, e2s.clone())
         nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, device=dev), ids, e2s, self.bank.scales[0], w,
                                    self.layout, self.bank.cache.slots, self.bank.host_blocks)  # fmt: skip
 
@@ -268,7 +277,7 @@ class SplitExperts(WrappedBank):
     def _split(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
         """A split layer eagerly: the stages the decode graphs run ("split" decode mode), in order."""
         self.split_send(layer, x, expert_ids, weights)
-        part = self.split_gpu(layer, x, expert_ids, weights)
+        part = self.split_gpu(layer, x)
         self.split_launched()
         self.split_cpu(layer)
         return self.split_sum(part)
@@ -277,25 +286,37 @@ class SplitExperts(WrappedBank):
     # split_send where `send_in_graph`, and run the others eagerly between them.
 
     def split_send(self, layer: int, x, expert_ids, weights) -> None:
-        """The CPU's experts, their weights and x [1, H] packed as FP32 into a fixed device buffer, copied
-        to the pinned host buffer, an event behind the copy; the GPU's share is queued after it, so the host
-        waits for the copy alone."""
-        g = self.k - self.n_cpu
+        """The routed experts ordered so that those the GPU reads from VRAM (its hot set, guesses staged for
+        the layer) come first, the rest after them in top-k order: the CPU takes the last n, blocks that
+        would otherwise cross the bus. Its experts, their weights and x [1, H] are packed as FP32 into a
+        fixed device buffer, copied to the pinned host buffer, an event behind the copy; the GPU's share is
+        queued after it, so the host waits for the copy alone."""
+        g, k = self.k - self.n_cpu, self.k
         if self.gpu_timing:
             self._ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
             self._ev[0].record()
+        order = (self._pos + k * self.bank.decode_in_vram(layer, expert_ids[0]).logical_not()).argsort()
+        self._ids.copy_(expert_ids.index_select(1, order))
+        self._w.copy_(weights.index_select(1, order))
         m = 2 * self.n_cpu + self.layout.hidden_size
-        torch.cat((expert_ids[0, g:].float(), weights[0, g:].float(), x[0].float()), out=self._dev[:m])
+        torch.cat((self._ids[0, g:].float(), self._w[0, g:], x[0].float()), out=self._dev[:m])
         self._host[:m].copy_(self._dev[:m], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
-    def split_gpu(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
-        """Graphable: the GPU bank's decode kernel on the first K - n routed experts, x in FP32 -> [1, H]."""
+    @property
+    def copies(self) -> bool:
+        """The GPU's share is copied into VRAM rows of its own before its kernel reads it (the GPU bank has
+        K copy rows); else the kernel reads it in place."""
+        return self.bank.copy_rows >= self.k
+
+    def split_gpu(self, layer: int, x) -> torch.Tensor:
+        """Graphable: the GPU bank's decode kernel on the first K - n experts of split_send's order, x in
+        FP32 -> [1, H]."""
         g = self.k - self.n_cpu
         if not g:
             return torch.zeros(1, self.layout.hidden_size, device=x.device)
-        return self.bank.decode_compute(layer, x.float(), expert_ids[:, :g], weights[:, :g])
+        return self.bank.decode_compute(layer, x.float(), self._ids[:, :g], self._w[:, :g], copy=self.copies)
 
     def split_launched(self) -> None:
         """The GPU's share is queued: its reads counted, the GPU bank told."""

@@ -304,34 +304,31 @@ class SparseMoe(nn.Module):
             call = lambda u, ids, w: bank(i, u, ids, w)  # noqa: E731
             return [Stage(call, ("u", "top_i", "top_w"), ("routed",), graphable=False)]
         compute = ("u", "top_i", "top_w"), ("routed",)
+        stage_next = Stage(  # the next layer's guesses to VRAM (side stream); then their disk reads
+            lambda want: bank.decode_stage(i, want, k), ("want",), after=(bank.decode_launched,),
+            join=bank.decode_join,
+        )  # fmt: skip
+        want = Stage(lambda u, ids: bank.decode_want(i, u, ids), ("u", "top_i"), ("want",))
         if mode == "split":  # a CPU share: x to the host (captured where the bank can), the GPU's share, the
-            # CPU's, their sum
+            # CPU's, their sum; with staging, the next layer's guesses go to VRAM over its dense work
             send = lambda u, ids, w: bank.split_send(i, u, ids, w)  # noqa: E731
-            return [
+            split = [
                 Stage(send, compute[0], graphable=bank.send_in_graph),
-                Stage(
-                    lambda u, ids, w: bank.split_gpu(i, u, ids, w),
-                    compute[0],
-                    ("part",),
-                    after=(bank.split_launched,),
-                ),  # fmt: skip
+                Stage(lambda u: bank.split_gpu(i, u), ("u",), ("part",), after=(bank.split_launched,)),
                 Stage(lambda: bank.split_cpu(i), (), graphable=False),
                 Stage(bank.split_sum, ("part",), ("routed",)),
             ]
+            if not bank.stage_guesses:
+                return split
+            return [want, *split, Stage(stage_next.fn, ("want",), join=bank.decode_join)]
         if mode == "fixed":  # every block placed for good: device work alone, its reads counted on the host
             done = (bank.decode_launched, lambda: bank.decode_fixed_reads(k))
             return [Stage(lambda u, ids, w: bank.decode_compute(i, u, ids, w), *compute, after=done)]
         return [  # "staged": only the fetch and the location table stay host work
-            Stage(lambda u, ids: bank.decode_want(i, u, ids), ("u", "top_i"), ("want",)),
+            want,
             Stage(lambda want: bank.decode_prepare(i, want, k), ("want",), graphable=False),
             Stage(lambda u, ids, w: bank.decode_compute(i, u, ids, w), *compute),
-            # the next layer's guesses to VRAM behind this kernel (side stream); then their disk reads
-            Stage(
-                lambda want: bank.decode_stage(i, want, k),
-                ("want",),
-                after=(bank.decode_launched,),
-                join=bank.decode_join,
-            ),
+            stage_next,  # behind this kernel
         ]
 
     def shared(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -473,7 +470,7 @@ class Qwen4ExpModel(nn.Module):
             ),
         ]
         for bank in self.banks:  # layer 0's guesses to VRAM over its attention (side stream)
-            if bank.decode_mode == "staged":
+            if bank.decode_mode == "staged" or (bank.decode_mode == "split" and bank.stage_guesses):
                 out.append(Stage(bank.decode_stage_first, ("row",), join=bank.decode_join))
         for layer in self.layers:
             out += layer.decode_stages(st, kv_len)

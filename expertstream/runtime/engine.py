@@ -161,15 +161,17 @@ class Engine:
                 log.warning("--cpu-moe-share ignored: the CPU expert kernel reads NVFP4 blocks only")
 
             def make_bank(store):
+                copy_rows = k if cpu_share else 0  # the CPU share's GPU side copies its blocks there
                 bank = GpuExperts(
                     self.workdir,
                     store,
-                    max(n_slots, 2 * k),
+                    max(n_slots, 2 * k + copy_rows),
                     self.device,
                     speculate,
                     config.speculation_width,
                     config.stage_guesses,
                     swiglu_limit,
+                    copy_rows,
                 )
                 # a CPU share of RAM-resident decode wraps it (experts/split_bank.py)
                 return self._split_bank(bank, config.cpu_moe_share) if cpu_share else bank
