@@ -419,7 +419,7 @@ def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
     # 5 on the CPU: 0.3125 ms against the bus's 0.25; 4 is the best
     assert "best share at these rates: 4 of 10 experts, 0.700 ms a layer, 1.29x the bus alone." in table
     # the GPU's 6 blocks took 1.5 / 4 ms: 40 GB/s in place; 5 on each side 0.3125 ms
-    assert "its rate in place (40.0 GB/s, CUDA events): best 5 of 10, 0.713 ms a layer, 1.26x" in table
+    assert "its measured rate (40.0 GB/s, CUDA events): best 5 of 10, 0.713 ms a layer, 1.26x" in table
     # without the `vram` regime there is no d: the timed gap between split layers holds host launches
     del results["vram"]
     table = decode_table(results, disk_gbps=2.0, pcie_gbps=50.0, layers=4)

@@ -168,7 +168,7 @@ def model(r: dict, results: dict[str, dict], pcie_gbps: float, layers: int) -> s
         best = cpu_experts(k, cpu, bus, block, alone_gbps=pcie_gbps)
         reach = d + expert_seconds(k, best, block, cpu, bus if best else pcie_gbps) * 1e3
         text += (
-            f" With the GPU's share at its rate in place ({bus:.1f} GB/s, CUDA events): best {best} of {k}, "
+            f" With the GPU's share at its measured rate ({bus:.1f} GB/s, CUDA events): best {best} of {k}, "
             f"{reach:.3f} ms a layer, {alone / reach:.2f}x the bus alone."
         )
     return text + "\n"

@@ -8,8 +8,9 @@ so that the decode graphs capture a bank's device work and keep only its host wo
             location table) -> decode_compute (graphable) -> decode_stage (graphable: the next layer's
             guesses copied to VRAM on a side stream, joined by decode_join).
   "fixed":  decode_compute alone: every block has a fixed place, nothing is read back.
-  "split":  a CPU share (experts/split_bank.py): split_send (eager: x to the host) -> split_gpu (graphable:
-            the GPU's share) -> split_cpu (eager: the CPU's share, its sum uploaded) -> split_sum (graphable).
+  "split":  a CPU share (experts/split_bank.py): split_send (x to the host, graphable where the device
+            captures it) -> split_gpu (graphable: the GPU's share) -> split_cpu (eager: the CPU's share, its
+            sum uploaded) -> split_sum (graphable); with staging, decode_want before and decode_stage after.
 decode_launched() runs once a stage's device work is queued (host work that must follow it, e.g. the next
 layer's guessed disk reads). The defaults below are those of a bank with no VRAM tier.
 """

@@ -375,7 +375,7 @@ class SplitExperts(WrappedBank):
 
     def weigh(self, t: SplitTimes) -> None:
         """The share chosen again from the split layers' times `t`: the CPU kernel's rate in place (beside
-        the bus's reads of the same RAM), the GPU share's rate in place (from its CUDA events, when `t` has
+        the bus's reads of the same RAM), the GPU share's measured rate (from its CUDA events, when `t` has
         them; else the bus rate measured at start). It moves to the n that `cpu_experts` finds best: 0
         (off: the GPU bank's "fixed" program) where the bus alone, at the rate measured at start, is
         faster; the decode graphs capture the new program (`decode_key`)."""
@@ -386,7 +386,7 @@ class SplitExperts(WrappedBank):
         best = cpu_experts(k, rate, bus, payload, alone_gbps=self.bus_gbps)
         log.info("CPU share weighed again over %d split layers: kernel %.1f GB/s in place (%.1f alone), the "
                  "GPU's share %.1f GB/s (%s; the bus alone %.1f): %d of %d experts on the CPU %s", t.calls,
-                 rate, self.cpu_gbps, bus, "in place" if timed else "not timed", self.bus_gbps, n, k,
+                 rate, self.cpu_gbps, bus, "CUDA events" if timed else "not timed", self.bus_gbps, n, k,
                  "kept" if best == n else f"-> {best}" + (" (off)" if not best else ""))  # fmt: skip
         self.n_cpu = best
         if best and best != n:
