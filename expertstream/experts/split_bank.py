@@ -79,7 +79,7 @@ class SplitTimes:
     wait: float = 0.0  # for the CPU's x: the GPU work queued before it (the layer's dense part), the sync
     kernel: float = 0.0  # the CPU kernel (the C call: it gathers the blocks and scales, then computes)
     timed: int = 0  # split layers with GPU times
-    gpu_share: float = 0.0  # GPU: the packing, its copy and the GPU's share of the experts
+    gpu_share: float = 0.0  # GPU: from the send's end (order, packing, copy), the GPU's share of the experts
     gpu_idle: float = 0.0  # GPU: from there until the CPU's sum is computed (waiting for it)
     gpu_dense: float = 0.0  # GPU: from there to the next layer's start (upload, add, its dense work)
     dense_gaps: int = 0  # pairs of consecutive layers gpu_dense sums over
@@ -292,9 +292,6 @@ class SplitExperts(WrappedBank):
         fixed device buffer, copied to the pinned host buffer, an event behind the copy; the GPU's share is
         queued after it, so the host waits for the copy alone."""
         g, k = self.k - self.n_cpu, self.k
-        if self.gpu_timing:
-            self._ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
-            self._ev[0].record()
         order = (self._pos + k * self.bank.decode_in_vram(layer, expert_ids[0]).logical_not()).argsort()
         self._ids.copy_(expert_ids.index_select(1, order))
         self._w.copy_(weights.index_select(1, order))
@@ -303,6 +300,10 @@ class SplitExperts(WrappedBank):
         self._host[:m].copy_(self._dev[:m], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if self.gpu_timing:  # timed tokens send eagerly: the GPU's share is timed from the send's end, so
+            # that the eager launches of the order and the packing do not count as its time
+            self._ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+            self._ev[0].record()
 
     @property
     def copies(self) -> bool:
