@@ -15,6 +15,7 @@ from expertstream.experts.split_bank import (
     expert_seconds,
     send_capturable,
     split_threads,
+    weighed_experts,
 )
 from expertstream.kernels import cpu_moe
 from expertstream.store import ExpertStore
@@ -44,6 +45,15 @@ def test_the_bus_alone_is_weighed_at_its_own_rate():
     # at 5 GB/s beside it: 9 on the CPU take 0.225 ms; the bus alone at 50 GB/s wins
     assert cpu_experts(10, 40.0, 5.0, block, alone_gbps=50.0) == 0
     assert cpu_experts(10, 40.0, 5.0, block) == 9  # weighed at 5 GB/s, the bus alone would lose
+
+
+def test_the_weighed_share_of_a_measured_h100_box():
+    # box B of docs/benchmarks.md, 6 of 10 experts on the CPU, a layer: the CPU's call 0.2825 ms, the
+    # GPU's share of 4 blocks 0.2575 ms, then 0.23 ms waiting for the CPU's sum; 4 of 10 measured best
+    call, share, waited = 0.2825e-3, 0.2575e-3, 0.23e-3
+    fixed = share + waited - call
+    assert weighed_experts(10, call / 6, share / 4, fixed, alone=10 * 2.76e6 / 55e9) == 4
+    assert weighed_experts(10, call / 6, share / 4, 0.0, alone=10 * 2.76e6 / 55e9) == 6  # rates alone
 
 
 def test_the_split_threads_leave_cores_to_the_decode_thread():
@@ -197,17 +207,23 @@ def test_the_auto_share_moves_to_the_best_share_at_the_rates_in_place(
                             bus_gbps=50.0, cpu_gbps=50.0)  # fmt: skip
         assert k == 4 and bank.n_cpu == 2
 
-        def weigh(cpu_gbps, bus_gbps):  # 10 split layers at those rates in place, n = 2
+        def weigh(cpu_gbps, bus_gbps, idle=0.0):  # 10 split layers at those rates in place, n = 2
             bank.n_cpu = 2
             n_bytes = 2 * payload * 10
             bank.weigh(SplitTimes(calls=10, kernel=n_bytes / cpu_gbps / 1e9, timed=10,
-                                  gpu_share=n_bytes / bus_gbps / 1e9))  # fmt: skip
+                                  gpu_share=n_bytes / bus_gbps / 1e9, gpu_idle=10 * idle))  # fmt: skip
             return bank.n_cpu
 
         # 2 blocks each side at 30 GB/s (2 / 30) beat the bus alone's 4 at 50 (4 / 50)
         assert weigh(30.0, 30.0) == 2
         # the CPU at 60 and the bus at 20 beside it: 3 on the CPU (3 / 60 against 1 / 20)
         assert weigh(60.0, 20.0) == 3
+        # the CPU at 60, the GPU at 40: 2 each side (2 / 40 against 3 / 60: the smaller on the tie)
+        assert weigh(60.0, 40.0) == 2
+        # ... where the GPU then waited 0.03 (in payload / 1e9 s) for the CPU's sum, the CPU side costs 0.05
+        # + 0.03 - 2 / 60 = 0.0467 beyond its blocks (its wake): 1 on the CPU, max(0.0467 + 1 / 60, 3 / 40)
+        # = 0.075, beats 2, 0.0467 + 2 / 60 = 0.08 (and the bus alone, 4 / 50 = 0.08)
+        assert weigh(60.0, 40.0, idle=0.03 * payload / 1e9) == 1
         # the CPU at 10: its one block (1 / 10) is slower than the bus alone's 4 (4 / 50): off
         assert weigh(10.0, 40.0) == 0
         assert not bank.splitting

@@ -68,6 +68,18 @@ def cpu_experts(
     return min(range(k + 1), key=cost)
 
 
+def weighed_experts(k: int, cpu_block: float, gpu_block: float, fixed: float, alone: float) -> int:
+    """Routed experts a layer the CPU takes once split layers were timed: the n whose layer takes least,
+    max(fixed + n cpu_block, (k - n) gpu_block) seconds beyond its dense work (cpu_block and gpu_block:
+    seconds a block on each side as measured, fixed: the CPU side's cost beyond its blocks), or `alone`
+    (the bus alone's k blocks) for n = 0; the smaller n on a tie."""
+
+    def cost(n: int) -> float:
+        return alone if n == 0 else max(fixed + n * cpu_block, (k - n) * gpu_block)
+
+    return min(range(k + 1), key=cost)
+
+
 @dataclasses.dataclass
 class SplitTimes:
     """Where the split decode layers' time goes, in seconds summed over them: the decode thread's phases in
@@ -375,20 +387,28 @@ class SplitExperts(WrappedBank):
         self.weigh(t)
 
     def weigh(self, t: SplitTimes) -> None:
-        """The share chosen again from the split layers' times `t`: the CPU kernel's rate in place (beside
-        the bus's reads of the same RAM), the GPU share's measured rate (from its CUDA events, when `t` has
-        them; else the bus rate measured at start). It moves to the n that `cpu_experts` finds best: 0
-        (off: the GPU bank's "fixed" program) where the bus alone, at the rate measured at start, is
-        faster; the decode graphs capture the new program (`decode_key`)."""
+        """The share chosen again from the split layers' times `t`: a block's time on the CPU (its kernel
+        calls, in place beside the bus's reads of the same RAM) and on the GPU (its share's CUDA events,
+        when `t` has them; else the bus rate measured at start), and the CPU side's cost beyond its blocks:
+        where the GPU waited for the CPU's sum, the GPU's share plus that wait less the CPU's call (the
+        host's wake on the x copy, which a rate alone leaves out). It moves to the n that
+        `weighed_experts` finds best: 0 (off: the GPU bank's "fixed" program) where the bus alone, at the
+        rate measured at start, is faster; the decode graphs capture the new program (`decode_key`)."""
         k, n, payload = self.k, self.n_cpu, self.layout.payload_bytes
-        rate = n * payload * t.calls / t.kernel / 1e9 if t.kernel > 0 else 0.0
+        call = t.kernel / t.calls  # a layer's CPU call, s
+        cpu_block = call / n if call > 0 else math.inf
         timed = t.timed and t.gpu_share > 0 and k > n
-        bus = (k - n) * payload * t.timed / t.gpu_share / 1e9 if timed else self.bus_gbps
-        best = cpu_experts(k, rate, bus, payload, alone_gbps=self.bus_gbps)
+        share = t.gpu_share / t.timed if timed else 0.0  # a layer's GPU share, s
+        gpu_block = share / (k - n) if timed else payload / (self.bus_gbps * 1e9)
+        waited = t.gpu_idle / t.timed if timed else 0.0
+        fixed = max(0.0, share + waited - call) if waited > 0 else 0.0
+        best = weighed_experts(k, cpu_block, gpu_block, fixed, k * payload / (self.bus_gbps * 1e9))
+        moved = "kept" if best == n else f"-> {best}" + (" (off)" if not best else "")
         log.info("CPU share weighed again over %d split layers: kernel %.1f GB/s in place (%.1f alone), the "
-                 "GPU's share %.1f GB/s (%s; the bus alone %.1f): %d of %d experts on the CPU %s", t.calls,
-                 rate, self.cpu_gbps, bus, "CUDA events" if timed else "not timed", self.bus_gbps, n, k,
-                 "kept" if best == n else f"-> {best}" + (" (off)" if not best else ""))  # fmt: skip
+                 "GPU's share %.1f GB/s (%s; the bus alone %.1f), the CPU side's fixed cost %.3f ms: %d of "
+                 "%d experts on the CPU %s", t.calls, payload / cpu_block / 1e9, self.cpu_gbps,
+                 payload / gpu_block / 1e9, "CUDA events" if timed else "not timed", self.bus_gbps,
+                 fixed * 1e3, n, k, moved)  # fmt: skip
         self.n_cpu = best
         if best and best != n:
             self._warm_share()
