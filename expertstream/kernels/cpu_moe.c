@@ -13,8 +13,9 @@
 #define TMAX 8
 #define MAXTH 256
 #define NMAX 64       // most experts one packed call (nvfp4_moe_cpu_packed) takes
-#define ROWS_UP 16    // gate/up rows per work item
-#define ROWS_DOWN 32  // output rows per work item
+#define ROWS_UP 16    // fewest gate/up rows a work item takes (up_rows)
+#define ROWS_UP_MAX 128
+#define ROWS_DOWN 32  // fewest output rows a down item takes (item_rows)
 #define RMAX 4        // rows one pass over x (or h) takes: each load of x feeds R FMAs
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -148,15 +149,26 @@ typedef struct {
   long off[6];  // gate, up, down codes; gate, up, down scales (bytes from block start)
   atomic_int next;
   int items;
+  int rows_up, rows_down;  // rows an up item and a down item take (item_rows)
 } Job;
+
+// Rows an item of a phase takes: the most, from `most` down to `least`, that still leave 4 items a thread
+// (`mats` matrices of `rows` rows each). A thread's item is one run of adjacent rows, read as one stream:
+// on 2 threads, 10 full-shape experts' up phase took 1.25x less time with 128-row items than with 16-row
+// ones, taken alternately by the two threads.
+static int item_rows(int mats, int rows, int threads, int least, int most) {
+  int r = most;
+  while (r > least && (long)mats * ((rows + r - 1) / r) < 4L * threads) r /= 2;
+  return r;
+}
 
 // rows a pass takes per matrix: P gate and P up rows in up_item, 2P down rows in down_item (T <= 2 keeps the
 // 4 rows' accumulators in registers; from RAM 10 % faster than 2 rows at T = 1, 30 % at T = 2)
 #define PAIRS(T) ((T) <= 2 ? 2 : 1)
 
 static inline __attribute__((always_inline)) void up_item(Job *j, int item, int T) {
-  int per = (j->I + ROWS_UP - 1) / ROWS_UP, e = item / per, r0 = (item % per) * ROWS_UP;
-  int r1 = r0 + ROWS_UP < j->I ? r0 + ROWS_UP : j->I, H = j->H, I = j->I, G = H / 16, P = PAIRS(T);
+  int rows = j->rows_up, per = (j->I + rows - 1) / rows, e = item / per, r0 = (item % per) * rows;
+  int r1 = r0 + rows < j->I ? r0 + rows : j->I, H = j->H, I = j->I, G = H / 16, P = PAIRS(T);
   const uint8_t *b = j->blocks[e];
   float sg = j->ws2[3 * e], su = j->ws2[3 * e + 1], gu[RMAX][TMAX];
   for (int r = r0; r < r1; r += P) {  // gate rows r..r+P-1 and the same up rows in one pass over x
@@ -175,7 +187,7 @@ static inline __attribute__((always_inline)) void up_item(Job *j, int item, int 
 }
 
 static inline __attribute__((always_inline)) void down_item(Job *j, int item, int T) {
-  int r0 = item * ROWS_DOWN, r1 = r0 + ROWS_DOWN < j->H ? r0 + ROWS_DOWN : j->H, I = j->I, G = I / 16;
+  int r0 = item * j->rows_down, r1 = r0 + j->rows_down < j->H ? r0 + j->rows_down : j->H, I = j->I, G = I / 16;
   int R = 2 * PAIRS(T);
   float d[RMAX][TMAX];
   for (int r = r0; r < r1; r += R) {  // rows r..r+R-1 (H is a multiple of 16) in one pass over each h
@@ -316,10 +328,12 @@ int nvfp4_moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *w
     for (int k = 0; k < H; k++) xp[(size_t)t * H + perm(k)] = x[(size_t)t * H + k];
   Job j = {blocks, ws2, wt, xp, scratch, out, n, T, H, I, {0}, 0, 0};
   memcpy(j.off, off, sizeof j.off);
-  j.items = n * ((I + ROWS_UP - 1) / ROWS_UP);
+  j.rows_up = item_rows(n, I, threads, ROWS_UP, ROWS_UP_MAX);
+  j.items = n * ((I + j.rows_up - 1) / j.rows_up);
   run(up_phase, &j, threads);
   atomic_store(&j.next, 0);
-  j.items = (H + ROWS_DOWN - 1) / ROWS_DOWN;
+  j.rows_down = item_rows(1, H, threads, ROWS_DOWN, 4 * ROWS_DOWN);
+  j.items = (H + j.rows_down - 1) / j.rows_down;
   run(down_phase, &j, threads);
   return 0;
 }
