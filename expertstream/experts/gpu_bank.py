@@ -300,7 +300,7 @@ class GpuExperts(ExpertBank):
         """The routed sum of x [1, H] from the places `decode_prepare` gave (no host work but launches). With
         `copy` and every block in RAM, the routed blocks there are first copied into the copy rows by a
         kernel (graphable) and read from VRAM: a few blocks read in place leave the bus half idle (a kernel
-        that reads 3-7 blocks over the bus reaches 30-37 GB/s on an H100, copying them first 37-44)."""
+        that reads 3-7 blocks over the bus reached 18-37 GB/s on the H100 boxes, copying them first 29-44)."""
         self.decode_join()
         loc = self.residency.loc[layer]
         uncounted, self._uncounted = self._uncounted, False
