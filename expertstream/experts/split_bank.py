@@ -4,20 +4,22 @@ GPU bank's decode kernel, and the two sums are added on the GPU.
 
 `SplitExperts` composes a CUDA bank (experts/gpu_bank.py) and the CPU kernel through the bank interface
 (experts/bank.py). Until every block has a fixed RAM row, and for prompts, it is the GPU bank. Once they have,
-a one-token layer runs as the "split" decode mode's stages: the last n of the K routed experts (top-k
-order: the smallest weights) go to the CPU, the first K - n to the GPU, a split that needs nothing from the
-host. split_send packs the CPU's ids, weights and x into one buffer and copies it to pinned host memory, an
-event behind the copy; split_gpu queues the GPU's share behind it (a kernel copies its blocks into the
-GPU bank's copy rows, where the engine gives it K of them, then the decode kernel reads them from VRAM: a
-few blocks read in place leave the bus partly idle); split_cpu (eager) waits for that event alone, runs the
-C kernel (which gathers the blocks from the layer's address table itself) while the bus carries the GPU's
-blocks; split_sum uploads the CPU's [H] sum and adds it. Where the device captures a
-copy to pinned memory and an external event (`send_capturable`, probed once), split_send is captured too,
+a one-token layer runs as the "split" decode mode's stages: the K routed experts are ordered with those
+the GPU reads from VRAM (hot set, staged guesses) first and the rest in top-k order; the last n go to the
+CPU, the first K - n to the GPU, a split that needs nothing from the host. split_send orders them, packs
+the CPU's ids, weights and x into one buffer and copies it to pinned host memory, an event behind the
+copy; split_gpu queues the GPU's share behind it (a kernel copies its blocks into the GPU bank's copy rows,
+where the engine gives it K of them, then the decode kernel reads them from VRAM: a few blocks read in
+place leave the bus partly idle); split_cpu (eager) waits for that event alone, runs the C kernel (which
+gathers the blocks from the layer's address table itself) while the bus carries the GPU's blocks;
+split_sum uploads the CPU's [H] sum and adds it. Where the device captures a copy to pinned memory and an
+external event (`send_capturable`, probed once), split_send is captured too,
 so the decode graphs keep one eager point a layer (split_cpu) and replay one graph between two of them.
 
 A split layer then takes about d + max(CPU bytes / CPU rate, GPU bytes / bus rate) (the CPU's side holds
 the sync and the kernel's call), against d + all its bytes over the bus: d, the layer's dense GPU work, is
-in both, so the split pays only where the rest is shorter (`expert_seconds`). `SplitTimes` holds where the
+in both, so the split pays only where the rest is shorter (`expert_seconds`, the first choice); once split
+layers are timed, the CPU side's fixed cost joins it (`weighed_experts`). `SplitTimes` holds where the
 time went, phase by phase, and with CUDA events the GPU's (the bench prints it). The kernel runs on the
 free cores less `SPARE_CORES` unless --threads says otherwise (`split_threads`): on every core its spinning
 pool starves the decode thread and the driver's.
