@@ -324,6 +324,12 @@ class GpuExperts(ExpertBank):
             host, swiglu_limit=self.swiglu_limit,
         )  # fmt: skip
 
+    @property
+    def decode_reads_vram(self) -> bool:
+        """With every block in RAM, decode still reads some routed blocks from VRAM: staged guesses, or a
+        hot set."""
+        return bool(self.stage_guesses or self.residency.hot_quota)
+
     def decode_in_vram(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """[K] bool (graphable): which of `layer`'s routed experts ids [K] its decode kernel reads from VRAM
         (a slot in the location table, or a guess staged for it), without waiting for the staging copies."""

@@ -306,9 +306,11 @@ class SplitExperts(WrappedBank):
         fixed device buffer, copied to the pinned host buffer, an event behind the copy; the GPU's share is
         queued after it, so the host waits for the copy alone."""
         g, k = self.k - self.n_cpu, self.k
-        order = (self._pos + k * self.bank.decode_in_vram(layer, expert_ids[0]).logical_not()).argsort()
-        self._ids.copy_(expert_ids.index_select(1, order))
-        self._w.copy_(weights.index_select(1, order))
+        if self.bank.decode_reads_vram:  # else every block crosses the bus: top-k order as it is
+            order = (self._pos + k * self.bank.decode_in_vram(layer, expert_ids[0]).logical_not()).argsort()
+            expert_ids, weights = expert_ids.index_select(1, order), weights.index_select(1, order)
+        self._ids.copy_(expert_ids)
+        self._w.copy_(weights)
         m = 2 * self.n_cpu + self.layout.hidden_size
         torch.cat((self._ids[0, g:].float(), self._w[0, g:], x[0].float()), out=self._dev[:m])
         self._host[:m].copy_(self._dev[:m], non_blocking=True)

@@ -16,6 +16,7 @@
 #define ROWS_UP 16    // fewest gate/up rows a work item takes (up_rows)
 #define ROWS_UP_MAX 128
 #define ROWS_DOWN 32  // fewest output rows a down item takes (item_rows)
+#define ROWS_DOWN_MAX 128
 #define RMAX 4        // rows one pass over x (or h) takes: each load of x feeds R FMAs
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -332,7 +333,7 @@ int nvfp4_moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *w
   j.items = n * ((I + j.rows_up - 1) / j.rows_up);
   run(up_phase, &j, threads);
   atomic_store(&j.next, 0);
-  j.rows_down = item_rows(1, H, threads, ROWS_DOWN, 4 * ROWS_DOWN);
+  j.rows_down = item_rows(1, H, threads, ROWS_DOWN, ROWS_DOWN_MAX);
   j.items = (H + j.rows_down - 1) / j.rows_down;
   run(down_phase, &j, threads);
   return 0;

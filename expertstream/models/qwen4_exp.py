@@ -11,6 +11,7 @@ Shapes: T new tokens, S = tokens in context after them, H hidden, N = hc_count s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -320,7 +321,8 @@ class SparseMoe(nn.Module):
             ]
             if not bank.stage_guesses:
                 return split
-            return [want, *split, Stage(stage_next.fn, ("want",), join=bank.decode_join)]
+            # split_launched already calls decode_launched
+            return [want, *split, dataclasses.replace(stage_next, after=())]
         if mode == "fixed":  # every block placed for good: device work alone, its reads counted on the host
             done = (bank.decode_launched, lambda: bank.decode_fixed_reads(k))
             return [Stage(lambda u, ids, w: bank.decode_compute(i, u, ids, w), *compute, after=done)]
