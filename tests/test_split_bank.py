@@ -48,7 +48,7 @@ def test_the_bus_alone_is_weighed_at_its_own_rate():
 
 
 def test_the_weighed_share_of_a_measured_h100_box():
-    # box B of docs/benchmarks.md, 6 of 10 experts on the CPU, a layer: the CPU's call 0.2825 ms, the
+    # host B of docs/benchmarks.md, 6 of 10 experts on the CPU, a layer: the CPU's call 0.2825 ms, the
     # GPU's share of 4 blocks 0.2575 ms, then 0.23 ms waiting for the CPU's sum; 4 of 10 measured best
     call, share, waited = 0.2825e-3, 0.2575e-3, 0.23e-3
     fixed = share + waited - call

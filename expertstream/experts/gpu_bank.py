@@ -299,8 +299,8 @@ class GpuExperts(ExpertBank):
     def decode_compute(self, layer: int, x, expert_ids, weights, copy: bool = False) -> torch.Tensor:
         """The routed sum of x [1, H] from the places `decode_prepare` gave (no host work but launches). With
         `copy` and every block in RAM, the routed blocks there are first copied into the copy rows by a
-        kernel (graphable) and read from VRAM: a few blocks read in place leave the bus half idle (a kernel
-        that reads 3-7 blocks over the bus reached 18-37 GB/s on the H100 boxes, copying them first 29-44)."""
+        kernel (graphable) and read from VRAM: a few blocks read in place leave the bus partly idle
+        (docs/runtime.md, the CPU share)."""
         self.decode_join()
         loc = self.residency.loc[layer]
         uncounted, self._uncounted = self._uncounted, False
