@@ -38,7 +38,7 @@ part_tests() {  # no -q: pyproject's addopts has one, and a second hides pytest'
     tests/test_gpu_experts.py tests/test_controls.py tests/test_decode_graphs.py tests/test_speculation.py \
     tests/test_vram_cache.py tests/test_decode_path.py tests/test_decode_ops.py tests/test_memory_plan.py \
     tests/test_shared_fetch.py tests/test_kv_pool.py tests/test_split_bank.py tests/test_cpu_moe.py \
-    tests/test_constrained.py tests/test_engine_ds4.py 2>&1 | tail -30 > $OUT/gpu_tests.txt) &
+    tests/test_mailbox.py tests/test_constrained.py tests/test_engine_ds4.py 2>&1 | tail -30 > $OUT/gpu_tests.txt) &
   tests_pid=$!
 }
 
@@ -102,7 +102,7 @@ part_cpu_share() {  # ~3 min: kernel beside the copy engine; plan; decode with e
   timeout ${BENCH_S:-170} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens 16 \
     --regimes vram ram ram_unstaged ram_CPU_share --out $OUT/cpu_share.md > $OUT/cpu_share.log 2>&1
   grep -E "^\| (vram|ram)|Greedy tokens|CPU share\`|^Model" $OUT/cpu_share.md
-  grep -E "CPU share (of|weighed)|split_send stays" $OUT/cpu_share.log | sed 's/.*INFO[^:]*: //'
+  grep -E "CPU share (of|tuned)" $OUT/cpu_share.log | sed 's/.*INFO[^:]*: //'
   # the share set by hand: split on every layer, its breakdown; on $SHARE_THREADS (8) of the cores
   for share in ${SHARES:-0.4}; do
     timeout ${SHARES_S:-60} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens 16 \

@@ -1,5 +1,7 @@
 """The CPU expert kernel (kernels/cpu_moe.c) against its plain-torch twin, on random NVFP4 expert blocks."""
 
+import time
+
 import pytest
 import torch
 
@@ -40,29 +42,51 @@ def test_kernel_matches_twin(t, threads):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_the_packed_call_gathers_its_experts_from_the_layers_tables():
-    """`moe_packed` (the split decode layer's call): ids, weights and x in one FP32 buffer, blocks and global
-    scales gathered from [E] tables on the C side, equal to `moe` on the gathered blocks bit for bit; on a
-    pool first made for more threads (its extra workers asleep) and on more again."""
+def test_the_split_server_answers_posted_layers_from_its_tables():
+    """The split server (the CPU share of split decode): a request posted into the mailbox (ids, weights and
+    x in one FP32 buffer, the layer in the box) is answered from the [L, E] tables, equal to `moe` on the
+    gathered blocks bit for bit, on a pool first made for more threads (its extra workers asleep) and on more
+    again, and after the server slept; a request it refuses answers NaN with its code in box[ERR]."""
+    from expertstream.kernels import mailbox
+
     layout = ExpertLayout.for_dims(96, 48)
-    blocks, ws2 = random_blocks(layout, 6, seed=3)
-    rows = torch.stack(blocks)  # [E, block_bytes]: a layer's rows, as in the RAM cache
-    addr = torch.arange(6, dtype=torch.long) * rows.stride(0) + rows.data_ptr()
+    blocks, ws2 = random_blocks(layout, 12, seed=3)
+    rows = torch.stack(blocks)  # [L * E, block_bytes]: two layers' rows, as in the RAM cache
+    addr = (torch.arange(12, dtype=torch.long) * rows.stride(0) + rows.data_ptr()).view(2, 6)
     g = torch.Generator().manual_seed(4)
     ids, w, x = torch.tensor([4, 0, 5]), torch.rand(3, generator=g), torch.randn(96, generator=g)
-    packed = torch.cat((ids.float(), w, x, torch.full((7,), float("nan"))))  # room left past 2n + H is unread
-    want = cpu_moe.moe([blocks[e] for e in ids], ws2[ids], w[:, None], x[None], layout, 1)
-    scratch, out = torch.empty(cpu_moe.scratch_floats(layout, 6, 1)), torch.empty(1, 96)
-    for threads in (4, 2, 1, 4):
-        out.fill_(float("nan"))
-        cpu_moe.moe_packed(addr, ws2, packed, 3, out, scratch, layout, threads)
-        assert torch.equal(out, want)
-    packed[1] = 6.0  # no such expert in the layer
-    with pytest.raises(ValueError, match="refused"):
-        cpu_moe.moe_packed(addr, ws2, packed, 3, out, scratch, layout)
-    packed[1] = 0.5  # not an id
-    with pytest.raises(ValueError, match="refused"):
-        cpu_moe.moe_packed(addr, ws2, packed, 3, out, scratch, layout)
+    packed, out = torch.full((2 * cpu_moe.NMAX + 96,), float("nan")), torch.empty(96)
+    box, seq = mailbox.new_box(pin=False), torch.zeros(1, dtype=torch.int32)
+    server = cpu_moe.SplitServer(addr, ws2.view(2, 6, 3), packed, out, box, layout, threads=4, idle_s=1e-3)
+    with pytest.raises(RuntimeError, match="already runs"):
+        cpu_moe.SplitServer(addr, ws2.view(2, 6, 3), packed, out, box, layout, threads=1, idle_s=0)
+    request = torch.cat((ids.float(), w, x))
+    part = torch.randn(1, 96, generator=g)
+    for layer, threads in ((1, 4), (0, 2), (1, 1), (0, 4)):
+        server.arm(threads)
+        seq += 1
+        mailbox.post(request, packed, seq, box, layer, 3)
+        e = ids + 6 * layer
+        want = cpu_moe.moe([blocks[i] for i in e], ws2[e], w[:, None], x[None], layout, 1)
+        assert torch.equal(mailbox.take(part, out, seq, box), part + want)
+    time.sleep(0.01)  # past its idle spin: asleep, a request without an arm wakes it within 1 ms
+    seq += 1
+    mailbox.post(request, packed, seq, box, 0, 3)  # layer 0, as the last
+    assert torch.equal(mailbox.take(part, out, seq, box), part + want)
+    calls, kernel_s, last = server.stats(last=8)
+    assert calls == 5 and len(last) == 5 and sum(last) == pytest.approx(kernel_s) and min(last) > 0
+    for bad in (6.0, 0.5):  # no such expert in the layer; not an id
+        request[1] = bad
+        seq += 1
+        mailbox.post(request, packed, seq, box, 0, 3)
+        assert mailbox.take(part, out, seq, box).isnan().all() and box[mailbox.ERR] == 2
+        box[mailbox.ERR] = 0
+    server.close()
+    server.close()  # once
+    seq += 1  # nothing answers now: the take gives NaN and notes the request in box[FAIL]
+    mailbox.post(request, packed, seq, box, 0, 3)
+    assert mailbox.take_ref(part, out, seq, box, timeout_s=0.05).isnan().all()
+    assert box[mailbox.FAIL] == seq
 
 
 def test_kernel_reads_every_code_and_the_nibble_order():

@@ -1,6 +1,8 @@
 """The CPU share of GPU decode (experts/split_bank.py): the GPU bank runs through the Triton interpreter on
 the CPU, the CPU share through the C kernel, against the torch bank."""
 
+import dataclasses
+
 import pytest
 import torch
 from bank_helpers import ram_store
@@ -9,13 +11,13 @@ from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.experts.gpu_bank import GpuExperts
 from expertstream.experts.split_bank import (
     SPARE_CORES,
+    TUNE_TOKENS,
+    ShareTuner,
     SplitExperts,
     SplitTimes,
     cpu_experts,
     expert_seconds,
-    send_capturable,
     split_threads,
-    weighed_experts,
 )
 from expertstream.kernels import cpu_moe
 from expertstream.store import ExpertStore
@@ -47,15 +49,6 @@ def test_the_bus_alone_is_weighed_at_its_own_rate():
     assert cpu_experts(10, 40.0, 5.0, block) == 9  # weighed at 5 GB/s, the bus alone would lose
 
 
-def test_the_weighed_share_of_a_measured_h100_box():
-    # host B of docs/benchmarks.md, 6 of 10 experts on the CPU, a layer: the CPU's call 0.2825 ms, the
-    # GPU's share of 4 blocks 0.2575 ms, then 0.23 ms waiting for the CPU's sum; 4 of 10 measured best
-    call, share, waited = 0.2825e-3, 0.2575e-3, 0.23e-3
-    fixed = share + waited - call
-    assert weighed_experts(10, call / 6, share / 4, fixed, alone=10 * 2.76e6 / 55e9) == 4
-    assert weighed_experts(10, call / 6, share / 4, 0.0, alone=10 * 2.76e6 / 55e9) == 6  # rates alone
-
-
 def test_the_split_threads_leave_cores_to_the_decode_thread():
     class Threads:  # a CpuThreads: `--threads` in fixed, the free cores when called
         def __init__(self, fixed, free):
@@ -69,20 +62,10 @@ def test_the_split_threads_leave_cores_to_the_decode_thread():
     assert split_threads(Threads(8, 16))() == 8  # set by hand: kept
 
 
-def test_split_times_add_up_and_subtract():
-    a = SplitTimes(calls=4, launches=3, launch=1.0, wait=2.0, kernel=3.0, timed=2, gpu_share=1.0)
-    b = SplitTimes(calls=1, launch=0.5, wait=1.0, kernel=1.0)
-    assert a.host == 6.0
-    d = a - b
-    assert (d.calls, d.launches, d.launch, d.wait, d.kernel, d.timed, d.gpu_share) == (
-        3,
-        3,
-        0.5,
-        1.0,
-        2.0,
-        2,
-        1.0,
-    )
+def test_split_times_subtract():
+    a = SplitTimes(calls=4, kernel=3.0, timed=2, gpu_share=1.0, gpu_idle=0.5, gpu_dense=2.0, dense_gaps=1)
+    d = a - SplitTimes(calls=1, kernel=1.0, gpu_idle=0.25)
+    assert dataclasses.astuple(d) == (3, 2.0, 2, 1.0, 0.25, 2.0, 1)
 
 
 def routing(wd, t, seed):
@@ -115,7 +98,7 @@ def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_dev
             prompt, ref(0, x, ids, w), rtol=2e-5, atol=2e-5 * prompt.abs().max().item()
         )
         assert bank.resident == "ram" and bank.splitting and bank.decode_mode == "split"
-        syncs, before, t0, g0 = bank.host_syncs, bank.counters(), bank.split_times(), gpu.decode_seconds
+        syncs, t0 = bank.host_syncs, bank.split_times()
         bank.gpu_timing = kernel_device == "cuda"
         for layer in range(wd.num_layers):
             x, ids, w = routing(wd, 1, seed=10 + layer)
@@ -127,19 +110,13 @@ def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_dev
             blocks = gpu.host_blocks[gpu.ram_rows(layer)[ids[0, : k - bank.n_cpu]]]
             assert torch.equal(rows, blocks) == copy
         assert bank.cpu_blocks == wd.num_layers * bank.n_cpu  # each layer's share ran on the CPU
-        t, after = bank.split_times() - t0, bank.counters()
-        # a launch between each pair of consecutive split layers
-        assert t.calls == wd.num_layers and t.launches == wd.num_layers - 1
-        assert min(t.launch, t.wait, t.kernel) > 0
-        assert len(bank.kernel_log) == t.calls and sum(bank.kernel_log) == pytest.approx(t.kernel)
-        # the split layers' phases are the bank's decode time, the wait for x its sync time
-        decode = after.bank_decode_seconds - before.bank_decode_seconds
-        assert decode == pytest.approx(t.host + gpu.decode_seconds - g0)
-        assert after.bank_sync_seconds - before.bank_sync_seconds == pytest.approx(t.wait)
+        t = bank.split_times() - t0
+        assert t.calls == wd.num_layers and t.kernel > 0  # the server answered each layer
+        assert sum(bank.kernel_log(t.calls)) == pytest.approx(t.kernel)
         if kernel_device == "cuda":  # every layer's GPU times; dense work between each consecutive pair
             assert t.timed == wd.num_layers and t.dense_gaps == wd.num_layers - 1
             assert min(t.gpu_share, t.gpu_idle, t.gpu_dense) > 0
-        assert bank.host_syncs == syncs + wd.num_layers  # one read-back a layer
+        assert bank.host_syncs == syncs  # nothing is read back: the request and its answer meet in RAM
         assert bank.counters().resident_ram_reads == wd.num_layers * (k - bank.n_cpu)  # the bus's share
         # every expert on the CPU: the GPU kernel is not launched at all; the decode graphs capture anew
         key = bank.decode_key
@@ -161,82 +138,79 @@ def test_a_zero_share_is_the_gpu_bank(tiny_workdir, host_alloc, kernel_device):
         bank.close()
 
 
+def tune(tuner: ShareTuner, token_seconds) -> list[int]:
+    """Feed `tuner` tokens timed by token_seconds(n) until it is done -> the shares it ran, in order."""
+    ran = [tuner.n]
+    for _ in range(200):
+        if tuner.done:
+            return ran
+        n = tuner.add(token_seconds(tuner.n))
+        if n != ran[-1]:
+            ran.append(n)
+    raise AssertionError("the tuner never settled")
+
+
+def test_the_tuner_descends_to_the_fastest_share():
+    # a layer's time with n of 10 on the CPU: the slower of the two sides, fastest at 4
+    cost = lambda n: max(0.05 + n * 0.2, (10 - n) * 0.15) if n else 10 * 0.15  # noqa: E731
+    tuner = ShareTuner(10, n0=6)
+    assert tune(tuner, cost) == [6, 7, 5, 4, 3, 4]  # down while faster, each neighbour of the best measured
+    assert tuner.best() == 4 and set(tuner.times) == {3, 4, 5, 6, 7}
+    # the bus alone is fastest: off, from the top
+    assert tune(ShareTuner(4, n0=4), lambda n: 1.0 + n) == [4, 3, 2, 1, 0]
+    # a slow token among each share's TUNE_TOKENS (the median counts): the same choice
+    noisy = ShareTuner(10, n0=6)
+    seen: dict[int, int] = {}
+
+    def jittery(n):
+        seen[n] = seen.get(n, 0) + 1
+        return cost(n) * (3.0 if seen[n] == 1 else 1.0)
+
+    assert tune(noisy, jittery)[-1] == 4 and all(v == TUNE_TOKENS for v in seen.values())
+
+
 @needs_kernel
-def test_the_auto_share_turns_off_where_its_host_work_outweighs_the_bus(
-    tiny_workdir, host_alloc, kernel_device
-):
+def test_the_auto_share_tunes_itself_by_token_time(tiny_workdir, host_alloc, kernel_device):
     wd = Workdir(tiny_workdir)
-    layers, k = wd.num_layers, wd.text_config["num_experts_per_tok"]
-    blocks = layers * wd.num_experts
+    k = wd.text_config["num_experts_per_tok"]
+    blocks = wd.num_layers * wd.num_experts
     with ExpertStore(wd, blocks * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
         ref = StreamedExperts(wd, store, torch.float32)
         gpu = GpuExperts(wd, store, 8, kernel_device)
-        # a CPU rate claimed at start that makes the CPU take every expert; in place the host work of a
-        # split layer (tens of microseconds at least) is far more than k tiny blocks take at 100 GB/s
+        # the rates claimed at start make the CPU take every expert (K = 4)
         bank = SplitExperts(gpu, wd, share=-1.0, threads=lambda: 1, bus_gbps=100.0, cpu_gbps=1e6)
-        assert bank.n_cpu == k and bank.adapt_calls == (layers, 3 * layers)
-        for h in store.request([(layer, e) for layer in range(layers) for e in range(wd.num_experts)]):
+        assert k == 4 and bank.n_cpu == k and bank.tuning
+        bank.decode_token_seconds(1.0)  # before every block has a RAM row: not a token that could split
+        assert bank.tuner.times == {} and not bank.tuner._samples
+        for h in store.request([(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]):
             h.wait()
             h.release()
         x, ids, w = routing(wd, 4, seed=1)
         bank(0, *(v.to(kernel_device) for v in (x, ids, w)))  # a prompt: the GPU bank adopts the rows
         assert bank.splitting
-        # the first split token starts at layer 1: the share is weighed between tokens, at a last layer
-        # past the 3L-th call (a token's program keeps one share throughout)
-        for call in range(4 * layers):
-            layer = (call + 1) % layers
-            x, ids, w = routing(wd, 1, seed=20 + call)
-            got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
-            want = ref(layer, x, ids, w)
+        decode_mode, ran = gpu.decode_mode, [bank.n_cpu]
+        for token in range(40):  # every share splits correctly while it is tried; 1 ms a token per expert
+            x, ids, w = routing(wd, 1, seed=20 + token)
+            got = bank(token % wd.num_layers, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
+            want = ref(token % wd.num_layers, x, ids, w)
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
-            assert bank.splitting == (call + 1 < 4 * layers - 1)
-        assert bank.n_cpu == 0 and bank.adapt_calls is None and bank.decode_mode == gpu.decode_mode
-        assert bank.split_times().calls == 4 * layers - 1
+            if not bank.tuning:
+                break
+            bank.decode_token_seconds(1e-3 * bank.n_cpu)
+            if bank.n_cpu != ran[-1]:
+                ran.append(bank.n_cpu)
+        # down to the bus alone, which the timed tokens found fastest: the GPU bank's own program
+        assert ran == [4, 3, 2, 1, 0] and not bank.tuning
+        assert bank.n_cpu == 0 and not bank.splitting and bank.decode_mode == decode_mode
+        assert bank.split_times().calls == 4 * TUNE_TOKENS  # one call a token while it split
         bank.close()
 
 
 @needs_kernel
-def test_the_auto_share_moves_to_the_best_share_at_the_rates_in_place(
-    tiny_workdir, host_alloc, kernel_device
-):
-    wd = Workdir(tiny_workdir)
-    k, payload = wd.text_config["num_experts_per_tok"], wd.layout.payload_bytes
-    with ExpertStore(wd, 1 << 20, io_threads=2, **host_alloc) as store:
-        # K = 4; a CPU as fast as the bus (50 GB/s) at start takes half
-        bank = SplitExperts(GpuExperts(wd, store, 8, kernel_device), wd, share=-1.0, threads=lambda: 1,
-                            bus_gbps=50.0, cpu_gbps=50.0)  # fmt: skip
-        assert k == 4 and bank.n_cpu == 2
-
-        def weigh(cpu_gbps, bus_gbps, idle=0.0):  # 10 split layers at those rates in place, n = 2
-            bank.n_cpu = 2
-            n_bytes = 2 * payload * 10
-            bank.weigh(SplitTimes(calls=10, kernel=n_bytes / cpu_gbps / 1e9, timed=10,
-                                  gpu_share=n_bytes / bus_gbps / 1e9, gpu_idle=10 * idle))  # fmt: skip
-            return bank.n_cpu
-
-        # 2 blocks each side at 30 GB/s (2 / 30) beat the bus alone's 4 at 50 (4 / 50)
-        assert weigh(30.0, 30.0) == 2
-        # the CPU at 60 and the bus at 20 beside it: 3 on the CPU (3 / 60 against 1 / 20)
-        assert weigh(60.0, 20.0) == 3
-        # the CPU at 60, the GPU at 40: 2 each side (2 / 40 against 3 / 60: the smaller on the tie)
-        assert weigh(60.0, 40.0) == 2
-        # ... where the GPU then waited 0.03 (in payload / 1e9 s) for the CPU's sum, the CPU side costs 0.05
-        # + 0.03 - 2 / 60 = 0.0467 beyond its blocks (its wake): 1 on the CPU, max(0.0467 + 1 / 60, 3 / 40)
-        # = 0.075, beats 2, 0.0467 + 2 / 60 = 0.08 (and the bus alone, 4 / 50 = 0.08)
-        assert weigh(60.0, 40.0, idle=0.03 * payload / 1e9) == 1
-        # the CPU at 10: its one block (1 / 10) is slower than the bus alone's 4 (4 / 50): off
-        assert weigh(10.0, 40.0) == 0
-        assert not bank.splitting
-        bank.close()
-
-
-@needs_kernel
-@pytest.mark.parametrize(  # the eager send (a GPU that cannot capture it): slow under the interpreter
-    "send_in_graph", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager-send", "captured-send"]
-)
-def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device, send_in_graph):
-    """The decode graphs' stages of a split layer (x to the host eager or graphable, the CPU's share eager,
-    the GPU's share and the sum graphable), run eagerly, give the layers' own forward bit for bit."""
+def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device):
+    """The decode graphs' stages of a split layer (the request posted, the GPU's share, the answer taken: all
+    graphable; the send and the take eager in timed tokens), run eagerly, give the layers' own forward bit
+    for bit."""
     from test_decode_graphs import continue_greedy, layers_step
 
     from expertstream.config import EngineConfig
@@ -255,18 +229,23 @@ def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device, 
     prompt = [3 + i % 50 for i in range(20)]
     want, _ = continue_greedy(eng, prompt, 4, step=layers_step(eng))  # the prompt adopts the RAM rows
     assert bank.decode_mode == "split"
-    bank.captured_send = send_in_graph  # as the CUDA probe (`send_capturable`) finds
-    runs = DecodeGraphs(eng.model, capture=False).program(eng.new_state(), kv_len=256)
-    eager = sum(len(stages) for graphable, stages in runs if not graphable)
-    # host inputs, QSA selections, and per layer the CPU's share (and x to the host unless captured)
-    per_layer = 1 if send_in_graph else 2
-    assert eager == 1 + sum(t != "linear_attention" for t in a.layer_types) + per_layer * a.num_hidden_layers
-    program, calls, reads = DecodeGraphs(eng.model, capture=False), bank.times.calls, bank.resident_reads
+    # host inputs and QSA selections: the split layers add no eager point, or two (send, take) when timed
+    qsa = sum(t != "linear_attention" for t in a.layer_types)
+    for timed, per_layer in ((True, 2), (False, 0)):
+        bank.gpu_timing = timed
+        runs = DecodeGraphs(eng.model, capture=False).program(eng.new_state(), kv_len=256)
+        eager = sum(len(stages) for graphable, stages in runs if not graphable)
+        assert eager == 1 + qsa + per_layer * a.num_hidden_layers
+    program, calls, reads = (
+        DecodeGraphs(eng.model, capture=False),
+        bank.split_times().calls,
+        bank.resident_reads,
+    )
     got, _ = continue_greedy(
         eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
     )
     assert torch.equal(got, want)
-    assert bank.times.calls - calls == 4 * a.num_hidden_layers  # one split call a layer and token
+    assert bank.split_times().calls - calls == 4 * a.num_hidden_layers  # one request a layer and token
     assert bank.resident_reads - reads == 4 * a.num_hidden_layers * (a.num_experts_per_tok - bank.n_cpu)
     bank.close()
     store.close()
@@ -339,14 +318,9 @@ def test_split_decode_in_graphs_equals_eager_on_cuda(tiny_workdir):
             h.wait()
             h.release()
         rows, _ = continue_greedy(eng, [3 + i % 50 for i in range(40)], 12)
-        assert eng.bank.decode_mode == "split" and eng.bank.times.calls == 12 * wd.num_layers
-        assert eng.bank.send_in_graph  # the graphs hold the send: one eager point a layer
+        assert eng.bank.decode_mode == "split" and eng.bank.split_times().calls == 12 * wd.num_layers
+        assert eng.bank.graphed  # the graphs hold the whole split layer
         assert eng.bank.copies  # the engine gives the GPU's share rows to copy its blocks into
         outs.append(rows)
         eng.close()
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-def test_the_send_capture_probe_finds_a_capturing_device():
-    assert send_capturable(torch.device("cuda"))

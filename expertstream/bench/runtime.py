@@ -45,6 +45,7 @@ from expertstream.runtime.probes import disk_rate, pcie_rate
 
 log = get_logger(__name__)
 BIG_BUDGET_GB = 24  # issue 5's regime 3: a 24 GiB card with the disk regime's RAM cache
+TUNE_CAP = 200  # warm-up tokens at most while the auto CPU share tunes itself (a few per share it tries)
 
 
 def disk_rates(path: Path, block_bytes: int, threads: int, before: float) -> tuple[float, str]:
@@ -152,10 +153,12 @@ def decode_regime(
         return tok
 
     tok = step(list(range(1, 17)))
-    for _ in range(4):  # warm-up: kernels compiled, caches in their steady state
+    split = eng.bank if isinstance(eng.bank, SplitExperts) else None  # a CPU share of decode
+    for i in range(TUNE_CAP):  # warm-up: kernels compiled, caches in their steady state, the share tuned
+        if i >= 4 and not (split and split.tuning):
+            break
         tok = step([tok])
     s0, c0, k0 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.store.stats
-    split = eng.bank if isinstance(eng.bank, SplitExperts) else None  # a CPU share of decode
     cpu0 = split.cpu_bytes if split else 0
     times0 = split.split_times() if split else None
     torch.cuda.synchronize()

@@ -3,8 +3,8 @@ layer's time goes, measured, and what the split can reach on this box by its mod
 
 A split layer costs about d + max(CPU kernel, the GPU's share over the bus), where the bus alone costs d +
 all K blocks over the bus: d, the layer's dense GPU work, is in both (the CPU needs the layer's x, the next
-layer needs its sum), so the split pays only where max(...) < K blocks over the bus; the host's launch work
-between two split layers hides behind d while it is shorter.
+layer needs its sum), so the split pays only where max(...) < K blocks over the bus. The CPU's side holds
+the split server's two bus round trips through the mailbox besides its kernel.
 """
 
 from __future__ import annotations
@@ -34,16 +34,14 @@ def split_fields(
     gpu: SplitTimes | None,
     program: list[tuple[bool, list]] | None = None,
 ) -> dict:
-    """The regime's split fields: host phases in ms a token over the timed tokens (`window`, in which the
-    CPU read `cpu_bytes`), the GPU's from `gpu` (ms a token over GPU_TIMED_TOKENS, the dense part in ms a
+    """The regime's split fields: the server's kernel in ms a token over the timed tokens (`window`, in which
+    the CPU read `cpu_bytes`), the GPU's from `gpu` (ms a token over GPU_TIMED_TOKENS, the dense part in ms a
     layer), the shapes the model needs, and with the decode graphs' `program` of a token (its runs:
     (graphable, stages)) the graphs it replays and the eager stages between them."""
     ms = 1e3 / tokens
     out = {
         "split_layers_per_token": window.calls / tokens,
-        **{f"split_{p}_ms": getattr(window, p) * ms for p in ("launch", "wait", "kernel")},
-        "split_launches_per_token": window.launches / tokens,
-        "split_send_in_graph": split.captured_send,
+        "split_kernel_ms": window.kernel * ms,
         "cpu_experts": split.n_cpu,
         "cpu_threads": split.threads(),
         "k": split.k,
@@ -55,7 +53,7 @@ def split_fields(
         out["eager_stages_per_token"] = sum(len(stages) for graphable, stages in program if not graphable)
     if window.kernel > 0:  # the kernel's rate in place: beside the bus's reads of the same RAM
         out["cpu_gbps_in_place"] = cpu_bytes / window.kernel / 1e9
-    calls = sorted(list(split.kernel_log)[-window.calls :]) if window.calls else []
+    calls = sorted(split.kernel_log(window.calls)) if window.calls else []
     if calls:  # median, p90 and max of a call (a parked thread or a late wake-up holds one up)
         out["split_kernel_call_ms"] = [
             calls[len(calls) // 2] * 1e3,
@@ -107,21 +105,15 @@ def cpu_share_note(results: dict[str, dict], pcie_gbps: float, layers: int) -> s
 
 
 def breakdown(name: str, r: dict) -> str:
-    """Where a token's split layers' time went: the decode thread's phases, then the GPU's."""
+    """Where a token's split layers' time went: the server's kernel, then the GPU's."""
     rate = f" ({r['cpu_gbps_in_place']:.1f} GB/s in place)" if "cpu_gbps_in_place" in r else ""
     rate += f" on {r['cpu_threads']} threads" if "cpu_threads" in r else ""
     if "split_kernel_call_ms" in r:  # a mean far above the median: a few calls held up
         med, p90, top = r["split_kernel_call_ms"]
         rate += f" (a call: median {med:.3f} ms, p90 {p90:.3f}, max {top:.3f})"
-    host = sum(r[f"split_{p}_ms"] for p in ("launch", "wait", "kernel"))
-    launches = r.get("split_launches_per_token", 0)
-    per = f" ({r['split_launch_ms'] / launches:.3f} ms each of {launches:.0f})" if launches else ""
-    send = "captured with the GPU's share" if r.get("split_send_in_graph") else "eager"
     text = (
-        f"\n`{name}` a token ({r['split_layers_per_token']:.0f} split layers; x sent to the host {send}), "
-        f"decode thread: launch between split layers {r['split_launch_ms']:.2f} ms{per}, wait for x "
-        f"{r['split_wait_ms']:.2f} (the layer's dense GPU work and the sync), CPU kernel "
-        f"{r['split_kernel_ms']:.2f}{rate}; outside the split calls {r['ms_per_token'] - host:.2f}"
+        f"\n`{name}` a token ({r['split_layers_per_token']:.0f} split layers, posted to the split server): "
+        f"CPU kernel {r['split_kernel_ms']:.2f} ms{rate}"
     )
     if "graphs_per_token" in r:
         text += (
@@ -131,12 +123,12 @@ def breakdown(name: str, r: dict) -> str:
     if "split_gpu_share_ms" in r:
         text += (
             f"; GPU (CUDA events, {GPU_TIMED_TOKENS} more tokens): its share {r['split_gpu_share_ms']:.2f} "
-            f"ms, then idle until the CPU's sum {r['split_gpu_idle_ms']:.2f} ms"
+            f"ms, then idle until the CPU's answer {r['split_gpu_idle_ms']:.2f} ms"
         )
         if "split_gpu_dense_ms_per_layer" in r:
             text += (
-                f", from the CPU's sum to the next layer's send {r['split_gpu_dense_ms_per_layer']:.3f} ms "
-                "a layer (the upload, the dense work and the host's launches between)"
+                f", from the CPU's answer to the next layer's send {r['split_gpu_dense_ms_per_layer']:.3f} "
+                "ms a layer (the add, the dense work and, in these eager tokens, the host's launches)"
             )
     return text + ".\n"
 

@@ -8,11 +8,13 @@ so that the decode graphs capture a bank's device work and keep only its host wo
             location table) -> decode_compute (graphable) -> decode_stage (graphable: the next layer's
             guesses copied to VRAM on a side stream, joined by decode_join).
   "fixed":  decode_compute alone: every block has a fixed place, nothing is read back.
-  "split":  a CPU share (experts/split_bank.py): split_send (x to the host, graphable where the device
-            captures it) -> split_gpu (graphable: the GPU's share) -> split_cpu (eager: the CPU's share, its
-            sum uploaded) -> split_sum (graphable); with staging, decode_want before and decode_stage after.
+  "split":  a CPU share (experts/split_bank.py): split_send (graphable: the CPU's request posted to the split
+            server) -> split_gpu (graphable: the GPU's share; split_launched after it, host work) ->
+            split_take (graphable: the server's answer awaited on the GPU and added); timed tokens run the
+            send and the take eagerly; with staging, decode_want before and decode_stage after.
 decode_launched() runs once a stage's device work is queued (host work that must follow it, e.g. the next
-layer's guessed disk reads). The defaults below are those of a bank with no VRAM tier.
+layer's guessed disk reads); decode_token_seconds() gets each replayed token's GPU time. The defaults below
+are those of a bank with no VRAM tier.
 """
 
 from __future__ import annotations
@@ -116,6 +118,11 @@ class ExpertBank(ABC):
         """Count n blocks a "fixed" token read through its fixed table."""
         return None
 
+    def decode_token_seconds(self, seconds: float) -> None:
+        """A replayed decode token's GPU time (the decode graphs' CUDA events around its replays), for a
+        bank that tunes its decode program by it (the auto CPU share); others ignore it."""
+        return None
+
 
 class WrappedBank(ExpertBank):
     """A bank around another: every call and attribute of the interface goes to the wrapped bank `bank`
@@ -193,3 +200,6 @@ class WrappedBank(ExpertBank):
 
     def decode_fixed_reads(self, n: int) -> None:
         self.bank.decode_fixed_reads(n)
+
+    def decode_token_seconds(self, seconds: float) -> None:
+        self.bank.decode_token_seconds(seconds)

@@ -4,39 +4,37 @@ GPU bank's decode kernel, and the two sums are added on the GPU.
 
 `SplitExperts` composes a CUDA bank (experts/gpu_bank.py) and the CPU kernel through the bank interface
 (experts/bank.py). Until every block has a fixed RAM row, and for prompts, it is the GPU bank. Once they have,
-a one-token layer runs as the "split" decode mode's stages: the K routed experts are ordered with those
-the GPU reads from VRAM (hot set, staged guesses) first and the rest in top-k order; the last n go to the
-CPU, the first K - n to the GPU, a split that needs nothing from the host. split_send orders them, packs
-the CPU's ids, weights and x into one buffer and copies it to pinned host memory, an event behind the
-copy; split_gpu queues the GPU's share behind it (a kernel copies its blocks into the GPU bank's copy rows,
-where the engine gives it K of them, then the decode kernel reads them from VRAM: a few blocks read in
-place leave the bus partly idle); split_cpu (eager) waits for that event alone, runs the C kernel (which
-gathers the blocks from the layer's address table itself) while the bus carries the GPU's blocks;
-split_sum uploads the CPU's [H] sum and adds it. Where the device captures a copy to pinned memory and an
-external event (`send_capturable`, probed once), split_send is captured too,
-so the decode graphs keep one eager point a layer (split_cpu) and replay one graph between two of them.
+a one-token layer runs as the "split" decode mode's stages, all device work: the K routed experts are
+ordered with those the GPU reads from VRAM (hot set, staged guesses) first and the rest in top-k order; the
+last n go to the CPU, the first K - n to the GPU, a split that needs nothing from the host. split_send
+orders them, packs the CPU's ids, weights and x into one buffer and posts it to the split server through a
+pinned mailbox (kernels/mailbox.py); split_gpu queues the GPU's share behind it (a kernel copies its blocks
+into the GPU bank's copy rows, where the engine gives it K of them, then the decode kernel reads them from
+VRAM: a few blocks read in place leave the bus partly idle); split_take spins on the GPU until the server's
+answer lands and adds it. The server (`cpu_moe.SplitServer`, a C thread) spins on the mailbox, gathers the
+request's blocks from the layers' address table and runs the kernel while the bus carries the GPU's blocks.
+No host call or sync sits between a layer's GPU and CPU work, so the decode graphs replay a token without an
+eager point for the split; the host only arms the server once a token is queued (`split_launched`).
 
 A split layer then takes about d + max(CPU bytes / CPU rate, GPU bytes / bus rate) (the CPU's side holds
-the sync and the kernel's call), against d + all its bytes over the bus: d, the layer's dense GPU work, is
-in both, so the split pays only where the rest is shorter (`expert_seconds`, the first choice); once split
-layers are timed, the CPU side's fixed cost joins it (`weighed_experts`). `SplitTimes` holds where the
-time went, phase by phase, and with CUDA events the GPU's (the bench prints it). The kernel runs on the
-free cores less `SPARE_CORES` unless --threads says otherwise (`split_threads`): on every core its spinning
-pool starves the decode thread and the driver's.
+the mailbox's two bus round trips and the kernel), against d + all its bytes over the bus: d, the layer's
+dense GPU work, is in both, so the split pays only where the rest is shorter (`expert_seconds`, the first
+choice); the auto share then tunes itself by token time (`ShareTuner`), 0 included. `SplitTimes`
+holds where the time went: the server's kernel calls, and with CUDA events the GPU's (the bench prints it).
+The kernel runs on the free cores less `SPARE_CORES` unless --threads says otherwise (`split_threads`): on
+every core its spinning pool starves the decode thread and the driver's.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
-import time
 from collections.abc import Callable
 
 import torch
 
-from expertstream.experts.bank import BankCounters, ExpertBank, WrappedBank
-from expertstream.kernels import cpu_moe
+from expertstream.experts.bank import ExpertBank, WrappedBank
+from expertstream.kernels import cpu_moe, mailbox
 from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
 
@@ -70,90 +68,76 @@ def cpu_experts(
     return min(range(k + 1), key=cost)
 
 
-def weighed_experts(k: int, cpu_block: float, gpu_block: float, fixed: float, alone: float) -> int:
-    """Routed experts a layer the CPU takes once split layers were timed: the n whose layer takes least,
-    max(fixed + n cpu_block, (k - n) gpu_block) seconds beyond its dense work (cpu_block and gpu_block:
-    seconds a block on each side as measured, fixed: the CPU side's cost beyond its blocks), or `alone`
-    (the bus alone's k blocks) for n = 0; the smaller n on a tie."""
+class ShareTuner:
+    """The auto share tuned on the box by token time: a descent over n, the routed experts a layer the CPU
+    takes (0: the GPU bank alone), from n0. Each n runs TUNE_TOKENS replayed tokens, timed by the decode
+    graphs' CUDA events (`add`); the median counts. The next n is an unmeasured neighbour of the fastest
+    so far, until both of its neighbours are measured: it then stays. A rate model cannot see where a split
+    layer's time goes on a given box (the bus's and the CPU's reads of the same RAM, the mailbox's round
+    trips, the GPU's share's copy); a few tokens can."""
 
-    def cost(n: int) -> float:
-        return alone if n == 0 else max(fixed + n * cpu_block, (k - n) * gpu_block)
+    def __init__(self, k: int, n0: int):
+        self.k, self.n = k, n0
+        self.times: dict[int, float] = {}  # n -> median seconds a token
+        self._samples: list[float] = []
 
-    return min(range(k + 1), key=cost)
+    @property
+    def done(self) -> bool:
+        return self.next() is None
+
+    def best(self) -> int:
+        return min(self.times, key=self.times.get) if self.times else self.n
+
+    def next(self) -> int | None:
+        """The n to measure next, or None once the fastest has both neighbours measured."""
+        if self.n not in self.times:
+            return self.n
+        best = self.best()
+        for c in (best + 1, best - 1):
+            if 0 <= c <= self.k and c not in self.times:
+                return c
+        return None
+
+    def add(self, seconds: float) -> int:
+        """One replayed token's seconds at the current n -> the n to run from the next token."""
+        self._samples.append(seconds)
+        if len(self._samples) >= TUNE_TOKENS:
+            self.times[self.n] = sorted(self._samples)[len(self._samples) // 2]
+            self._samples = []
+            nxt = self.next()
+            self.n = self.best() if nxt is None else nxt
+        return self.n
 
 
 @dataclasses.dataclass
 class SplitTimes:
-    """Where the split decode layers' time goes, in seconds summed over them: the decode thread's phases in
-    order, then the GPU's, from CUDA events while `SplitExperts.gpu_timing` is on."""
+    """Where the split decode layers' time goes, in seconds summed over them: the server's kernel calls, then
+    the GPU's, from CUDA events while `SplitExperts.gpu_timing` is on."""
 
-    calls: int = 0  # split layers
-    launches: int = 0  # ... of which `launch` holds (each but a token's first)
-    launch: float = 0.0  # from a split layer's end to the next one's wait (in a token): the stages between
-    wait: float = 0.0  # for the CPU's x: the GPU work queued before it (the layer's dense part), the sync
-    kernel: float = 0.0  # the CPU kernel (the C call: it gathers the blocks and scales, then computes)
+    calls: int = 0  # split layers the server answered
+    kernel: float = 0.0  # its kernel calls (each gathers the blocks and scales, then computes)
     timed: int = 0  # split layers with GPU times
-    gpu_share: float = 0.0  # GPU: from the send's end (order, packing, copy), the GPU's share of the experts
-    gpu_idle: float = 0.0  # GPU: from there until the CPU's sum is computed (waiting for it)
-    gpu_dense: float = 0.0  # GPU: from there to the next layer's start (upload, add, its dense work)
+    gpu_share: float = 0.0  # GPU: from the send's end (order, packing, post), the GPU's share of the experts
+    gpu_idle: float = 0.0  # GPU: from there until the CPU's answer has landed (waiting for it)
+    gpu_dense: float = 0.0  # GPU: from there to the next layer's start (the add, its dense work)
     dense_gaps: int = 0  # pairs of consecutive layers gpu_dense sums over
-
-    @property
-    def host(self) -> float:
-        """The decode thread's time in split calls."""
-        return self.launch + self.wait + self.kernel
 
     def __sub__(self, other: SplitTimes) -> SplitTimes:
         return SplitTimes(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
-# how long the CPU kernel's idle threads spin before sleeping while decode splits: past a layer's dense GPU
-# work (~0.4 ms for a full-shape layer on an H100), so that each call finds them running
+# how long the CPU kernel's idle threads and the split server spin before sleeping while decode splits:
+# past a layer's dense GPU work (~0.4 ms for a full-shape layer on an H100), so that requests find them up
 SPLIT_SPIN_S = 0.002
 # cores the kernel's threads leave to the rest of this process by default: the decode thread, the driver's
 SPARE_CORES = 2
+TUNE_TOKENS = 3  # replayed tokens the auto share times at each n (`ShareTuner`)
 
 
 def split_threads(threads) -> Callable[[], int]:
     """The CPU share's threads from a `CpuThreads`: `--threads` as given, else its free cores less
     SPARE_CORES (at least 1)."""
     return lambda: threads.fixed or max(1, threads() - SPARE_CORES)
-
-
-def send_capturable(device: torch.device) -> bool:
-    """Whether a CUDA graph here holds split_send: a copy into pinned host memory and an external event the
-    host waits on after a replay. Probed with a graph that sleeps on the GPU before the copy, so an event
-    that did not wait for it would leave the old value."""
-    try:
-        src, dst = torch.zeros(1, device=device), torch.zeros(1, pin_memory=True)
-        done, graph, stream = (
-            torch.cuda.Event(external=True),
-            torch.cuda.CUDAGraph(),
-            torch.cuda.Stream(device),
-        )
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                torch.cuda._sleep(1 << 20)  # ~0.5 ms
-                dst.copy_(src, non_blocking=True)
-                done.record()
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        ok = True
-        for value in (1.0, 2.0):
-            src.fill_(value)
-            graph.replay()
-            done.synchronize()
-            ok &= dst.item() == value
-        torch.cuda.synchronize(device)
-        why = "the host's wait on the captured event did not hold"
-    except (RuntimeError, TypeError) as e:  # TypeError: a torch without Event(external=...)
-        ok, why = False, str(e)
-    if not ok:
-        log.info("split_send stays eager: %s", why)
-    return ok
 
 
 class SplitExperts(WrappedBank):
@@ -164,8 +148,8 @@ class SplitExperts(WrappedBank):
             decode methods are used; any other attribute is the GPU bank's.
         workdir: the `Workdir` (layout, global scales, K).
         share: fraction of a layer's K routed experts the CPU computes (rounded to whole experts); < 0: chosen
-            from `cpu_gbps` and `bus_gbps` (`cpu_experts`), then once more from the rates and host work
-            measured in the first split tokens (`weigh`), which may move the share or turn it off.
+            from `cpu_gbps` and `bus_gbps` (`cpu_experts`), then tuned by the first decode tokens' time
+            (`ShareTuner`), which may move the share or turn it off.
         threads: callable -> the CPU kernel's threads now (`split_threads`).
         bus_gbps: the host -> device rate (needed when share < 0).
         cpu_gbps: the CPU kernel's rate; None: measured on the RAM cache's rows on `threads()` threads.
@@ -183,7 +167,6 @@ class SplitExperts(WrappedBank):
         super().__init__(gpu)
         self.layout, self.threads = workdir.layout, threads
         self.k = k = workdir.text_config["num_experts_per_tok"]
-        self.last_layer = workdir.num_layers - 1
         self.ws2 = workdir.expert_scales()[0].float().contiguous()  # [L, E, 3] on the host
         host = gpu.host_blocks
         usable = host is not None and cpu_moe.library() is not None and k <= cpu_moe.NMAX
@@ -199,49 +182,38 @@ class SplitExperts(WrappedBank):
                 if share >= 0
                 else cpu_experts(k, self.cpu_gbps, bus_gbps or 0, self.layout.payload_bytes)
             )
-            if self.n_cpu:  # the pool's threads stay up over a layer's dense GPU work between two calls
+            if self.n_cpu:  # the pool's threads stay up over a layer's dense GPU work between two requests
                 cpu_moe.set_spin(SPLIT_SPIN_S)
             bus = f"bus {bus_gbps:.1f} GB/s" if bus_gbps else "bus not measured"
             log.info("CPU share of RAM-resident decode: %d of %d experts a layer (CPU kernel %.1f GB/s on %d "
                      "threads, %s)", self.n_cpu, k, self.cpu_gbps, threads(), bus)  # fmt: skip
         pin = host is not None and host.is_pinned()
         h, dev = workdir.layout.hidden_size, gpu.cache.device
-        self.captured_send = bool(self.n_cpu) and pin and send_capturable(dev)  # split_send in the graphs
         # the routed experts [1, K] and weights in the order split_send gives them (the GPU's first)
         self._ids = torch.zeros(1, k, dtype=torch.int64, device=dev)
         self._w = torch.zeros(1, k, device=dev)
         self._pos = torch.arange(k, device=dev)
         self._dev = torch.empty(2 * k + h, device=dev)  # the CPU's ids and weights, and x, packed on the GPU
-        self._host = torch.empty(2 * k + h, pin_memory=pin)  # ... copied here
-        # that copy landed (external: a captured record is a node the host can wait on after a replay)
-        self._copied = (
-            (torch.cuda.Event(external=True) if self.captured_send else torch.cuda.Event()) if pin else None
-        )
-        self._out = torch.empty(1, h, pin_memory=pin)  # the CPU's sum, uploaded from here by split_sum
-        self._sum = torch.empty(1, h, device=dev)  # ... to here
-        self._scratch = torch.empty(cpu_moe.scratch_floats(self.layout, k, 1))
-        self._addr: torch.Tensor | None = None  # [L, E] each block's address in the RAM cache
-        self._ended: tuple[int, float] | None = None  # the last split layer and when its call ended
+        self._host = torch.empty(2 * cpu_moe.NMAX + h, pin_memory=pin)  # ... posted here (the request)
+        self._out = torch.empty(h, pin_memory=pin)  # the server's answer, the CPU's [H] sum
+        self._box = mailbox.new_box(pin)
+        self._words = self._box.numpy()  # the host reads FAIL and ERR here without a device call
+        self._seq = torch.zeros(1, dtype=torch.int32, device=dev)  # the last request's number
+        self._server: cpu_moe.SplitServer | None = None  # started at the first split layer
         self._ev: tuple = ()  # the split layer's CUDA events, set by split_send
-        self.cpu_blocks = 0  # routed blocks the CPU computed
-        self.times = SplitTimes()
-        self.kernel_log: collections.deque[float] = collections.deque(maxlen=4096)  # the last calls' kernel s
+        self.cpu_blocks = 0  # routed blocks posted to the CPU
+        self.posted = 0  # split layers queued (the server answers them as the device reaches them)
         self.gpu_timing = False  # record CUDA events per split layer for `split_times` (the bench)
         self._timed: list[tuple[int, tuple]] = []  # (layer, events) not read yet
-        # the auto share is weighed again over the split calls after the first L up to 3L (L = layers: a
-        # token each), at a token's last layer, with the GPU's times on (CUDA events) meanwhile
-        self.adapt_calls = (workdir.num_layers, 3 * workdir.num_layers) if share < 0 and bus_gbps else None
-        self._since: SplitTimes | None = None
+        self._gpu_times = SplitTimes()  # the GPU's times read so far
+        # the auto share tunes itself by the first decode tokens' time
+        self.tuner = ShareTuner(k, self.n_cpu) if share < 0 and usable else None
 
     # the GPU bank's state (cache, scales, ...) for the bench; the interface is WrappedBank's
     def __getattr__(self, name):
         if name == "bank":  # not set yet (during __init__): no recursion
             raise AttributeError(name)
         return getattr(self.bank, name)
-
-    @property
-    def host_syncs(self) -> int:
-        return self.bank.host_syncs + self.times.calls
 
     @property
     def splitting(self) -> bool:
@@ -253,15 +225,15 @@ class SplitExperts(WrappedBank):
         return "split" if self.splitting else self.bank.decode_mode
 
     @property
-    def send_in_graph(self) -> bool:
-        """split_send is graphable now: the device captures it, and no CUDA events are timed per layer."""
-        return self.captured_send and not self.gpu_timing
+    def graphed(self) -> bool:
+        """The send and the take are captured; timed tokens run them eagerly to record CUDA events."""
+        return not self.gpu_timing
 
     @property
     def decode_key(self) -> tuple:
         if not self.splitting:
             return self.bank.decode_key
-        return (*self.bank.decode_key, self.n_cpu, self.send_in_graph)
+        return (*self.bank.decode_key, self.n_cpu, self.graphed)
 
     def warm_up(self, dtype: torch.dtype) -> None:
         """The GPU bank's warm-up, then the decode kernel for the GPU side's K - n experts (`_warm_share`)."""
@@ -292,20 +264,20 @@ class SplitExperts(WrappedBank):
         """A split layer eagerly: the stages the decode graphs run ("split" decode mode), in order."""
         self.split_send(layer, x, expert_ids, weights)
         part = self.split_gpu(layer, x)
-        self.split_launched()
-        self.split_cpu(layer)
-        return self.split_sum(part)
+        self.split_launched(layer)
+        return self.split_take(layer, part)
 
-    # A split layer as stages (experts/bank.py, "split"): the decode graphs capture split_gpu and split_sum,
-    # split_send where `send_in_graph`, and run the others eagerly between them.
+    # A split layer as stages (experts/bank.py, "split"): all device work, captured by the decode graphs
+    # (split_send and split_take run eagerly in timed tokens); split_launched is their host hook.
 
     def split_send(self, layer: int, x, expert_ids, weights) -> None:
         """The routed experts ordered so that those the GPU reads from VRAM (its hot set, guesses staged for
         the layer) come first, the rest after them in top-k order: the CPU takes the last n, blocks that
         would otherwise cross the bus. Its experts, their weights and x [1, H] are packed as FP32 into a
-        fixed device buffer, copied to the pinned host buffer, an event behind the copy; the GPU's share is
-        queued after it, so the host waits for the copy alone."""
+        fixed device buffer and posted to the split server (`mailbox.post`, a new request number)."""
         g, k = self.k - self.n_cpu, self.k
+        if self._server is None:
+            self._serve()
         if self.bank.decode_reads_vram:  # else every block crosses the bus: top-k order as it is
             order = (self._pos + k * self.bank.decode_in_vram(layer, expert_ids[0]).logical_not()).argsort()
             expert_ids, weights = expert_ids.index_select(1, order), weights.index_select(1, order)
@@ -313,9 +285,8 @@ class SplitExperts(WrappedBank):
         self._w.copy_(weights)
         m = 2 * self.n_cpu + self.layout.hidden_size
         torch.cat((self._ids[0, g:].float(), self._w[0, g:], x[0].float()), out=self._dev[:m])
-        self._host[:m].copy_(self._dev[:m], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._seq.add_(1)
+        mailbox.post(self._dev[:m], self._host, self._seq, self._box, layer, self.n_cpu)
         if self.gpu_timing:  # timed tokens send eagerly: the GPU's share is timed from the send's end, so
             # that the eager launches of the order and the packing do not count as its time
             self._ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -335,101 +306,71 @@ class SplitExperts(WrappedBank):
             return torch.zeros(1, self.layout.hidden_size, device=x.device)
         return self.bank.decode_compute(layer, x.float(), self._ids[:, :g], self._w[:, :g], copy=self.copies)
 
-    def split_launched(self) -> None:
-        """The GPU's share is queued: its reads counted, the GPU bank told."""
+    def split_launched(self, layer: int) -> None:
+        """Host work once a split layer is queued: the server armed, the GPU's reads counted, the GPU bank
+        told; a request the server refused or never answered raises here."""
+        w = self._words
+        if w[mailbox.ERR] or w[mailbox.FAIL]:
+            what = f"refused a request (code {w[mailbox.ERR]})" if w[mailbox.ERR] else "answered too late"
+            raise RuntimeError(f"the CPU share's split server {what}: its layers' output is not valid")
+        self._server.arm(self.threads())
+        self.posted += 1
+        self.cpu_blocks += self.n_cpu
         g = self.k - self.n_cpu
         if g:
             self.bank.decode_fixed_reads(g)
             self.bank.decode_launched()
 
-    def split_cpu(self, layer: int) -> None:
-        """Eager: wait for the copy, run the C kernel on the CPU's n experts from their RAM rows into the
-        pinned buffer split_sum uploads (the previous layer's upload from it is done: this layer's copy,
-        queued after it, has landed)."""
-        n, times, ev = self.n_cpu, self.times, self._ev if self.gpu_timing else None
-        t1 = time.perf_counter()
-        if ev:
+    def split_take(self, layer: int, part: torch.Tensor) -> torch.Tensor:
+        """Graphable: wait on the GPU for the server's answer, then part + the CPU's sum, FP32 [1, H] (the
+        caller casts)."""
+        ev = self._ev if self.gpu_timing else None
+        if ev:  # the GPU idles from ev[1] to ev[2] (it waits for the CPU's sum)
             ev[1].record()
-        if self._copied is not None:
-            self._copied.synchronize()
-        t2 = time.perf_counter()
-        if self._addr is None:
-            self._addr = self._addresses()
-        cpu_moe.moe_packed(self._addr[layer], self.ws2[layer], self._host, n, self._out, self._scratch,
-                           self.layout, self.threads())  # fmt: skip
-        t3 = time.perf_counter()
-        if ev:  # the GPU idles from ev[1] to here (it waits for the CPU's sum)
+        out = mailbox.take(part, self._out, self._seq, self._box)
+        if ev:
             ev[2].record()
             self._timed.append((layer, ev))
-        self.cpu_blocks += n
-        times.calls += 1
-        if self._ended is not None and self._ended[0] == layer - 1:  # since the previous layer's call
-            times.launches += 1
-            times.launch += t1 - self._ended[1]
-        times.wait += t2 - t1
-        times.kernel += t3 - t2
-        self.kernel_log.append(t3 - t2)
-        if self.adapt_calls and layer == self.last_layer:  # between tokens: the next one may run another n
-            self._adapt()
-        self._ended = (layer, time.perf_counter())
+        return out
 
-    def split_sum(self, part: torch.Tensor) -> torch.Tensor:
-        """Graphable: the CPU's sum uploaded, plus the GPU's share, FP32 [1, H] (the caller casts)."""
-        self._sum.copy_(self._out, non_blocking=True)
-        return part + self._sum
-
-    def _adapt(self) -> None:
-        """At a token's end past the first of `adapt_calls`: note the times and turn the GPU's on; past the
-        second, `weigh` the share with what the calls between measured."""
-        if self._since is None:
-            if self.times.calls >= self.adapt_calls[0]:
-                self._since, self.gpu_timing = self.split_times(), self._copied is not None  # on CUDA
-            return
-        if self.times.calls < self.adapt_calls[1]:
-            return
-        t, self.adapt_calls, self.gpu_timing = self.split_times() - self._since, None, False
-        self.weigh(t)
-
-    def weigh(self, t: SplitTimes) -> None:
-        """The share chosen again from the split layers' times `t`: a block's time on the CPU (its kernel
-        calls, in place beside the bus's reads of the same RAM) and on the GPU (its share's CUDA events,
-        when `t` has them; else the bus rate measured at start), and the CPU side's cost beyond its blocks:
-        where the GPU waited for the CPU's sum, the GPU's share plus that wait less the CPU's call (the
-        host's wake on the x copy, which a rate alone leaves out). It moves to the n that
-        `weighed_experts` finds best: 0 (off: the GPU bank's "fixed" program) where the bus alone, at the
-        rate measured at start, is faster; the decode graphs capture the new program (`decode_key`)."""
-        k, n, payload = self.k, self.n_cpu, self.layout.payload_bytes
-        call = t.kernel / t.calls  # a layer's CPU call, s
-        cpu_block = call / n if call > 0 else math.inf
-        timed = t.timed and t.gpu_share > 0 and k > n
-        share = t.gpu_share / t.timed if timed else 0.0  # a layer's GPU share, s
-        gpu_block = share / (k - n) if timed else payload / (self.bus_gbps * 1e9)
-        waited = t.gpu_idle / t.timed if timed else 0.0
-        fixed = max(0.0, share + waited - call) if waited > 0 else 0.0
-        best = weighed_experts(k, cpu_block, gpu_block, fixed, k * payload / (self.bus_gbps * 1e9))
-        moved = "kept" if best == n else f"-> {best}" + (" (off)" if not best else "")
-        log.info("CPU share weighed again over %d split layers: kernel %.1f GB/s in place (%.1f alone), the "
-                 "GPU's share %.1f GB/s (%s; the bus alone %.1f), the CPU side's fixed cost %.3f ms: %d of "
-                 "%d experts on the CPU %s", t.calls, payload / cpu_block / 1e9, self.cpu_gbps,
-                 payload / gpu_block / 1e9, "CUDA events" if timed else "not timed", self.bus_gbps,
-                 fixed * 1e3, n, k, moved)  # fmt: skip
-        self.n_cpu = best
-        if best and best != n:
-            self._warm_share()
-
-    def _addresses(self) -> torch.Tensor:
-        """[L, E] int64: the address of each block in the RAM cache (their rows are fixed for good once
-        every block has one: the table is made at the first split call)."""
+    def _serve(self) -> None:
+        """Start the split server on the RAM cache's address table (the rows are fixed for good once every
+        block has one: the table is made at the first split layer)."""
         rows = torch.stack([torch.from_numpy(self.bank.ram_rows(i)) for i in range(self.ws2.shape[0])])
         host = self.bank.host_blocks
-        return (rows.long() * host.stride(0) + host.data_ptr()).contiguous()
+        addr = (rows.long() * host.stride(0) + host.data_ptr()).contiguous()  # [L, E]
+        self._server = cpu_moe.SplitServer(addr, self.ws2, self._host, self._out, self._box, self.layout,
+                                           self.threads(), SPLIT_SPIN_S)  # fmt: skip
+
+    @property
+    def tuning(self) -> bool:
+        """The auto share is still measuring shares (`ShareTuner`)."""
+        return self.tuner is not None
+
+    def decode_token_seconds(self, seconds: float) -> None:
+        """A replayed decode token's GPU time: while the auto share tunes, it moves n as `ShareTuner` says
+        (the decode graphs capture the new program, `decode_key`), and logs the choice once made."""
+        if self.tuner is None or self.gpu_timing or self.bank.resident != "ram":  # tokens that could split
+            return
+        n = self.tuner.add(seconds)
+        if self.tuner.done:
+            ms = ", ".join(f"{c}: {t * 1e3:.2f}" for c, t in sorted(self.tuner.times.items()))
+            log.info("CPU share tuned by token time (ms a token by experts a layer on the CPU, %s): %d of %d "
+                     "on the CPU%s", ms, n, self.k, " (off)" if not n else "")  # fmt: skip
+            self.tuner = None
+        if n != self.n_cpu:
+            self.n_cpu = n
+            if n:
+                cpu_moe.set_spin(SPLIT_SPIN_S)
+                self._warm_share()
 
     def split_times(self) -> SplitTimes:
-        """A copy of the split layers' times so far; with `gpu_timing`, waits for the GPU to read the events
-        recorded since the last call (stats only, never on the decode path)."""
+        """The split layers' times so far: the server's calls, and with `gpu_timing` the GPU's, which waits
+        for the GPU to read the events recorded since the last call (stats only, never on the decode path)."""
+        t = self._gpu_times
         if self._timed:
             self._timed[-1][1][2].synchronize()
-            t, prev = self.times, None
+            prev = None
             for layer, ev in self._timed:
                 t.timed += 1
                 t.gpu_share += ev[0].elapsed_time(ev[1]) / 1e3
@@ -439,15 +380,21 @@ class SplitExperts(WrappedBank):
                     t.dense_gaps += 1
                 prev = (layer, ev)
             self._timed = []
-        return dataclasses.replace(self.times)
+        calls, kernel, _ = self._server.stats() if self._server is not None else (0, 0.0, [])
+        return dataclasses.replace(t, calls=calls, kernel=kernel)
 
-    def counters(self) -> BankCounters:
-        c, t = self.bank.counters(), self.times
-        return dataclasses.replace(
-            c,
-            bank_decode_seconds=c.bank_decode_seconds + t.host,
-            bank_sync_seconds=c.bank_sync_seconds + t.wait,
-        )
+    def kernel_log(self, last: int) -> list[float]:
+        """The server's last `last` kernel calls, seconds each (up to 4096)."""
+        return self._server.stats(last)[2] if self._server is not None else []
+
+    def close(self) -> None:
+        """Stop the server once the device is done with its requests, then close the GPU bank."""
+        if self._server is not None:
+            if self._box.is_pinned():
+                torch.cuda.synchronize(self.bank.cache.device)
+            self._server.close()
+            self._server = None
+        self.bank.close()
 
     @property
     def cpu_bytes(self) -> int:

@@ -12,7 +12,7 @@
 
 #define TMAX 8
 #define MAXTH 256
-#define NMAX 64       // most experts one packed call (nvfp4_moe_cpu_packed) takes
+#define NMAX 64       // most experts one split server request (moe_packed) takes
 #define ROWS_UP 16    // fewest gate/up rows a work item takes (up_rows)
 #define ROWS_UP_MAX 128
 #define ROWS_DOWN 32  // fewest output rows a down item takes (item_rows)
@@ -318,10 +318,12 @@ static void run(void (*fn)(Job *), Job *j, int threads) {
 }
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
+// one call at a time holds the pool: the exported entry points and the split server (below) take it
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
 
-// x [T, H] -> out [T, H]; hp: scratch [n, T, I] + [T, H] floats; one caller at a time (the Python side locks)
-int nvfp4_moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *wt, const float *x,
-                  float *out, float *scratch, int n, int T, int H, int I, const long *off, int threads) {
+// x [T, H] -> out [T, H]; hp: scratch [n, T, I] + [T, H] floats
+static int moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *wt, const float *x, float *out,
+                   float *scratch, int n, int T, int H, int I, const long *off, int threads) {
   if (T < 1 || T > TMAX || H % 16 || I % 16) return 1;
   pthread_once(&once, init_tables);
   float *xp = scratch + (size_t)n * T * I;
@@ -339,11 +341,11 @@ int nvfp4_moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *w
   return 0;
 }
 
-// One token's experts from a layer's tables, as the CPU share of a split decode layer gets them in one copy
-// from the GPU: packed = [n] expert ids (as floats), [n] routing weights, [H] x; addr [E] each block's
+// One token's experts from a layer's tables, as the split server (below) gets a request from the GPU:
+// packed = [n] expert ids (as floats), [n] routing weights, [H] x; addr [E] each block's
 // address, ws2 [E, 3] the layer's global scales. Gathers the n blocks and scales, then nvfp4_moe_cpu.
-int nvfp4_moe_cpu_packed(const long *addr, const float *ws2, const float *packed, float *out, float *scratch,
-                         int n, int E, int H, int I, const long *off, int threads) {
+static int moe_packed(const long *addr, const float *ws2, const float *packed, float *out, float *scratch, int n,
+                      int E, int H, int I, const long *off, int threads) {
   if (n < 1 || n > NMAX) return 1;
   const uint8_t *blocks[NMAX];
   float w[3 * NMAX];
@@ -353,8 +355,17 @@ int nvfp4_moe_cpu_packed(const long *addr, const float *ws2, const float *packed
     blocks[j] = (const uint8_t *)addr[e];
     memcpy(w + 3 * j, ws2 + 3 * e, 3 * sizeof(float));
   }
-  return nvfp4_moe_cpu(blocks, w, packed + n, packed + 2 * n, out, scratch, n, 1, H, I, off, threads);
+  return moe_cpu(blocks, w, packed + n, packed + 2 * n, out, scratch, n, 1, H, I, off, threads);
 }
+
+int nvfp4_moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *wt, const float *x,
+                  float *out, float *scratch, int n, int T, int H, int I, const long *off, int threads) {
+  pthread_mutex_lock(&call_mu);
+  int rc = moe_cpu(blocks, ws2, wt, x, out, scratch, n, T, H, I, off, threads);
+  pthread_mutex_unlock(&call_mu);
+  return rc;
+}
+
 
 // bytes/s of a read-only sweep over buf ([n] floats) on `threads` threads: the memory rate the kernel meets
 static const float *bw_buf;
@@ -374,8 +385,135 @@ static void bw_phase(Job *unused) {
 }
 
 float read_sweep(const float *buf, long n, int threads) {
+  pthread_mutex_lock(&call_mu);
   bw_buf = buf, bw_n = n;
   atomic_store(&bw_next, 0);
   run(bw_phase, NULL, threads);
-  return bw_sink[0];
+  float sink = bw_sink[0];
+  pthread_mutex_unlock(&call_mu);
+  return sink;
 }
+
+// The split server: a thread that answers the CPU share of split decode layers the GPU posts into a pinned
+// mailbox (kernels/mailbox.py), so that no host call sits between a layer's GPU work and its CPU work. The
+// GPU writes a request's ids, weights and x into `packed`, then box[LAYER], box[NREQ] and, after a
+// system-scope fence, box[REQ] = a new sequence number; the server computes that layer's n experts from its
+// tables into `out` and sets box[DONE] to the number (box[ERR] to the kernel's code and `out` to NaN where it
+// refused the request). Idle, it spins for `idle_ns`, then sleeps until armed (once a token, `serve_arm`) or
+// for 1 ms at most.
+enum { REQ = 0, LAYER = 1, NREQ = 2, DONE = 16, ERR = 17 };
+#define LOGN 4096  // the last calls' kernel times kept (serve_log)
+
+static struct {
+  const long *addr;  // [L, E] each block's address
+  const float *ws2;  // [L, E, 3]
+  const float *packed;
+  float *out, *scratch;
+  volatile int32_t *box;
+  int L, E, H, I;
+  int32_t first;  // box[REQ] at the start: requests after it are the server's
+  long off[6], idle_ns;
+  atomic_int threads, stop, running;
+  atomic_ulong armed;
+  pthread_t tid;
+  pthread_mutex_t mu;  // stats and sleep
+  pthread_cond_t wake;
+  long calls, kernel_ns, log[LOGN];
+} srv = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static void *serve(void *unused) {
+  (void)unused;
+  int32_t seen = srv.first;
+  while (!atomic_load(&srv.stop)) {
+    long until = now_ns() + srv.idle_ns;
+    unsigned long armed = atomic_load(&srv.armed);
+    for (unsigned spin = 1; __atomic_load_n(&srv.box[REQ], __ATOMIC_ACQUIRE) == seen; spin++) {
+      relax();
+      if (spin & 63) continue;
+      if (atomic_load(&srv.stop)) return NULL;
+      if (now_ns() < until) continue;
+      pthread_mutex_lock(&srv.mu);  // asleep until armed, for 1 ms at most (an arm that came too early)
+      if (atomic_load(&srv.armed) == armed && !atomic_load(&srv.stop)) {
+        struct timespec t;
+        clock_gettime(CLOCK_REALTIME, &t);
+        t.tv_nsec += 1000000;
+        if (t.tv_nsec >= 1000000000) t.tv_sec++, t.tv_nsec -= 1000000000;
+        pthread_cond_timedwait(&srv.wake, &srv.mu, &t);
+      }
+      pthread_mutex_unlock(&srv.mu);
+      until = now_ns() + srv.idle_ns;
+      armed = atomic_load(&srv.armed);
+    }
+    seen = __atomic_load_n(&srv.box[REQ], __ATOMIC_ACQUIRE);
+    int layer = srv.box[LAYER], n = srv.box[NREQ], rc = 3;
+    long t0 = now_ns();
+    pthread_mutex_lock(&call_mu);
+    if (layer >= 0 && layer < srv.L)
+      rc = moe_packed(srv.addr + (size_t)layer * srv.E, srv.ws2 + (size_t)layer * srv.E * 3, srv.packed, srv.out,
+                      srv.scratch, n, srv.E, srv.H, srv.I, srv.off, atomic_load(&srv.threads));
+    pthread_mutex_unlock(&call_mu);
+    if (rc) {
+      for (int k = 0; k < srv.H; k++) srv.out[k] = NAN;
+      srv.box[ERR] = rc;
+    }
+    long dt = now_ns() - t0;
+    __atomic_store_n(&srv.box[DONE], seen, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&srv.mu);
+    srv.log[srv.calls % LOGN] = dt;
+    srv.calls++, srv.kernel_ns += dt;
+    pthread_mutex_unlock(&srv.mu);
+  }
+  return NULL;
+}
+
+// start the server on a layer table: addr [L, E], ws2 [L, E, 3], packed [2 NMAX + H] floats or more, out
+// [H], scratch for NMAX experts, box [32] int32 (pinned: the GPU reads and writes it); 1 if one runs
+int serve_start(const long *addr, const float *ws2, const float *packed, float *out, float *scratch,
+                volatile int32_t *box, int L, int E, int H, int I, const long *off, int threads, long idle_ns) {
+  if (atomic_load(&srv.running)) return 1;
+  pthread_once(&once, init_tables);
+  srv.addr = addr, srv.ws2 = ws2, srv.packed = packed, srv.out = out, srv.scratch = scratch, srv.box = box;
+  srv.L = L, srv.E = E, srv.H = H, srv.I = I, srv.idle_ns = idle_ns;
+  memcpy(srv.off, off, sizeof srv.off);
+  atomic_store(&srv.threads, threads < 1 ? 1 : threads);
+  atomic_store(&srv.stop, 0);
+  srv.calls = srv.kernel_ns = 0;
+  srv.first = __atomic_load_n(&box[REQ], __ATOMIC_ACQUIRE);
+  if (pthread_create(&srv.tid, NULL, serve, NULL)) return 2;
+  atomic_store(&srv.running, 1);
+  return 0;
+}
+
+// a token's requests are coming: wake the server if it sleeps, on `threads` threads from now
+void serve_arm(int threads) {
+  atomic_store(&srv.threads, threads < 1 ? 1 : threads);
+  pthread_mutex_lock(&srv.mu);
+  atomic_fetch_add(&srv.armed, 1);
+  pthread_cond_signal(&srv.wake);
+  pthread_mutex_unlock(&srv.mu);
+}
+
+// stop and join the server (the GPU posts nothing more); returns 0 if none ran
+int serve_stop(void) {
+  if (!atomic_load(&srv.running)) return 0;
+  atomic_store(&srv.stop, 1);
+  serve_arm(atomic_load(&srv.threads));
+  pthread_join(srv.tid, NULL);
+  atomic_store(&srv.running, 0);
+  return 1;
+}
+
+// calls answered so far; their kernel ns summed into *kernel_ns, the last min(calls, max, LOGN) in dst
+long serve_stats(long *kernel_ns, long *dst, int max) {
+  pthread_mutex_lock(&srv.mu);
+  long calls = srv.calls, k = calls < max ? calls : max;
+  if (k > LOGN) k = LOGN;
+  for (long i = 0; i < k; i++) dst[i] = srv.log[(calls - k + i) % LOGN];
+  *kernel_ns = srv.kernel_ns;
+  pthread_mutex_unlock(&srv.mu);
+  return calls;
+}
+
+// a mailbox word as the host twins of the GPU's side write and read it (kernels/mailbox.py)
+void box_put(volatile int32_t *p, int32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+int32_t box_get(volatile int32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }

@@ -3,7 +3,8 @@ codes and block scales read in place from expert blocks ([block_bytes] uint8, RA
 
 The C source is compiled once per machine at first use with the machine's C compiler (`cc -O3
 -march=native`, under ~1 s) into ~/.cache/expertstream/kernels/ and loaded through ctypes, which releases
-the GIL while it runs. Without a compiler the twin runs instead (one warning).
+the GIL while it runs; one call at a time holds its thread pool (a mutex on the C side), the split server's
+included. Without a compiler the twin runs instead (one warning).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -36,7 +39,7 @@ _PARTS = tuple(f"{p}.weight" for p in PROJ) + tuple(f"{p}.weight_scale" for p in
 
 _lib: ctypes.CDLL | None = None
 _tried = False
-_lock = threading.Lock()  # the C side keeps one thread pool: one call at a time
+_lock = threading.Lock()  # the build
 
 
 def cache_dir() -> Path:
@@ -91,12 +94,22 @@ def _build() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.nvfp4_moe_cpu.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i]
     lib.nvfp4_moe_cpu.restype = i
-    lib.nvfp4_moe_cpu_packed.argtypes = [p, p, p, p, p, i, i, i, i, p, i]
-    lib.nvfp4_moe_cpu_packed.restype = i
     lib.read_sweep.argtypes = [p, ctypes.c_long, i]
     lib.read_sweep.restype = ctypes.c_float
     lib.pool_spin.argtypes = [ctypes.c_long]
     lib.pool_spin.restype = ctypes.c_long
+    lib.serve_start.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i, ctypes.c_long]
+    lib.serve_start.restype = i
+    lib.serve_arm.argtypes = [i]
+    lib.serve_arm.restype = None
+    lib.serve_stop.argtypes = []
+    lib.serve_stop.restype = i
+    lib.serve_stats.argtypes = [p, p, i]
+    lib.serve_stats.restype = ctypes.c_long
+    lib.box_put.argtypes = [p, ctypes.c_int32]
+    lib.box_put.restype = None
+    lib.box_get.argtypes = [p]
+    lib.box_get.restype = ctypes.c_int32
     return lib
 
 
@@ -183,52 +196,65 @@ def moe_into(
     assert scratch.numel() >= scratch_floats(layout, n, t)
     lib = library()
     assert lib is not None, "the CPU expert kernel could not be built"
-    with _lock:
-        rc = lib.nvfp4_moe_cpu(
-            ptrs.data_ptr(), ws2.data_ptr(), wt.data_ptr(), x.data_ptr(), out.data_ptr(),
-            scratch.data_ptr(), n, t, h, i, offsets(layout).data_ptr(), max(1, threads),
-        )  # fmt: skip
+    rc = lib.nvfp4_moe_cpu(
+        ptrs.data_ptr(), ws2.data_ptr(), wt.data_ptr(), x.data_ptr(), out.data_ptr(),
+        scratch.data_ptr(), n, t, h, i, offsets(layout).data_ptr(), max(1, threads),
+    )  # fmt: skip
     if rc:
         raise ValueError(f"the CPU expert kernel refused its shapes (T {t}, H {h}, I {i})")
 
 
-NMAX = 64  # most experts `moe_packed` takes (cpu_moe.c's NMAX)
+NMAX = 64  # most experts a split server's request takes (cpu_moe.c's NMAX)
 
 
-def moe_packed(
-    addr: torch.Tensor,
-    ws2: torch.Tensor,
-    packed: torch.Tensor,
-    n: int,
-    out: torch.Tensor,
-    scratch: torch.Tensor,
-    layout: ExpertLayout,
-    threads: int = 1,
-) -> None:
-    """`moe_into` for one token whose n experts' ids, weights and x come in one buffer, as the CPU share of a
-    split decode layer gets them from the GPU; the C side gathers their blocks and scales from the layer's
-    tables, so the caller does no per-call tensor work.
+class SplitServer:
+    """The C split server (cpu_moe.c's `serve`): a thread that answers the CPU share of split decode layers
+    the GPU posts into a mailbox (kernels/mailbox.py) from a table of L layers, gathering each request's
+    blocks and scales itself; one per process.
 
     Args:
-        addr: [E] int64 each of the layer's blocks' address (rows of `layout.block_bytes`, checked by the
-            caller).
-        ws2: [E, 3] FP32 the layer's global scales.
-        packed: FP32 [2n + H] or longer: n expert ids, their n routing weights, x [H].
-        out: [1, H] FP32; scratch: `scratch_floats(layout, n, 1)` FP32 or more.
+        addr: [L, E] int64 each block's address (rows of `layout.block_bytes`, checked by the caller).
+        ws2: [L, E, 3] FP32 the layers' global scales.
+        packed: FP32 [2 NMAX + H] or longer: a request's n expert ids (as floats), n weights and x [H].
+        out: FP32 [H]: the answer, NaN where the kernel refused the request (box[ERR] says why).
+        box: the mailbox (`mailbox.new_box`); packed, out and box pinned where the GPU posts.
+        threads: the kernel's threads, the server's own included, until `arm` gives others.
+        idle_s: how long the server spins for the next request before it sleeps until armed.
     """
-    (e,), h = addr.shape, layout.hidden_size
-    assert 1 <= n <= NMAX and addr.dtype == torch.long and ws2.shape == (e, 3) and out.shape == (1, h)
-    assert packed.numel() >= 2 * n + h and scratch.numel() >= scratch_floats(layout, n, 1)
-    assert all(a.dtype == torch.float32 and a.is_contiguous() for a in (ws2, packed, out, scratch))
-    lib = library()
-    assert lib is not None, "the CPU expert kernel could not be built"
-    with _lock:
-        rc = lib.nvfp4_moe_cpu_packed(
+
+    def __init__(self, addr, ws2, packed, out, box, layout: ExpertLayout, threads: int, idle_s: float):
+        (nl, e), h = addr.shape, layout.hidden_size
+        assert addr.dtype == torch.long and addr.is_contiguous() and ws2.shape == (nl, e, 3)
+        assert packed.numel() >= 2 * NMAX + h and out.numel() == h and box.dtype == torch.int32
+        assert all(a.dtype == torch.float32 and a.is_contiguous() for a in (ws2, packed, out))
+        lib = library()
+        assert lib is not None, "the CPU expert kernel could not be built"
+        scratch = torch.empty(scratch_floats(layout, NMAX, 1))
+        # the C side holds their addresses
+        self._keep = (addr, ws2, packed, out, box, scratch, offsets(layout))
+        rc = lib.serve_start(
             addr.data_ptr(), ws2.data_ptr(), packed.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-            n, e, h, layout.intermediate_size, offsets(layout).data_ptr(), max(1, threads),
+            box.data_ptr(), nl, e, h, layout.intermediate_size, self._keep[-1].data_ptr(), max(1, threads),
+            int(idle_s * 1e9),
         )  # fmt: skip
-    if rc:
-        raise ValueError(f"the CPU expert kernel refused its arguments (n {n}, ids {packed[:n].tolist()})")
+        if rc:
+            why = "a split server already runs in this process" if rc == 1 else "no thread for the server"
+            raise RuntimeError(why)
+        self._stop = weakref.finalize(self, lib.serve_stop)
+
+    def arm(self, threads: int) -> None:
+        """A token's requests follow: wake the server if it sleeps; `threads` from its next request."""
+        library().serve_arm(max(1, threads))
+
+    def stats(self, last: int = 0) -> tuple[int, float, list[float]]:
+        """(requests answered, their kernel seconds summed, the last min(last, 4096) requests' seconds)."""
+        total, log = ctypes.c_long(), (ctypes.c_long * max(1, last))()
+        calls = library().serve_stats(ctypes.addressof(total), ctypes.addressof(log), last)
+        return calls, total.value / 1e9, [v / 1e9 for v in log[: min(last, calls, 4096)]]
+
+    def close(self) -> None:
+        """Stop and join the server thread (nothing more may be posted)."""
+        self._stop()
 
 
 def moe_twin(
@@ -254,24 +280,19 @@ def read_rate(nbytes: int = 1 << 30, threads: int = 1, repeats: int = 3) -> floa
 
 def read_seconds(buf: torch.Tensor, threads: int = 1) -> float:
     """Seconds of one read sweep over `buf` (FP32, contiguous) on `threads` threads of the kernel's pool."""
-    import time
-
     lib = library()
     if lib is None:
         raise RuntimeError("the CPU expert kernel could not be built")
     assert buf.dtype == torch.float32 and buf.is_contiguous()
-    with _lock:
-        t0 = time.perf_counter()
-        lib.read_sweep(buf.data_ptr(), buf.numel(), max(1, threads))
-        return time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lib.read_sweep(buf.data_ptr(), buf.numel(), max(1, threads))
+    return time.perf_counter() - t0
 
 
 def layer_rate(rows: torch.Tensor, layout: ExpertLayout, k: int, threads: int = 1, rounds: int = 4) -> float:
     """GB/s of the kernel on one layer's k experts for one token, best of `rounds` calls, each on k distinct
     rows of `rows` [C, block_bytes] uint8 spread over all of them (their contents do not change the time;
     rows past the last-level cache make it the rate from RAM)."""
-    import time
-
     c = rows.shape[0]
     x, wt, ws2 = torch.randn(1, layout.hidden_size), torch.ones(k, 1), torch.ones(k, 3)
     best = float("inf")

@@ -12,6 +12,7 @@ Shapes: T new tokens, S = tokens in context after them, H hidden, N = hc_count s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -310,14 +311,14 @@ class SparseMoe(nn.Module):
             join=bank.decode_join,
         )  # fmt: skip
         want = Stage(lambda u, ids: bank.decode_want(i, u, ids), ("u", "top_i"), ("want",))
-        if mode == "split":  # a CPU share: x to the host (captured where the bank can), the GPU's share, the
-            # CPU's, their sum; with staging, the next layer's guesses go to VRAM over its dense work
+        if mode == "split":  # a CPU share: its request posted, the GPU's share, the CPU's answer added (all
+            # device work); with staging, the next layer's guesses go to VRAM over its dense work
             send = lambda u, ids, w: bank.split_send(i, u, ids, w)  # noqa: E731
+            launched = functools.partial(bank.split_launched, i)
             split = [
-                Stage(send, compute[0], graphable=bank.send_in_graph),
-                Stage(lambda u: bank.split_gpu(i, u), ("u",), ("part",), after=(bank.split_launched,)),
-                Stage(lambda: bank.split_cpu(i), (), graphable=False),
-                Stage(bank.split_sum, ("part",), ("routed",)),
+                Stage(send, compute[0], graphable=bank.graphed),
+                Stage(lambda u: bank.split_gpu(i, u), ("u",), ("part",), after=(launched,)),
+                Stage(lambda part: bank.split_take(i, part), ("part",), ("routed",), graphable=bank.graphed),
             ]
             if not bank.stage_guesses:
                 return split

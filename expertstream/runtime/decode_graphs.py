@@ -127,6 +127,7 @@ class DecodeGraphs:
         self.captures = 0  # (state, KV bucket) programs captured so far (stats)
         self._banks = model.banks  # what a step's program depends on, beside the state and the KV window
         self._anchor: torch.cuda.CUDAGraph | None = None  # holds the states' shared pool (module docstring)
+        self._timed: tuple | None = None  # the last replayed token's program and CUDA events (before, after)
 
     def program(self, st: State, kv_len: int) -> list[tuple[bool, list[Stage]]]:
         """The model's stages of one token on `st`, QSA over `kv_len` KV rows, as runs to capture or run."""
@@ -153,7 +154,7 @@ class DecodeGraphs:
                 graphs.by_window = {k: c for k, c in graphs.by_window.items() if k[1] == st.kv_address}
                 cap = graphs.by_window[key] = self._capture(graphs, st, ids, kv_len)
             else:
-                self._replay(cap, ids)
+                self._timed_replay(cap, ids)
             h = cap.h.clone()
         st.advance(ids)
         return h
@@ -208,6 +209,21 @@ class DecodeGraphs:
             (time.perf_counter() - t0) * 1e3,
         )
         return cap
+
+    def _timed_replay(self, cap: _Captured, ids: torch.Tensor) -> None:
+        """`_replay` between two CUDA events. The last replayed token's GPU time goes to the banks
+        (`decode_token_seconds`) if it replayed the same program (the banks' choices and the state alike)
+        and its events are done (the caller read its logits), else not at all."""
+        if self.model.device.type != "cuda":  # graphs faked by a test
+            return self._replay(cap, ids)
+        if self._timed is not None and self._timed[0] is cap and self._timed[2].query():
+            seconds = self._timed[1].elapsed_time(self._timed[2]) / 1e3
+            for bank in self._banks:
+                bank.decode_token_seconds(seconds)
+        self._timed = (cap, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._timed[1].record()
+        self._replay(cap, ids)
+        self._timed[2].record()
 
     def _replay(self, cap: _Captured, ids: torch.Tensor) -> None:
         for seg in cap.segments:
