@@ -138,9 +138,9 @@ class EngineConfig:
         default=0.0,
         metadata={
             "help": "GPU decode with every expert in the pinned RAM cache: the fraction of each layer's "
-            "routed experts the CPU computes in place while the bus carries the rest; -1: chosen from the "
-            "bus and CPU kernel rates measured at start, then once more from both rates in place over the "
-            "first tokens (it may move or turn off); 0: off (llama.cpp: --moe-cache-cpu-share)"
+            "routed experts the CPU computes in place while the bus carries the rest; -1: first chosen from "
+            "the bus and CPU kernel rates measured at start, then tuned by the first decode tokens' time (it "
+            "may move or turn off); 0: off (llama.cpp: --moe-cache-cpu-share)"
         },
     )
     cpu_affinity: str | None = field(

@@ -14,7 +14,7 @@
 #   cpu-share  the CPU share of GPU decode (--cpu-moe-share): `bench cpu --with-copy` on $CPU_THREADS (14:
 #              the split's default on 16 cores) threads (the kernel alone and beside the copy engine),
 #              `plan`'s estimate, `bench decode` in vram ram ram_unstaged ram_CPU_share (the auto share on
-#              the default threads: its breakdown, model, and the log's second weighing), then shares
+#              the default threads: its breakdown, model, and the log's tuning by token time), then shares
 #              $SHARES (0.4) by hand on $SHARE_THREADS (8) threads
 #   serve      `bench serve` (Open WebUI's flow, 1/2/4 concurrent decodes) on 4 full-shape layers, with decode
 #              graphs and with --enforce-eager (shared fetches; $SERVE_MODES), in a $GPU_GB (4) GiB budget
@@ -98,7 +98,7 @@ part_cpu_share() {  # ~3 min: kernel beside the copy engine; plan; decode with e
   timeout ${PLAN_S:-30} python3 -m expertstream plan $W/full-4-wd --gpu-memory-gb 8 --ram-cache-gb 7 2>&1 \
     | grep -v INFO | tail -4 | tee $OUT/cpu_share_plan.txt
   # vram gives d (a layer's dense GPU work) to the split's model; the auto share, on the free cores less 2,
-  # weighs itself again after its first tokens and may move or turn off (the log's lines)
+  # tunes itself by token time over its first tokens and may move or turn off (the log's lines)
   timeout ${BENCH_S:-170} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens 16 \
     --regimes vram ram ram_unstaged ram_CPU_share --out $OUT/cpu_share.md > $OUT/cpu_share.log 2>&1
   grep -E "^\| (vram|ram)|Greedy tokens|CPU share\`|^Model" $OUT/cpu_share.md

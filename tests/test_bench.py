@@ -390,7 +390,7 @@ def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
     split = dict(
         cpu_bytes_per_token=40e6, cpu_gbps=45.0, cpu_experts=4, k=10, block_bytes=2_500_000,
         payload_bytes=2_500_000, cpu_gbps_in_place=40.0, cpu_threads=14, split_layers_per_token=4.0,
-        split_kernel_ms=1.0, split_gpu_share_ms=1.5, split_gpu_idle_ms=0.3,
+        split_kernel_ms=1.0, split_gpu_share_ms=1.5, split_gpu_idle_ms=0.3, gpu_ms_per_token=6.1,
         split_gpu_dense_ms_per_layer=0.38, split_kernel_call_ms=[0.2, 0.3, 0.9], graphs_per_token=6,
         eager_stages_per_token=5,
     )  # fmt: skip
@@ -402,7 +402,8 @@ def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
     table = decode_table(results, disk_gbps=2.0, pcie_gbps=50.0, layers=4)
     assert (
         "(4 split layers, posted to the split server): CPU kernel 1.00 ms (40.0 GB/s in place) on 14 threads "
-        "(a call: median 0.200 ms, p90 0.300, max 0.900); a token replays 6 graphs around 5 eager stages; "
+        "(a call: median 0.200 ms, p90 0.300, max 0.900); the GPU's time a token 6.10 ms (median, CUDA "
+        "events around it); a token replays 6 graphs around 5 eager stages; "
         "GPU" in table
     )
     assert (
@@ -419,3 +420,14 @@ def test_the_cpu_share_note_breaks_a_split_layer_down_and_models_its_reach():
     del results["vram"]
     table = decode_table(results, disk_gbps=2.0, pcie_gbps=50.0, layers=4)
     assert "Model: needs the `vram` regime" in table and "Model a layer" not in table
+
+
+def test_regimes_compare_the_tokens_both_decoded():
+    # the CPU share's warm-up runs until its share is tuned, so it decodes more tokens than the others
+    from expertstream.bench.runtime import same_tokens, tokens_note
+
+    first = {"tokens": [1, 2, 3], "margins": [0.5, 0.125, 0.25]}
+    assert same_tokens({"tokens": [1, 2, 3, 4, 5]}, first, "vram") == "yes"
+    assert same_tokens({"tokens": [1, 9, 3, 4]}, first, "vram") == "NO from token 2 (vram top-2 margin 0.125)"
+    assert "): yes." in tokens_note({"vram": first, "split": {"tokens": [1, 2, 3, 7]}})
+    assert "NO (`split` differ)" in tokens_note({"vram": first, "split": {"tokens": [1, 2, 4, 7]}})

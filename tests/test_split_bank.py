@@ -253,11 +253,11 @@ def test_the_split_stages_equal_the_layers_forward(tiny_workdir, kernel_device):
 
 
 @needs_kernel
-def test_with_staged_guesses_the_cpu_takes_what_would_cross_the_bus(tiny_workdir, kernel_device):
-    """With the next layer's guesses staged to VRAM, a split layer's experts are ordered with those the GPU
-    reads from VRAM first: the CPU's last n are blocks that would otherwise cross the bus. The decode
-    program (staging stages included) gives the layers' own forward (which stages nothing, so its experts
-    split otherwise) to FP32 rounding, and the same tokens."""
+def test_the_split_stages_nothing_and_orders_vram_reads_first(tiny_workdir, kernel_device):
+    """With a staging GPU bank, a splitting program stages no guesses (the bus carries the GPU's share beside
+    the CPU's work instead), and a split layer's experts are ordered with those the GPU reads from VRAM (its
+    hot set) first: the CPU's last n are blocks that would otherwise cross the bus. At n = 0 the GPU bank's
+    staging is back. Both give the layers' own forward to FP32 rounding, and the same tokens."""
     from test_decode_graphs import continue_greedy, layers_step
 
     from expertstream.config import EngineConfig
@@ -277,7 +277,8 @@ def test_with_staged_guesses_the_cpu_takes_what_would_cross_the_bus(tiny_workdir
         layer.mlp.bank = bank
     prompt = [3 + i % 50 for i in range(20)]
     want, _ = continue_greedy(eng, prompt, 4, step=layers_step(eng))  # the prompt adopts the RAM rows
-    assert bank.decode_mode == "split" and bank.stage_guesses == k // 2
+    assert bank.decode_mode == "split" and bank.stage_guesses == 0 and gpu.stage_guesses == k // 2
+    assert gpu.residency.hot_quota > 0  # the slots the prompt passes leave hold a hot set
     orders, send = [], bank.split_send
 
     def spy(layer, x, ids, w):  # split_send's order: VRAM-read experts first, each part in top-k order
@@ -288,14 +289,20 @@ def test_with_staged_guesses_the_cpu_takes_what_would_cross_the_bus(tiny_workdir
         orders.append((bank._ids[0].tolist() == first, sum(vram)))
 
     bank.split_send = spy
+    step = lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]  # noqa: E731
     program, staged = DecodeGraphs(eng.model, capture=False), gpu.stage_counts()[0]
-    got, _ = continue_greedy(
-        eng, prompt, 4, step=lambda st, t: eng.model.logits(program.step(torch.tensor([t]), st))[0]
-    )
+    got, _ = continue_greedy(eng, prompt, 4, step=step)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert len(orders) == 4 * a.num_hidden_layers and all(ok for ok, _ in orders)
-    assert gpu.stage_counts()[0] > staged and any(hits for _, hits in orders)  # guesses were staged and hit
+    assert any(hits for _, hits in orders)  # hot-set blocks were routed, and went to the GPU's side
+    assert gpu.stage_counts()[0] == staged  # nothing staged while splitting
+    bank.n_cpu = 0  # the GPU bank's own program: its staging is back
+    assert bank.stage_guesses == k // 2 and bank.decode_mode == gpu.decode_mode
+    program = DecodeGraphs(eng.model, capture=False)
+    got, _ = continue_greedy(eng, prompt, 4, step=step)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert gpu.stage_counts()[0] > staged
     bank.close()
     store.close()
     eng.close()

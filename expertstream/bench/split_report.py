@@ -115,6 +115,8 @@ def breakdown(name: str, r: dict) -> str:
         f"\n`{name}` a token ({r['split_layers_per_token']:.0f} split layers, posted to the split server): "
         f"CPU kernel {r['split_kernel_ms']:.2f} ms{rate}"
     )
+    if r.get("gpu_ms_per_token"):  # the wall time less the host's work between tokens
+        text += f"; the GPU's time a token {r['gpu_ms_per_token']:.2f} ms (median, CUDA events around it)"
     if "graphs_per_token" in r:
         text += (
             f"; a token replays {r['graphs_per_token']} graphs around {r['eager_stages_per_token']} eager "

@@ -225,6 +225,13 @@ class SplitExperts(WrappedBank):
         return "split" if self.splitting else self.bank.decode_mode
 
     @property
+    def stage_guesses(self) -> int:
+        """The guesses a layer the decode program stages: none while it splits (the bus then carries the
+        GPU's share beside the CPU's work; staged, it carried guesses the split did not need), the GPU
+        bank's otherwise (n = 0, prompts, decode before the RAM rows are fixed)."""
+        return 0 if self.splitting else self.bank.stage_guesses
+
+    @property
     def graphed(self) -> bool:
         """The send and the take are captured; timed tokens run them eagerly to record CUDA events."""
         return not self.gpu_timing

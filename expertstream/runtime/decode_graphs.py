@@ -29,6 +29,7 @@ and torch refuses a capture into a dead pool. `capture=False` runs the same stag
 
 from __future__ import annotations
 
+import collections
 import time
 import weakref
 
@@ -128,6 +129,8 @@ class DecodeGraphs:
         self._banks = model.banks  # what a step's program depends on, beside the state and the KV window
         self._anchor: torch.cuda.CUDAGraph | None = None  # holds the states' shared pool (module docstring)
         self._timed: tuple | None = None  # the last replayed token's program and CUDA events (before, after)
+        # the last replayed tokens' GPU seconds, as reported to the banks
+        self.token_seconds: collections.deque[float] = collections.deque(maxlen=1024)
 
     def program(self, st: State, kv_len: int) -> list[tuple[bool, list[Stage]]]:
         """The model's stages of one token on `st`, QSA over `kv_len` KV rows, as runs to capture or run."""
@@ -218,6 +221,7 @@ class DecodeGraphs:
             return self._replay(cap, ids)
         if self._timed is not None and self._timed[0] is cap and self._timed[2].query():
             seconds = self._timed[1].elapsed_time(self._timed[2]) / 1e3
+            self.token_seconds.append(seconds)
             for bank in self._banks:
                 bank.decode_token_seconds(seconds)
         self._timed = (cap, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
