@@ -180,6 +180,10 @@ def test_the_auto_share_tunes_itself_by_token_time(tiny_workdir, host_alloc, ker
         # the rates claimed at start make the CPU take every expert (K = 4)
         bank = SplitExperts(gpu, wd, share=-1.0, threads=lambda: 1, bus_gbps=100.0, cpu_gbps=1e6)
         assert k == 4 and bank.n_cpu == k and bank.tuning
+        # no decode graphs to time the tokens (--enforce-eager): the rates' choice stays
+        kept = SplitExperts(gpu, wd, share=-1.0, threads=lambda: 1, bus_gbps=100.0, cpu_gbps=1e6, tune=False)
+        kept.decode_token_seconds(1.0)
+        assert kept.n_cpu == k and not kept.tuning
         bank.decode_token_seconds(1.0)  # before every block has a RAM row: not a token that could split
         assert bank.tuner.times == {} and not bank.tuner._samples
         for h in store.request([(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]):

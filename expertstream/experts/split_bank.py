@@ -153,6 +153,8 @@ class SplitExperts(WrappedBank):
         threads: callable -> the CPU kernel's threads now (`split_threads`).
         bus_gbps: the host -> device rate (needed when share < 0).
         cpu_gbps: the CPU kernel's rate; None: measured on the RAM cache's rows on `threads()` threads.
+        tune: the auto share tunes itself by token time (the decode graphs time the tokens; without them
+            it keeps the rates' choice).
     """
 
     def __init__(
@@ -163,6 +165,7 @@ class SplitExperts(WrappedBank):
         threads: Callable[[], int],
         bus_gbps: float | None = None,
         cpu_gbps: float | None = None,
+        tune: bool = True,
     ):
         super().__init__(gpu)
         self.layout, self.threads = workdir.layout, threads
@@ -207,7 +210,7 @@ class SplitExperts(WrappedBank):
         self._timed: list[tuple[int, tuple]] = []  # (layer, events) not read yet
         self._gpu_times = SplitTimes()  # the GPU's times read so far
         # the auto share tunes itself by the first decode tokens' time
-        self.tuner = ShareTuner(k, self.n_cpu) if share < 0 and usable else None
+        self.tuner = ShareTuner(k, self.n_cpu) if share < 0 and usable and tune else None
 
     # the GPU bank's state (cache, scales, ...) for the bench; the interface is WrappedBank's
     def __getattr__(self, name):
