@@ -173,7 +173,7 @@ class SplitExperts(WrappedBank):
         self.ws2 = workdir.expert_scales()[0].float().contiguous()  # [L, E, 3] on the host
         host = gpu.host_blocks
         usable = host is not None and cpu_moe.library() is not None and k <= cpu_moe.NMAX
-        self.cpu_gbps, self.bus_gbps = cpu_gbps, bus_gbps
+        self.cpu_gbps = cpu_gbps
         if not usable:
             self.n_cpu = 0
             log.warning("--cpu-moe-share needs the pinned RAM cache and the CPU kernel (a C compiler): off")
@@ -205,7 +205,6 @@ class SplitExperts(WrappedBank):
         self._server: cpu_moe.SplitServer | None = None  # started at the first split layer
         self._ev: tuple = ()  # the split layer's CUDA events, set by split_send
         self.cpu_blocks = 0  # routed blocks posted to the CPU
-        self.posted = 0  # split layers queued (the server answers them as the device reaches them)
         self.gpu_timing = False  # record CUDA events per split layer for `split_times` (the bench)
         self._timed: list[tuple[int, tuple]] = []  # (layer, events) not read yet
         self._gpu_times = SplitTimes()  # the GPU's times read so far
@@ -324,7 +323,6 @@ class SplitExperts(WrappedBank):
             what = f"refused a request (code {w[mailbox.ERR]})" if w[mailbox.ERR] else "answered too late"
             raise RuntimeError(f"the CPU share's split server {what}: its layers' output is not valid")
         self._server.arm(self.threads())
-        self.posted += 1
         self.cpu_blocks += self.n_cpu
         g = self.k - self.n_cpu
         if g:
