@@ -162,7 +162,7 @@ def decode_regime(
     cpu0 = split.cpu_bytes if split else 0
     times0 = split.split_times() if split else None
     timed = eng.decode.token_seconds if eng.decode else None
-    timed0 = list(timed) if timed is not None else []
+    n0 = len(timed) if timed is not None else 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(tokens):
@@ -170,7 +170,7 @@ def decode_regime(
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / tokens
     # the GPU's time a token (CUDA events around its replays; each read at the next token's step)
-    gpu_token = sorted(list(timed)[len(timed0) :]) if timed is not None and len(timed) < timed.maxlen else []
+    gpu_token = sorted(list(timed)[n0:]) if timed is not None and len(timed) < timed.maxlen else []
     # a copy: the sync count and the profile below add to the live counters (they inflated PCIe bytes)
     s1, c1, k1 = eng.stats(), dataclasses.replace(eng.bank.cache.stats), eng.store.stats
     last = generated[-1]

@@ -321,7 +321,9 @@ class SplitExperts(WrappedBank):
         w = self._words
         if w[mailbox.ERR] or w[mailbox.FAIL]:
             what = f"refused a request (code {w[mailbox.ERR]})" if w[mailbox.ERR] else "answered too late"
-            raise RuntimeError(f"the CPU share's split server {what}: its layers' output is not valid")
+            raise RuntimeError(
+                f"the CPU share's split server {what} by layer {layer}: the output is not valid"
+            )
         self._server.arm(self.threads())
         self.cpu_blocks += self.n_cpu
         g = self.k - self.n_cpu

@@ -314,6 +314,7 @@ class SparseMoe(nn.Module):
         if mode == "split":  # a CPU share: its request posted, the GPU's share, the CPU's answer added (all
             # device work); with staging, the next layer's guesses go to VRAM over its dense work
             send = lambda u, ids, w: bank.split_send(i, u, ids, w)  # noqa: E731
+            # one hook a layer (`_after` runs a hook that several stages share once a graph)
             launched = functools.partial(bank.split_launched, i)
             split = [
                 Stage(send, compute[0], graphable=bank.graphed),
