@@ -141,13 +141,20 @@ def test_the_cpu_share_takes_what_balances_the_bus():
     from expertstream.commands.plan import cpu_share_lines
 
     # every block in RAM: 10 experts of 100 MB a token over a 50 GB/s bus = 20 ms alone
-    tb = token_bytes(1, 64, 10, int(1e8), vram_blocks=0, ram_gb=64 * 1e8 / GiB + 1)
-    lines = cpu_share_lines(tb, 10, pcie=50.0, cpu=25.0, how="given")
+    ram_gb = 64 * 1e8 / GiB + 1
+    tb = token_bytes(1, 64, 10, int(1e8), vram_blocks=0, ram_gb=ram_gb)
+    lines = cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=25.0, how="given")
     # 25 / 75 of 10 -> 3 on the CPU (300 MB at 25 GB/s = 12 ms), 7 over the bus (14 ms): 71.4 tok/s
     assert "the CPU expert kernel at 25.0 GB/s (given)" in lines[0]
-    want = "  3 of 10 experts a layer on the CPU, 7 over PCIe: at most 71.4 tok/s from these bytes, 1.43x"
+    want = "  3 of 10 experts a layer on the CPU, 7 on the GPU: at most 71.4 tok/s from these bytes, 1.43x"
     assert lines[1] == want + " the bus alone"
-    assert "none" in cpu_share_lines(tb, 10, pcie=50.0, cpu=1.0, how="given")[1]
+    assert "none" in cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=1.0, how="given")[1]
+    # a hot set of 16 of the 64 blocks in VRAM serves 2.5 of the 10: the bus alone carries 7.5 (15 ms); the
+    # CPU takes blocks that would cross it, so 2 on the CPU (8 ms) leave 5.5 to the bus (11 ms): 90.9 tok/s
+    # (3, as the rates alone choose, would take 12 ms on the CPU)
+    tb = token_bytes(1, 64, 10, int(1e8), vram_blocks=16, ram_gb=ram_gb, hot_blocks=16)
+    want = "  2 of 10 experts a layer on the CPU, 8 on the GPU: at most 90.9 tok/s from these bytes, 1.36x"
+    assert cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=25.0, how="given")[1] == want + " the bus alone"
 
 
 def test_plan_says_what_a_cpu_share_gives_another_box(tmp_path, capsys):
@@ -163,7 +170,8 @@ def test_plan_says_what_a_cpu_share_gives_another_box(tmp_path, capsys):
     assert cli_main(argv + ["--pcie-gbps", "50", "--cpu-gbps", "25"]) == 0
     out = capsys.readouterr().out
     assert "CPU share of decode (--cpu-moe-share -1), the CPU expert kernel at 25.0 GB/s (--cpu-gbps)" in out
-    assert "3 of 10 experts a layer on the CPU, 7 over PCIe" in out
+    # the hot set the 8 GiB plan keeps in VRAM serves a share of the 10: 2 on the CPU, not the rates' 3
+    assert "2 of 10 experts a layer on the CPU, 8 on the GPU" in out
     # another box weighed from its cores and memory rate, with this box's kernel rates
     assert cli_main(argv + ["--pcie-gbps", "50", "--cpu-cores", "16", "--mem-gbps", "100"]) == 0
     assert "16 cores x " in capsys.readouterr().out

@@ -47,6 +47,11 @@ def test_the_bus_alone_is_weighed_at_its_own_rate():
     # at 5 GB/s beside it: 9 on the CPU take 0.225 ms; the bus alone at 50 GB/s wins
     assert cpu_experts(10, 40.0, 5.0, block, alone_gbps=50.0) == 0
     assert cpu_experts(10, 40.0, 5.0, block) == 9  # weighed at 5 GB/s, the bus alone would lose
+    # 4 of the 10 read from VRAM: the bus carries 6 alone, 6 - n beside the CPU's n
+    assert expert_seconds(10, 0, block, 40.0, 50.0, in_vram=4) == pytest.approx(1.2e-4)
+    assert expert_seconds(10, 2, block, 40.0, 50.0, in_vram=4) == pytest.approx(8e-5)
+    assert expert_seconds(10, 8, block, 40.0, 50.0, in_vram=4) == pytest.approx(2e-4)  # 2 of them VRAM's
+    assert cpu_experts(10, 40.0, 50.0, block, in_vram=4) == 3
 
 
 def test_the_split_threads_leave_cores_to_the_decode_thread():

@@ -241,7 +241,7 @@ def cpu_rate(args, model, threads: int) -> tuple[float, str]:
     tc, k = model.text_config, model.text_config["num_experts_per_tok"]
     layout = ExpertLayout.for_dims(tc["hidden_size"], tc["moe_intermediate_size"])
     # written (ones, not zeros: untouched zero pages would all map to one cached page)
-    rows = torch.ones(max(5 * k, (256 << 20) // layout.block_bytes), layout.block_bytes, dtype=torch.uint8)
+    rows = torch.ones(max(5 * k, (1 << 30) // layout.block_bytes), layout.block_bytes, dtype=torch.uint8)
     here = cpu_moe.layer_rate(rows, layout, k, threads)
     if not (args.cpu_cores or args.mem_gbps):
         return here, f"measured on {threads} thread{'s' * (threads > 1)} here"
@@ -251,21 +251,20 @@ def cpu_rate(args, model, threads: int) -> tuple[float, str]:
     return rate, f"{cores} cores x {one:.1f} GB/s a core here, at most the {mem:.0f} GB/s memory rate"
 
 
-def cpu_share_lines(tb: TokenBytes, k: int, pcie: float, cpu: float, how: str) -> list[str]:
+def cpu_share_lines(tb: TokenBytes, layers: int, k: int, pcie: float, cpu: float, how: str) -> list[str]:
     """What a CPU share of decode gives when every expert is in RAM: the CPU takes n of a layer's K routed
-    experts (the n that makes max(n / cpu, (K - n) / bus) least, as --cpu-moe-share -1 first picks), the bus
-    the rest; the bound is the slower side."""
-    from expertstream.experts.split_bank import cpu_experts
+    experts, those that would cross the bus first (a hot set in VRAM serves its share of the K), the bus
+    the rest; n makes the slower side least (`expert_seconds`, as --cpu-moe-share -1 first picks)."""
+    from expertstream.experts.split_bank import cpu_experts, expert_seconds
 
-    n = cpu_experts(k, cpu, pcie)
-    alone = tb.over_bus / pcie / 1e9
-    # the CPU reads its n of the K from RAM; the GPU's K - n cross the bus but for the hot set's
-    split = max(tb.over_bus * (k - n) / k / pcie, tb.routed * n / k / cpu) / 1e9 if cpu else alone
+    block, hot = tb.routed / (layers * k), k * tb.vram_share  # a block's bytes; hot-set hits a layer
+    n = cpu_experts(k, cpu, pcie, block, in_vram=hot)
+    alone, split = (layers * expert_seconds(k, c, block, cpu, pcie, hot) for c in (0, n))
     lines = [f"CPU share of decode (--cpu-moe-share -1), the CPU expert kernel at {cpu:.1f} GB/s ({how}):"]
     if not n:
         lines.append(f"  none: the bus at {pcie:.1f} GB/s is much faster than the CPU kernel")
     else:
-        lines.append(f"  {n} of {k} experts a layer on the CPU, {k - n} over PCIe: at most {1 / split:.1f} "
+        lines.append(f"  {n} of {k} experts a layer on the CPU, {k - n} on the GPU: at most {1 / split:.1f} "
                      f"tok/s from these bytes, {alone / split:.2f}x the bus alone")  # fmt: skip
     return lines
 
@@ -392,5 +391,5 @@ def main(args: argparse.Namespace) -> int:
         from expertstream.runtime.cpu_threads import CpuThreads
 
         threads = split_threads(CpuThreads(cfg.threads))()  # those the share runs on
-        print("\n" + "\n".join(cpu_share_lines(tb, k, pcie, *cpu_rate(args, model, threads))))
+        print("\n" + "\n".join(cpu_share_lines(tb, L, k, pcie, *cpu_rate(args, model, threads))))
     return 0

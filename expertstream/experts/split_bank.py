@@ -41,11 +41,15 @@ from expertstream.log import get_logger
 log = get_logger(__name__)
 
 
-def expert_seconds(k: int, n: int, block_bytes: int, cpu_gbps: float, bus_gbps: float) -> float:
+def expert_seconds(
+    k: int, n: int, block_bytes: int, cpu_gbps: float, bus_gbps: float, in_vram: float = 0.0
+) -> float:
     """Seconds a decode layer's k routed experts take beyond its dense GPU work, which a split layer waits
     for as the bus alone does: with n on the CPU, the slower of the CPU's n blocks (the kernel's call,
-    gathering its blocks included) and the bus's k - n; with none, the bus's k."""
-    bus = (k - n) * block_bytes / (bus_gbps * 1e9)
+    gathering its blocks included) and the bus's; with none, the bus's. `in_vram` of the k (a hot set's
+    expected hits) are read from VRAM: the CPU takes the blocks that would cross the bus first
+    (`SplitExperts.split_send`), so the bus carries max(0, k - in_vram - n)."""
+    bus = max(0.0, k - in_vram - n) * block_bytes / (bus_gbps * 1e9)
     if n == 0:
         return bus
     if cpu_gbps <= 0:
@@ -54,7 +58,12 @@ def expert_seconds(k: int, n: int, block_bytes: int, cpu_gbps: float, bus_gbps: 
 
 
 def cpu_experts(
-    k: int, cpu_gbps: float, bus_gbps: float, block_bytes: int = 1, alone_gbps: float | None = None
+    k: int,
+    cpu_gbps: float,
+    bus_gbps: float,
+    block_bytes: int = 1,
+    alone_gbps: float | None = None,
+    in_vram: float = 0.0,
 ) -> int:
     """Routed experts a layer the CPU takes: the n whose layer takes least by `expert_seconds` (both sides
     about equal), 0 when no share beats the bus alone, at `alone_gbps` when given (the bus's rate without
@@ -63,7 +72,8 @@ def cpu_experts(
         return 0
 
     def cost(n: int) -> float:
-        return expert_seconds(k, n, block_bytes, cpu_gbps, alone_gbps if n == 0 and alone_gbps else bus_gbps)
+        bus = alone_gbps if n == 0 and alone_gbps else bus_gbps
+        return expert_seconds(k, n, block_bytes, cpu_gbps, bus, in_vram)
 
     return min(range(k + 1), key=cost)
 
@@ -180,10 +190,12 @@ class SplitExperts(WrappedBank):
         else:
             if self.cpu_gbps is None:  # the bench's bound takes it in either case
                 self.cpu_gbps = cpu_moe.layer_rate(host, self.layout, k, threads())
+            # a hot set in VRAM serves hot_quota / E of a layer's K under uniform routing
+            hot = k * gpu.residency.hot_quota / gpu.num_experts
             self.n_cpu = (
                 min(k, round(share * k))
                 if share >= 0
-                else cpu_experts(k, self.cpu_gbps, bus_gbps or 0, self.layout.payload_bytes)
+                else cpu_experts(k, self.cpu_gbps, bus_gbps or 0, self.layout.payload_bytes, in_vram=hot)
             )
             if self.n_cpu:  # the pool's threads stay up over a layer's dense GPU work between two requests
                 cpu_moe.set_spin(SPLIT_SPIN_S)
