@@ -115,6 +115,25 @@ def test_read_rate_is_positive():
     assert cpu_moe.read_rate(1 << 22, threads=2, repeats=1) > 0
 
 
+def test_the_layer_rate_is_timed_once_the_calls_are_warm(monkeypatch):
+    # a fake kernel on a fake clock: calls take 4 ms for the first 10 ms (a cold pool), then 1 ms
+    layout, k, clock, seen = ExpertLayout.for_dims(64, 32), 3, [0.0], []
+
+    def moe(blocks, ws2, wt, x, layout, threads):
+        seen.append([b.data_ptr() for b in blocks])
+        clock[0] += 4e-3 if clock[0] < 10e-3 else 1e-3
+
+    monkeypatch.setattr(cpu_moe, "moe", moe)
+    monkeypatch.setattr(cpu_moe.time, "perf_counter", lambda: clock[0])
+    rows = torch.zeros(7, layout.block_bytes, dtype=torch.uint8)
+    rate = cpu_moe.layer_rate(rows, layout, k, threads=2, rounds=4, warm=0.01)
+    assert rate == pytest.approx(k * layout.payload_bytes / 1e-3 / 1e9)
+    assert len(seen) == 3 + 4  # calls starting before 10 ms are not timed
+    # each call on the next k rows, wrapping around the 7
+    ptr = [rows[i].data_ptr() for i in range(7)]
+    assert seen[:3] == [[ptr[i % 7] for i in range(c * k, c * k + k)] for c in range(3)]
+
+
 def test_the_cpu_bank_decodes_through_the_kernel_as_its_twin_does(tiny_workdir, monkeypatch):
     from test_engine import engine_for, prompt
 
