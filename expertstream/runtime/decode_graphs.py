@@ -128,7 +128,8 @@ class DecodeGraphs:
         self.captures = 0  # (state, KV bucket) programs captured so far (stats)
         self._banks = model.banks  # what a step's program depends on, beside the state and the KV window
         self._anchor: torch.cuda.CUDAGraph | None = None  # holds the states' shared pool (module docstring)
-        self._timed: tuple | None = None  # the last replayed token's program and CUDA events (before, after)
+        self._timed: _Captured | None = None  # the last replayed token's program, timed by `_events`
+        self._events: tuple | None = None  # CUDA events (before, after) around it, made once and re-recorded
         # the last replayed tokens' GPU seconds, as reported to the banks
         self.token_seconds: collections.deque[float] = collections.deque(maxlen=1024)
 
@@ -219,15 +220,18 @@ class DecodeGraphs:
         and its events are done (the caller read its logits), else not at all."""
         if self.model.device.type != "cuda":  # graphs faked by a test
             return self._replay(cap, ids)
-        if self._timed is not None and self._timed[0] is cap and self._timed[2].query():
-            seconds = self._timed[1].elapsed_time(self._timed[2]) / 1e3
+        if self._events is None:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        before, after = self._events
+        if self._timed is cap and after.query():
+            seconds = before.elapsed_time(after) / 1e3
             self.token_seconds.append(seconds)
             for bank in self._banks:
                 bank.decode_token_seconds(seconds)
-        self._timed = (cap, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self._timed[1].record()
+        self._timed = cap
+        before.record()
         self._replay(cap, ids)
-        self._timed[2].record()
+        after.record()
 
     def _replay(self, cap: _Captured, ids: torch.Tensor) -> None:
         for seg in cap.segments:
