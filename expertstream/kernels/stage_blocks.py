@@ -10,7 +10,7 @@ from never changes a result: the rows hold the same bytes.
 
 A prompt pass copies its blocks from known RAM rows into its slots: one `copy_rows` launch instead of a
 copy call per block (10-35 us of host time each on the H200's host, and a prompt's passes are bound by the
-host), at the kernel's ~49 GB/s on the H200 (31 on one H100 host) instead of the copy engine's 55.
+host), at the kernel's ~49 GB/s on the H200 (33 in one H100 host's profile) instead of the copy engine's 55.
 
 Shapes: G guesses, E experts, B = block bytes; host [C, B] uint8 pinned RAM-cache rows; slots [S, B] uint8.
 loc: [E] int32 per expert, a slot (>= 0) or -1 - its RAM row (as the decode kernel reads it).
@@ -26,8 +26,7 @@ CHUNK = 16384  # bytes per step of a program (128 B per thread at 4 warps)
 # Programs of the copy, each looping over its share of the (guess, chunk) steps. Few on purpose: the copy
 # runs beside the next layer's attention, and one program per chunk (676 for 4 real blocks) would hold
 # warp slots on every SM for the whole copy while it waits on the bus; 32 programs of
-# 16 KB each keep ~0.5 MB of reads in flight, several times what 55 GB/s over ~2 us of latency needs: on
-# an H100 host that read at 31 GB/s, 32 to 528 programs copied 4 or 10 blocks at the same rate.
+# 16 KB each keep ~0.5 MB of reads in flight, several times what 55 GB/s over ~2 us of latency needs.
 PROGRAMS = 32
 
 
