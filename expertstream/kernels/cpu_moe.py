@@ -32,8 +32,9 @@ log = get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
 TMAX = 8  # most tokens one kernel call takes (cpu_moe.c's TMAX); more go to the twin
-# -ffp-contract=off: the T = 1, 2, 4 copies and the generic loop fuse no multiply-add differently, so a
-# token's sums do not depend on how many tokens share the call (batched decode equals decode alone)
+# -ffp-contract=off: the T = 1, 2, 4 copies and the generic loop fuse no multiply-add differently (the dot
+# products' FMA is explicit, the same in each), so a token's sums do not depend on how many tokens share the
+# call (batched decode equals decode alone)
 FLAGS = ("-O3", "-ffp-contract=off", "-march=native", "-shared", "-fPIC", "-pthread", "-std=gnu11")
 _PARTS = tuple(f"{p}.weight" for p in PROJ) + tuple(f"{p}.weight_scale" for p in PROJ)
 
