@@ -10,8 +10,10 @@ from bank_helpers import ram_store
 from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.experts.gpu_bank import GpuExperts
 from expertstream.experts.split_bank import (
+    FORGET_WINDOWS,
     SPARE_CORES,
     TUNE_TOKENS,
+    WATCH_TOKENS,
     ShareTuner,
     SplitExperts,
     SplitTimes,
@@ -144,10 +146,10 @@ def test_a_zero_share_is_the_gpu_bank(tiny_workdir, host_alloc, kernel_device):
 
 
 def tune(tuner: ShareTuner, token_seconds) -> list[int]:
-    """Feed `tuner` tokens timed by token_seconds(n) until it is done -> the shares it ran, in order."""
+    """Feed `tuner` tokens timed by token_seconds(n) until it settles -> the shares it ran, in order."""
     ran = [tuner.n]
     for _ in range(200):
-        if tuner.done:
+        if tuner.settled:
             return ran
         n = tuner.add(token_seconds(tuner.n))
         if n != ran[-1]:
@@ -172,6 +174,48 @@ def test_the_tuner_descends_to_the_fastest_share():
         return cost(n) * (3.0 if seen[n] == 1 else 1.0)
 
     assert tune(noisy, jittery)[-1] == 4 and all(v == TUNE_TOKENS for v in seen.values())
+
+
+def run_tokens(tuner: ShareTuner, token_seconds, tokens: int) -> list[int]:
+    """Feed `tuner` `tokens` tokens timed by token_seconds(n, i) -> the n each token ran at."""
+    ran = []
+    for i in range(tokens):
+        ran.append(tuner.n)
+        tuner.add(token_seconds(tuner.n, i))
+    return ran
+
+
+def test_the_kept_share_is_watched_by_its_mean_and_left_when_slower():
+    """A share whose few tokens' median is fastest but whose calls stall now and then (every 8th token 8x):
+    the first descent keeps it, its first watch window's mean is slower than the bus alone's, and the tuner
+    moves there and stays; the slow tokens count once a window, never more."""
+    tuner = ShareTuner(4, n0=2)
+    base = {0: 1.0, 1: 0.9, 2: 0.7, 3: 0.8, 4: 1.2}
+    stalls = lambda n, i: base[n] * (8.0 if n == 2 and i % 8 == 7 else 1.0)  # noqa: E731
+    ran = run_tokens(tuner, stalls, 3 * TUNE_TOKENS + WATCH_TOKENS + 3 * TUNE_TOKENS)
+    assert tuner.settled and ran[: 3 * TUNE_TOKENS] == [2] * 3 + [3] * 3 + [1] * 3  # the descent: keeps 2
+    assert ran[3 * TUNE_TOKENS : 3 * TUNE_TOKENS + WATCH_TOKENS] == [2] * WATCH_TOKENS  # watched
+    assert tuner.times[2] == pytest.approx(0.7 * (1 + 7 / 8))  # its mean: 1.31, slower than 1 and 3
+    # 3 (0.8) is now the fastest measured: its unmeasured neighbour 4 is tried (1.2), then 3 is watched
+    after = ran[3 * TUNE_TOKENS + WATCH_TOKENS :]
+    assert after == [4] * TUNE_TOKENS + [3] * 2 * TUNE_TOKENS and tuner.times[4] == 1.2
+    assert run_tokens(tuner, stalls, 3 * WATCH_TOKENS) == [3] * (3 * WATCH_TOKENS)  # and kept
+
+
+def test_the_watch_measures_old_times_again_and_comes_back_when_the_box_frees():
+    """Another process keeps the CPU busy while the tuner descends (every share slower than the bus alone:
+    off), then leaves: once the shares' times are FORGET_WINDOWS windows old, the neighbour of the kept n is
+    measured again, found faster, and the share is on again at the fastest n."""
+    tuner = ShareTuner(4, n0=2)
+    busy = {0: 1.0, 1: 1.1, 2: 1.3, 3: 1.6, 4: 2.0}
+    free = {0: 1.0, 1: 0.8, 2: 0.6, 3: 0.7, 4: 0.9}
+    load = {"now": busy}
+    assert tune(tuner, lambda n: load["now"][n])[-1] == 0  # off: 2, 3, 1, 0 measured
+    load["now"] = free
+    ran = run_tokens(tuner, lambda n, i: load["now"][n], (FORGET_WINDOWS + 4) * WATCH_TOKENS)
+    assert ran[: FORGET_WINDOWS * WATCH_TOKENS] == [0] * (FORGET_WINDOWS * WATCH_TOKENS)  # watched, kept
+    assert tuner.n == 2 and tuner.times[2] == pytest.approx(0.6)  # back on at the fastest
+    assert set(ran) == {0, 1, 2, 3}
 
 
 @needs_kernel

@@ -79,21 +79,26 @@ def cpu_experts(
 
 
 class ShareTuner:
-    """The auto share tuned on the box by token time: a descent over n, the routed experts a layer the CPU
-    takes (0: the GPU bank alone), from n0. Each n runs TUNE_TOKENS replayed tokens, timed by the decode
-    graphs' CUDA events (`add`); the median counts. The next n is an unmeasured neighbour of the fastest
-    so far, until both of its neighbours are measured: it then stays. A rate model cannot see where a split
-    layer's time goes on a given box (the bus's and the CPU's reads of the same RAM, the mailbox's round
-    trips, the GPU's share's copy); a few tokens can."""
+    """The auto share tuned on the box by token time, for as long as decode runs: n is the routed experts a
+    layer the CPU takes (0: the GPU bank alone), from n0. Each token's time comes from the decode graphs'
+    CUDA events (`add`). A first descent times each n it tries over TUNE_TOKENS tokens (the median counts)
+    and moves to an unmeasured neighbour of the fastest so far until both of its neighbours are measured;
+    it then keeps the fastest (`settled`). The kept n is then watched: each WATCH_TOKENS tokens its time
+    becomes their mean, and where another measured n is now faster it moves there (and watches that). The
+    mean is what a user waits: a few CPU calls that a busy core or a preempted thread stretches to
+    milliseconds leave a few tokens' median alone but not the mean (on the H200 box a share whose 3-token
+    median beat the bus alone by 1.3x then ran at 0.93x of it). Times older than FORGET_WINDOWS windows are
+    dropped, so their neighbours are measured again: the box's load changes (another process takes cores,
+    then leaves). A rate model cannot see where a split layer's time goes on a given box (the bus's and the
+    CPU's reads of the same RAM, the mailbox's round trips, the GPU's share's copy); tokens can."""
 
     def __init__(self, k: int, n0: int):
         self.k, self.n = k, n0
-        self.times: dict[int, float] = {}  # n -> median seconds a token
+        self.times: dict[int, float] = {}  # n -> seconds a token (a first median, then a watch's mean)
+        self._when: dict[int, int] = {}  # n -> the window that set times[n]
         self._samples: list[float] = []
-
-    @property
-    def done(self) -> bool:
-        return self.next() is None
+        self.windows = 0  # timing windows ended so far
+        self.settled = False  # the first descent has ended: the kept n is watched
 
     def best(self) -> int:
         return min(self.times, key=self.times.get) if self.times else self.n
@@ -111,11 +116,20 @@ class ShareTuner:
     def add(self, seconds: float) -> int:
         """One replayed token's seconds at the current n -> the n to run from the next token."""
         self._samples.append(seconds)
-        if len(self._samples) >= TUNE_TOKENS:
-            self.times[self.n] = sorted(self._samples)[len(self._samples) // 2]
-            self._samples = []
-            nxt = self.next()
-            self.n = self.best() if nxt is None else nxt
+        watching = self.n in self.times
+        if len(self._samples) < (WATCH_TOKENS if watching else TUNE_TOKENS):
+            return self.n
+        s = sorted(self._samples)
+        self.times[self.n] = sum(s) / len(s) if watching else s[len(s) // 2]
+        self._samples = []
+        self.windows += 1
+        self._when[self.n] = self.windows
+        if watching:
+            for c in [c for c, w in self._when.items() if self.windows - w > FORGET_WINDOWS]:
+                del self.times[c], self._when[c]
+        nxt = self.next()
+        self.settled = self.settled or nxt is None
+        self.n = self.best() if nxt is None else nxt
         return self.n
 
 
@@ -141,7 +155,9 @@ class SplitTimes:
 SPLIT_SPIN_S = 0.002
 # cores the kernel's threads leave to the rest of this process by default: the decode thread, the driver's
 SPARE_CORES = 2
-TUNE_TOKENS = 3  # replayed tokens the auto share times at each n (`ShareTuner`)
+TUNE_TOKENS = 3  # replayed tokens the auto share first times each n over (`ShareTuner`)
+WATCH_TOKENS = 64  # replayed tokens a kept n is watched over (the mean counts)
+FORGET_WINDOWS = 8  # timing windows after which a time is measured again (~512 tokens while watching)
 
 
 def split_threads(threads) -> Callable[[], int]:
@@ -366,20 +382,23 @@ class SplitExperts(WrappedBank):
 
     @property
     def tuning(self) -> bool:
-        """The auto share is still measuring shares (`ShareTuner`)."""
-        return self.tuner is not None
+        """The auto share is still in its first descent (`ShareTuner`); it is watched after it."""
+        return self.tuner is not None and not self.tuner.settled
 
     def decode_token_seconds(self, seconds: float) -> None:
-        """A replayed decode token's GPU time: while the auto share tunes, it moves n as `ShareTuner` says
-        (the decode graphs capture the new program, `decode_key`), and logs the choice once made."""
+        """A replayed decode token's GPU time: the auto share moves n as `ShareTuner` says (the decode graphs
+        capture each program once, `decode_key`); its first choice is logged, and later moves off or on."""
         if self.tuner is None or self.gpu_timing or self.bank.resident != "ram":  # tokens that could split
             return
+        was, settled = self.n_cpu, self.tuner.settled
         n = self.tuner.add(seconds)
-        if self.tuner.done:
-            ms = ", ".join(f"{c}: {t * 1e3:.2f}" for c, t in sorted(self.tuner.times.items()))
+        ms = ", ".join(f"{c}: {t * 1e3:.2f}" for c, t in sorted(self.tuner.times.items()))
+        if self.tuner.settled and not settled:
             log.info("CPU share tuned by token time (ms a token by experts a layer on the CPU, %s): %d of %d "
                      "on the CPU%s", ms, n, self.k, " (off)" if not n else "")  # fmt: skip
-            self.tuner = None
+        elif settled and (n == 0) != (was == 0) and n in self.tuner.times:  # a move, not a probe
+            log.info("CPU share %s by token time (ms a token by experts a layer on the CPU, %s): %d of %d on "
+                     "the CPU", "off" if not n else "on", ms, n, self.k)  # fmt: skip
         if n != self.n_cpu:
             self.n_cpu = n
             if n:
