@@ -392,13 +392,12 @@ class SplitExperts(WrappedBank):
             return
         was, settled = self.n_cpu, self.tuner.settled
         n = self.tuner.add(seconds)
-        ms = ", ".join(f"{c}: {t * 1e3:.2f}" for c, t in sorted(self.tuner.times.items()))
-        if self.tuner.settled and not settled:
-            log.info("CPU share tuned by token time (ms a token by experts a layer on the CPU, %s): %d of %d "
-                     "on the CPU%s", ms, n, self.k, " (off)" if not n else "")  # fmt: skip
-        elif settled and (n == 0) != (was == 0) and n in self.tuner.times:  # a move, not a probe
+        first = self.tuner.settled and not settled
+        if first or (settled and (n == 0) != (was == 0) and n in self.tuner.times):  # a move, not a probe
+            ms = ", ".join(f"{c}: {t * 1e3:.2f}" for c, t in sorted(self.tuner.times.items()))
+            what = "tuned" if first else "off" if not n else "on"
             log.info("CPU share %s by token time (ms a token by experts a layer on the CPU, %s): %d of %d on "
-                     "the CPU", "off" if not n else "on", ms, n, self.k)  # fmt: skip
+                     "the CPU%s", what, ms, n, self.k, " (off)" if first and not n else "")  # fmt: skip
         if n != self.n_cpu:
             self.n_cpu = n
             if n:
