@@ -85,9 +85,9 @@ class ShareTuner:
     and moves to an unmeasured neighbour of the fastest so far until both of its neighbours are measured;
     it then keeps the fastest (`settled`). The kept n is then watched: each WATCH_TOKENS tokens its time
     becomes their mean, and where another measured n is now faster it moves there (and watches that). The
-    mean is what a user waits: a few CPU calls that a busy core or a preempted thread stretches to
-    milliseconds leave a few tokens' median alone but not the mean (on the H200 box a share whose 3-token
-    median beat the bus alone by 1.3x then ran at 0.93x of it). Times older than FORGET_WINDOWS windows are
+    mean is what a user waits for: a few CPU calls that a busy core or a preempted thread stretches to
+    milliseconds leave a few tokens' median alone but not the mean (on the H200 box a share kept by its
+    3-token median then ran at 0.93x the bus alone). Times older than FORGET_WINDOWS windows are
     dropped, so their neighbours are measured again: the box's load changes (another process takes cores,
     then leaves). A rate model cannot see where a split layer's time goes on a given box (the bus's and the
     CPU's reads of the same RAM, the mailbox's round trips, the GPU's share's copy); tokens can."""
