@@ -89,6 +89,54 @@ def test_the_split_server_answers_posted_layers_from_its_tables():
     assert box[mailbox.FAIL] == seq
 
 
+@pytest.mark.parametrize("kind", [0, 1])
+def test_the_split_server_does_not_wait_for_a_parked_thread(kind):
+    """A worker parked mid-item (the test's stall: 1 s, as the scheduler parks a thread for a slice): the
+    server computes that item itself and answers each request in well under the stall, equal to `moe` bit for
+    bit, requests after it too; once the parked thread wakes, its stale rows are dropped, not copied into the
+    answer (kind 1: a down item, whose rows would land in `out`) or the next request's."""
+    from expertstream.kernels import mailbox
+
+    layout = ExpertLayout.for_dims(1024, 256)  # 16 down items, 16 up items an expert: the worker takes some
+    blocks, ws2 = random_blocks(layout, 8, seed=5)
+    rows = torch.stack(blocks)
+    addr = (torch.arange(8, dtype=torch.long) * rows.stride(0) + rows.data_ptr()).view(1, 8)
+    packed, out = torch.zeros(2 * cpu_moe.NMAX + 1024), torch.empty(1024)
+    box, seq = mailbox.new_box(pin=False), torch.zeros(1, dtype=torch.int32)
+    server = cpu_moe.SplitServer(addr, ws2.view(1, 8, 3), packed, out, box, layout, threads=2, idle_s=1.0)
+    lib, g, stall = cpu_moe.library(), torch.Generator().manual_seed(kind), 1.0
+    part = torch.zeros(1, 1024)
+
+    def answer() -> torch.Tensor:  # a random request; the server's answer, checked and timed
+        ids, w = torch.randperm(8, generator=g)[:6], torch.rand(6, generator=g)
+        x = torch.randn(1024, generator=g)
+        server.arm(2)
+        seq.add_(1)
+        t0 = time.perf_counter()
+        mailbox.post(torch.cat((ids.float(), w, x)), packed, seq, box, 0, 6)
+        got = mailbox.take(part, out, seq, box)
+        assert time.perf_counter() - t0 < stall / 2
+        want = cpu_moe.moe([blocks[i] for i in ids], ws2[ids], w[:, None], x[None], layout, 1)
+        assert torch.equal(got, want)
+        return got
+
+    try:
+        answer()
+        lib.pool_stall(int(stall * 1e9), kind)
+        t_end = time.perf_counter() + 5
+        while time.perf_counter() < t_end and lib.pool_stall(0, kind):  # until a worker has taken the stall
+            lib.pool_stall(int(stall * 1e9), kind)  # (not yet taken: set again)
+            last = answer()
+        assert not lib.pool_stall(0, kind), "no worker took an item"
+        last = answer()
+        time.sleep(stall + 0.2)  # the parked thread has woken and finished its item
+        assert torch.equal(out.view(1, -1), last)
+        answer()
+    finally:
+        lib.pool_stall(0, kind)
+        server.close()
+
+
 def test_kernel_reads_every_code_and_the_nibble_order():
     # a one-hot input picks single columns: any swap of the two nibbles of a byte changes the result
     layout = ExpertLayout.for_dims(32, 16)

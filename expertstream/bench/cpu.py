@@ -6,8 +6,10 @@ layer's ten routed experts (2560 x 640, 27.6 MB of blocks a layer, 1.1 GB in all
 for 1 and 4 tokens; each is reported as the median over the rounds, and the kernel's fraction of the memory
 rate as the median of each round's kernel rate over the same round's read rate (a shared box's load moves
 both within seconds). With `--with-copy` (a GPU) the 1-token pass runs again while the copy engine streams
-pinned RAM to the GPU, as the bus does during a CPU share of GPU decode. Then the bundled demo model's greedy
-decode (the README's first command) at rest and with one core kept busy by another process.
+pinned RAM to the GPU, as the bus does during a CPU share of GPU decode. Then the split server (the CPU share
+of GPU decode's thread) answering one layer's ten experts a request, the times of its calls at rest and with
+one core kept busy by another process (a thread the scheduler parks mid-item: the tail the server rescues),
+and the bundled demo model's greedy decode (the README's first command) at rest and beside that process.
 """
 
 from __future__ import annotations
@@ -125,6 +127,40 @@ def with_copy(layers: Layers, threads: int, rounds: int = ROUNDS) -> dict:
     return out
 
 
+SERVER_REQUESTS = 400  # split server requests timed (each another of the SPREAD layers)
+
+
+def server_calls(layers: Layers, threads: int, busy: int, requests: int = SERVER_REQUESTS) -> list[float]:
+    """Seconds of the split server's calls, each one layer's K experts for one token, posted and taken
+    through the host twins of the mailbox 0.3 ms apart (the GPU's part of a layer), with `busy` spinning
+    processes."""
+    from expertstream.kernels import mailbox
+
+    h = layers.layout.hidden_size
+    rows = layers.rows
+    addr = (torch.arange(rows.shape[0], dtype=torch.long) * rows.stride(0) + rows.data_ptr()).view(-1, K)
+    ws2 = layers.ws2[:1].expand(rows.shape[0], 3).reshape(-1, K, 3).contiguous()
+    packed, out = torch.zeros(2 * cpu_moe.NMAX + h), torch.empty(h)
+    box, seq = mailbox.new_box(pin=False), torch.zeros(1, dtype=torch.int32)
+    request = torch.cat((torch.arange(K).float(), torch.rand(K), torch.randn(h)))
+    part = torch.zeros(1, h)
+    server = cpu_moe.SplitServer(addr, ws2, packed, out, box, layers.layout, threads, idle_s=1e-3)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(busy)]
+    try:
+        time.sleep(0.2)
+        for i in range(requests + layers.spread):  # the first pass over the layers warms the pool
+            seq += 1
+            mailbox.post(request, packed, seq, box, i % layers.spread, K)
+            mailbox.take(part, out, seq, box)
+            time.sleep(3e-4)
+        return server.stats(last=requests)[2]
+    finally:
+        server.close()
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
 def demo_decode(tokens: int, busy: int) -> float:
     """Greedy decode tok/s of the bundled demo model (auto threads) with `busy` spinning processes."""
     from expertstream.config import EngineConfig
@@ -183,6 +219,16 @@ def run(args: argparse.Namespace) -> int:
             f"| ... 1 token while pinned RAM streams to the GPU at {med(c['copy_gbps']):.1f} GB/s "
             f"({c['copy_alone_gbps'][0]:.1f} alone) | {med(c['busy_ms']):.2f} ms | {busy:.1f} GB/s "
             f"({busy / alone:.0%} of {alone:.1f} alone, same rounds) | {busy / med(r['read_gbps']):.0%} |"
+        )
+    for busy in (0, 1):
+        calls = sorted(v * 1e3 for v in server_calls(layers, n, busy))
+        at = {f"p{q}": calls[round(q / 100 * (len(calls) - 1))] for q in (50, 90, 99)}
+        at.update(max=calls[-1], mean=statistics.mean(calls))
+        payload[f"server_ms_busy{busy}"] = at
+        ms = " / ".join(f"{at[k]:.2f}" for k in ("p50", "p90", "p99", "max"))
+        rows.append(
+            f"| split server, {K} experts a request, {n} threads, {busy} core(s) kept busy: call median / "
+            f"p90 / p99 / max (mean) | {ms} ms ({at['mean']:.2f}) | | |"
         )
     if args.tokens:
         for busy in (0, 1):

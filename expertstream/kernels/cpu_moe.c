@@ -17,6 +17,7 @@
 #define ROWS_UP_MAX 128
 #define ROWS_DOWN 32  // fewest output rows a down item takes (item_rows)
 #define ROWS_DOWN_MAX 128
+#define ROWS_MAX 128  // the larger of ROWS_UP_MAX and ROWS_DOWN_MAX: an item's rows in a thread's own buffer
 #define RMAX 4        // rows one pass over x (or h) takes: each load of x feeds R FMAs
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -158,10 +159,26 @@ typedef struct {
   float *out;                    // [T, H]
   int n, T, H, I;
   long off[6];  // gate, up, down codes; gate, up, down scales (bytes from block start)
-  atomic_int next;
+  int kind;     // the phase: 0 gate/up rows into hp, 1 down rows into out
   int items;
   int rows_up, rows_down;  // rows an up item and a down item take (item_rows)
+  int rescue;   // the caller computes items a parked thread holds (run): the split server's calls
 } Job;
+
+// A phase's items are claimed from `claims` (the phase's serial << IDX_BITS | the next item; every open and
+// every close takes a new serial, so a thread left behind a closed phase never takes from a later one) and
+// computed into the thread's own buffer (priv), then copied out (publish). In a rescue phase own[i] lets
+// only the first thread that computed item i copy it, and only while its phase is open: the caller may
+// compute an item a parked thread holds and move on, and what that thread copies later is dropped.
+#define IDX_BITS 24
+#define CLOSED ((1u << IDX_BITS) - 1)
+#define OWN_MAX (1 << 15)  // most items a rescue phase takes (more: the phase waits for its threads)
+static _Atomic uint64_t claims, own[OWN_MAX];  // own[i]: serial << 2 | 0 open, 1 being copied, 2 copied
+static atomic_int done;                        // items copied out in the open phase
+static __thread float priv[TMAX * ROWS_MAX];   // an item's [T, rows] results before they are copied out
+static __thread int in_pool;                   // a worker thread (not the caller)
+static atomic_long stall_ns;  // tests: the next item of kind stall_kind a worker computes waits this long
+static atomic_int stall_kind;
 
 // Rows an item of a phase takes: the most, from `most` down to `least`, that still leave 4 items a thread
 // (`mats` matrices of `rows` rows each). A thread's item is one run of adjacent rows, read as one stream:
@@ -177,12 +194,36 @@ static int item_rows(int mats, int rows, int threads, int least, int most) {
 // 4 rows' accumulators in registers; from RAM 10 % faster than 2 rows at T = 1, 30 % at T = 2)
 #define PAIRS(T) ((T) <= 2 ? 2 : 1)
 
-static inline __attribute__((always_inline)) void up_item(Job *j, int item, int T) {
+// in a rescue phase, another thread has copied out this item (or its phase has closed): the item is dropped
+// at its next pass (a parked thread's stale passes would take a core from the calls after it, a rescuer's
+// from the phase)
+static inline int left_behind(const Job *j, int item, uint64_t ser) {
+  return j->rescue && atomic_load_explicit(&own[item], memory_order_relaxed) != ser << 2;
+}
+
+// an item's [T, len] results from priv into dst (rows `stride` floats apart); see claims above
+static void publish(const Job *j, int item, uint64_t ser, float *dst, long stride, int len) {
+  if (in_pool && atomic_load(&stall_ns) && j->kind == atomic_load(&stall_kind)) {  // computed, not copied
+    long ns = atomic_exchange(&stall_ns, 0);
+    struct timespec t = {ns / 1000000000, ns % 1000000000};
+    if (ns) nanosleep(&t, NULL);
+  }
+  if (j->rescue) {
+    uint64_t want = ser << 2;
+    if (!atomic_compare_exchange_strong(&own[item], &want, want | 1)) return;
+  }
+  for (int t = 0; t < j->T; t++) memcpy(dst + t * stride, priv + t * ROWS_MAX, len * sizeof(float));
+  if (j->rescue) atomic_store(&own[item], ser << 2 | 2);
+  atomic_fetch_add(&done, 1);
+}
+
+static inline __attribute__((always_inline)) void up_item(const Job *j, int item, uint64_t ser, int T) {
   int rows = j->rows_up, per = (j->I + rows - 1) / rows, e = item / per, r0 = (item % per) * rows;
   int r1 = r0 + rows < j->I ? r0 + rows : j->I, H = j->H, I = j->I, G = H / 16, P = PAIRS(T);
   const uint8_t *b = j->blocks[e];
   float sg = j->ws2[3 * e], su = j->ws2[3 * e + 1], gu[RMAX][TMAX];
   for (int r = r0; r < r1; r += P) {  // gate rows r..r+P-1 and the same up rows in one pass over x
+    if (left_behind(j, item, ser)) return;
     const uint8_t *w[RMAX], *s[RMAX];
     for (int k = 0; k < P; k++) {
       w[k] = b + j->off[0] + (size_t)(r + k) * H / 2, s[k] = b + j->off[3] + (size_t)(r + k) * G;
@@ -192,16 +233,18 @@ static inline __attribute__((always_inline)) void up_item(Job *j, int item, int 
     for (int k = 0; k < P; k++)
       for (int t = 0; t < T; t++) {
         float gg = gu[k][t] * sg;
-        j->hp[((size_t)e * T + t) * I + perm(r + k)] = gg / (1.f + expf(-gg)) * (gu[P + k][t] * su);
+        priv[t * ROWS_MAX + perm(r + k) - r0] = gg / (1.f + expf(-gg)) * (gu[P + k][t] * su);
       }
   }
+  publish(j, item, ser, j->hp + (size_t)e * T * I + r0, I, r1 - r0);  // perm keeps rows in 16-row groups
 }
 
-static inline __attribute__((always_inline)) void down_item(Job *j, int item, int T) {
+static inline __attribute__((always_inline)) void down_item(const Job *j, int item, uint64_t ser, int T) {
   int r0 = item * j->rows_down, r1 = r0 + j->rows_down < j->H ? r0 + j->rows_down : j->H, I = j->I, G = I / 16;
   int R = 2 * PAIRS(T);
   float d[RMAX][TMAX];
   for (int r = r0; r < r1; r += R) {  // rows r..r+R-1 (H is a multiple of 16) in one pass over each h
+    if (left_behind(j, item, ser)) return;
     float acc[RMAX][TMAX] = {{0}};
     for (int e = 0; e < j->n; e++) {
       const uint8_t *b = j->blocks[e], *w[RMAX], *s[RMAX];
@@ -213,42 +256,64 @@ static inline __attribute__((always_inline)) void down_item(Job *j, int item, in
         for (int t = 0; t < T; t++) acc[k][t] += j->wt[e * T + t] * sd * d[k][t];
     }
     for (int k = 0; k < R; k++)
-      for (int t = 0; t < T; t++) j->out[(size_t)t * j->H + r + k] = acc[k][t];
+      for (int t = 0; t < T; t++) priv[t * ROWS_MAX + r + k - r0] = acc[k][t];
+  }
+  publish(j, item, ser, j->out + r0, j->H, r1 - r0);
+}
+
+// item i of a phase; T = 1, 2 and 4 get their own copies (accumulators in registers)
+#define ITEM(T) (j->kind ? down_item(j, i, ser, T) : up_item(j, i, ser, T))
+static void run_item(const Job *j, int i, uint64_t ser) {
+  switch (j->T) {
+    case 1: ITEM(1); break;
+    case 2: ITEM(2); break;
+    case 4: ITEM(4); break;
+    default: ITEM(j->T);
   }
 }
 
-// one phase's items, taken one at a time so a thread the scheduler parks holds up at most one item; T = 1, 2
-// and 4 get their own copies (accumulators in registers)
-#define LOOP(fn, T) \
-  while ((i = atomic_fetch_add(&j->next, 1)) < j->items) fn(j, i, T)
-#define PHASE(name, fn)                  \
-  static void name(Job *j) {             \
-    int i;                               \
-    switch (j->T) {                      \
-      case 1: LOOP(fn, 1); break;        \
-      case 2: LOOP(fn, 2); break;        \
-      case 4: LOOP(fn, 4); break;        \
-      default: LOOP(fn, j->T);           \
-    }                                    \
+// The next item of the open phase, and in *s the job as it was when taken: the CAS succeeds only while the
+// phase is still open, so the copy holds that phase's fields even where the caller has since rewritten *j
+// for a later call (a rescue phase's thread left behind then computes garbage it never copies out, from
+// buffers that live as long as the split server). -1 once none is left or the phase *ser closed.
+static int claim(const Job *j, Job *s, uint64_t *ser) {
+  uint64_t c = atomic_load(&claims);
+  for (;;) {
+    uint64_t k = c >> IDX_BITS;
+    unsigned i = c & CLOSED;
+    if ((*ser && k != *ser) || i == CLOSED) return -1;
+    *s = *j;
+    if (i >= (unsigned)s->items) return -1;
+    if (atomic_compare_exchange_weak(&claims, &c, c + 1)) {
+      *ser = k;
+      return (int)i;
+    }
   }
-PHASE(up_phase, up_item)
-PHASE(down_phase, down_item)
+}
+
+// a phase's items, taken one at a time so a thread the scheduler parks holds up at most one item
+static void phase(Job *j) {
+  Job s;
+  uint64_t ser = 0;
+  int i;
+  while ((i = claim(j, &s, &ser)) >= 0) run_item(&s, i, ser);
+}
 
 // A persistent pool: the caller plus workers 0..active-1 run `fn` on a phase's items; idle workers spin for
 // `spin_ns` (pool_spin), then sleep: a call within that time after the last finds them running, a later one
 // wakes them through the condition variable (tens of microseconds until all run). A worker a phase does not
 // take (the pool was made for more threads than the calls now take) sleeps through it instead of spinning:
 // it would hold a core the caller's other threads (the decode thread, the driver's) need. The
-// caller waits only for workers inside the phase (one that wakes after its items are gone finds it closed),
-// so a worker the scheduler has not run yet costs the call nothing.
+// caller waits only for the items workers took (run_phase; one that wakes after the items are gone finds
+// the phase closed), so a worker the scheduler has not run yet costs the call nothing.
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t go = PTHREAD_COND_INITIALIZER;
 static atomic_ulong gen, open_gen;  // gen: phases published; open_gen: the phase workers may join (0: none)
 static atomic_int inside, asleep[MAXTH];
 static atomic_int active;
 static int workers;
-static void (*job_fn)(Job *);
-static Job *job_arg;
+static void (*_Atomic job_fn)(Job *);  // read by a worker before it checks its phase is still open
+static Job *_Atomic job_arg;
 
 static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -267,11 +332,20 @@ static inline long now_ns(void) {
 // how long idle workers spin before they sleep; returns the previous value (ns)
 long pool_spin(long ns) { return atomic_exchange(&spin_ns, ns < 0 ? 0 : ns); }
 
+// tests: the next item of a phase of `kind` (0 gate/up, 1 down) a worker (not the caller) computes waits
+// `ns` before it copies its rows out, as a thread the scheduler parks mid-item does; returns the stall still
+// pending before this call
+long pool_stall(long ns, int kind) {
+  atomic_store(&stall_kind, kind);
+  return atomic_exchange(&stall_ns, ns);
+}
+
 static unsigned long born[MAXTH];  // gen when worker i was made: a job published before it runs is its first
 
 static void *worker(void *arg) {
   int id = (int)(intptr_t)arg;
   unsigned long seen = born[id];
+  in_pool = 1;
   // it spins after its first phase and after each it took part in; after one it did not, it sleeps at once
   for (int wanted = 1;; wanted = id < atomic_load(&active)) {
     long until = now_ns() + atomic_load(&spin_ns);
@@ -288,7 +362,9 @@ static void *worker(void *arg) {
     }
     seen = atomic_load(&gen);
     atomic_fetch_add(&inside, 1);
-    if (atomic_load(&open_gen) == seen && id < atomic_load(&active)) job_fn(job_arg);  // set before it opened
+    void (*fn)(Job *) = atomic_load(&job_fn);  // set before the phase opened, rewritten only after it closed
+    Job *j = atomic_load(&job_arg);
+    if (atomic_load(&open_gen) == seen && id < atomic_load(&active)) fn(j);
     atomic_fetch_sub(&inside, 1);
   }
   return NULL;
@@ -306,7 +382,7 @@ static void run(void (*fn)(Job *), Job *j, int threads) {
   }
   if (extra > workers) extra = workers;
   if (extra > 0) {
-    job_fn = fn, job_arg = j;
+    atomic_store(&job_fn, fn), atomic_store(&job_arg, j);
     atomic_store(&active, extra);
     atomic_store(&open_gen, atomic_fetch_add(&gen, 1) + 1);
     for (int i = 0; i < extra; i++)  // a worker this phase takes is asleep: wake them
@@ -318,60 +394,96 @@ static void run(void (*fn)(Job *), Job *j, int threads) {
       }
   }
   fn(j);
-  if (extra > 0) {  // no items left: close the phase, then wait for the workers still in one
-    atomic_store(&open_gen, 0);
-    for (int spin = 0; atomic_load(&inside); spin++) {
-      if (spin < 20000) relax();
-      else sched_yield();
-    }
+  if (extra > 0) atomic_store(&open_gen, 0);  // no items left: a worker that wakes now joins no phase
+}
+
+// until no worker is inside a phase (reading the caller's job or buffers)
+static void wait_inside(void) {
+  for (int spin = 0; atomic_load(&inside); spin++) {
+    if (spin < 20000) relax();
+    else sched_yield();
   }
 }
+
+static uint64_t serial;  // the last phase's (taken under call_mu)
+
+// A phase's items on `threads` threads, *j (static: a thread may read it after the call) written for it
+// (kind, items). The caller takes items as the workers do, then waits until every item is copied out; in a
+// rescue phase, once none is left to take and half as long again as its own share took has passed, it first
+// computes every item still not copied out itself (a thread parked mid-item holds one for a scheduler slice,
+// milliseconds). Threads still inside then read only *j and `claims` (their claims fail: closed), or, left
+// behind a rescue phase, compute what they will not copy out.
+static void run_phase(Job *j, int threads) {
+  long t_open = now_ns();
+  uint64_t ser = ++serial;
+  if (j->rescue && j->items > OWN_MAX) j->rescue = 0;
+  if (j->rescue)
+    for (int i = 0; i < j->items; i++) atomic_store_explicit(&own[i], ser << 2, memory_order_relaxed);
+  atomic_store(&done, 0);
+  atomic_store(&claims, ser << IDX_BITS);
+  run(phase, j, threads);
+  if (j->rescue) {
+    long t_out = now_ns(), until = t_out + (t_out - t_open) / 2;
+    while (atomic_load(&done) < j->items && now_ns() < until) relax();
+    for (int i = 0; i < j->items && atomic_load(&done) < j->items; i++)
+      if (atomic_load(&own[i]) == ser << 2) run_item(j, i, ser);
+  }
+  while (atomic_load(&done) < j->items) relax();  // the last copies (a rescued item's: being copied)
+  atomic_store(&claims, (++serial << IDX_BITS) | CLOSED);
+}
+
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 // one call at a time holds the pool: the exported entry points and the split server (below) take it
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
 
-// x [T, H] -> out [T, H]; hp: scratch [n, T, I] + [T, H] floats
-static int moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *wt, const float *x, float *out,
-                   float *scratch, int n, int T, int H, int I, const long *off, int threads) {
+// x [T, H] -> out [T, H]; hp: scratch [n, T, I] + [T, H] floats; the phases' job in *j
+static int moe_cpu(Job *j, const uint8_t *const *blocks, const float *ws2, const float *wt, const float *x,
+                   float *out, float *scratch, int n, int T, int H, int I, const long *off, int threads,
+                   int rescue) {
   if (T < 1 || T > TMAX || H % 16 || I % 16) return 1;
   pthread_once(&once, init_tables);
   float *xp = scratch + (size_t)n * T * I;
   for (int t = 0; t < T; t++)
     for (int k = 0; k < H; k++) xp[(size_t)t * H + perm(k)] = x[(size_t)t * H + k];
-  Job j = {blocks, ws2, wt, xp, scratch, out, n, T, H, I, {0}, 0, 0};
-  memcpy(j.off, off, sizeof j.off);
-  j.rows_up = item_rows(n, I, threads, ROWS_UP, ROWS_UP_MAX);
-  j.items = n * ((I + j.rows_up - 1) / j.rows_up);
-  run(up_phase, &j, threads);
-  atomic_store(&j.next, 0);
-  j.rows_down = item_rows(1, H, threads, ROWS_DOWN, ROWS_DOWN_MAX);
-  j.items = (H + j.rows_down - 1) / j.rows_down;
-  run(down_phase, &j, threads);
+  *j = (Job){.blocks = blocks, .ws2 = ws2, .wt = wt, .xp = xp, .hp = scratch, .out = out, .n = n, .T = T,
+             .H = H, .I = I, .rescue = rescue};
+  memcpy(j->off, off, sizeof j->off);
+  j->rows_up = item_rows(n, I, threads, ROWS_UP, ROWS_UP_MAX);
+  j->items = n * ((I + j->rows_up - 1) / j->rows_up);
+  run_phase(j, threads);
+  j->kind = 1;
+  j->rows_down = item_rows(1, H, threads, ROWS_DOWN, ROWS_DOWN_MAX);
+  j->items = (H + j->rows_down - 1) / j->rows_down;
+  run_phase(j, threads);
   return 0;
 }
 
 // One token's experts from a layer's tables, as the split server (below) gets a request from the GPU:
 // packed = [n] expert ids (as floats), [n] routing weights, [H] x; addr [E] each block's
-// address, ws2 [E, 3] the layer's global scales. Gathers the n blocks and scales, then nvfp4_moe_cpu.
+// address, ws2 [E, 3] the layer's global scales. Gathers the n blocks and scales, then runs the kernel's
+// phases as rescue phases: the job and its tables are static, every pointer in them into the server's
+// buffers or the RAM cache, which outlive any thread left behind (serve_stop waits for those).
 static int moe_packed(const long *addr, const float *ws2, const float *packed, float *out, float *scratch, int n,
                       int E, int H, int I, const long *off, int threads) {
+  static const uint8_t *blocks[NMAX];
+  static float w[3 * NMAX];
+  static Job job;
   if (n < 1 || n > NMAX) return 1;
-  const uint8_t *blocks[NMAX];
-  float w[3 * NMAX];
   for (int j = 0; j < n; j++) {
     long e = (long)packed[j];
     if (e < 0 || e >= E || (float)e != packed[j]) return 2;
     blocks[j] = (const uint8_t *)addr[e];
     memcpy(w + 3 * j, ws2 + 3 * e, 3 * sizeof(float));
   }
-  return moe_cpu(blocks, w, packed + n, packed + 2 * n, out, scratch, n, 1, H, I, off, threads);
+  return moe_cpu(&job, blocks, w, packed + n, packed + 2 * n, out, scratch, n, 1, H, I, off, threads, 1);
 }
 
 int nvfp4_moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *wt, const float *x,
                   float *out, float *scratch, int n, int T, int H, int I, const long *off, int threads) {
+  static Job job;  // a worker may still read it once the call returns (run_phase)
   pthread_mutex_lock(&call_mu);
-  int rc = moe_cpu(blocks, ws2, wt, x, out, scratch, n, T, H, I, off, threads);
+  int rc = moe_cpu(&job, blocks, ws2, wt, x, out, scratch, n, T, H, I, off, threads, 0);
   pthread_mutex_unlock(&call_mu);
   return rc;
 }
@@ -399,6 +511,7 @@ float read_sweep(const float *buf, long n, int threads) {
   bw_buf = buf, bw_n = n;
   atomic_store(&bw_next, 0);
   run(bw_phase, NULL, threads);
+  wait_inside();
   float sink = bw_sink[0];
   pthread_mutex_unlock(&call_mu);
   return sink;
@@ -509,6 +622,9 @@ int serve_stop(void) {
   atomic_store(&srv.stop, 1);
   serve_arm(atomic_load(&srv.threads));
   pthread_join(srv.tid, NULL);
+  pthread_mutex_lock(&call_mu);
+  wait_inside();  // a thread left behind a rescue phase reads the buffers the caller frees next
+  pthread_mutex_unlock(&call_mu);
   atomic_store(&srv.running, 0);
   return 1;
 }

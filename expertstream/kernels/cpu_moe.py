@@ -99,6 +99,8 @@ def _build() -> ctypes.CDLL | None:
     lib.read_sweep.restype = ctypes.c_float
     lib.pool_spin.argtypes = [ctypes.c_long]
     lib.pool_spin.restype = ctypes.c_long
+    lib.pool_stall.argtypes = [ctypes.c_long, ctypes.c_int]
+    lib.pool_stall.restype = ctypes.c_long
     lib.serve_start.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i, ctypes.c_long]
     lib.serve_start.restype = i
     lib.serve_arm.argtypes = [i]
