@@ -167,7 +167,7 @@ typedef struct {
 
 // A phase's items are claimed from `claims` (the phase's serial << IDX_BITS | the next item; every open and
 // every close takes a new serial, so a thread left behind a closed phase never takes from a later one) and
-// computed into the thread's own buffer (priv), then copied out (publish). In a rescue phase own[i] lets
+// computed into the thread's own buffer (Lane), then copied out (publish). In a rescue phase own[i] lets
 // only the first thread that computed item i copy it, and only while its phase is open: the caller may
 // compute an item a parked thread holds and move on, and what that thread copies later is dropped.
 #define IDX_BITS 24
@@ -175,8 +175,13 @@ typedef struct {
 #define OWN_MAX (1 << 15)  // most items a rescue phase takes (more: the phase waits for its threads)
 static _Atomic uint64_t claims, own[OWN_MAX];  // own[i]: serial << 2 | 0 open, 1 being copied, 2 copied
 static atomic_int done;                        // items copied out in the open phase
-static __thread float priv[TMAX * ROWS_MAX];   // an item's [T, rows] results before they are copied out
-static __thread int in_pool;                   // a worker thread (not the caller)
+// a thread's own: an item's [T, rows] results before they are copied out, and whether it is a worker (not
+// the caller). Passed down by address: a TLS access from a shared library is a call (3 % of a layer per pass)
+typedef struct {
+  float buf[TMAX * ROWS_MAX];
+  int worker;
+} Lane;
+static __thread Lane lane;
 static atomic_long stall_ns;  // tests: the next item of kind stall_kind a worker computes waits this long
 static atomic_int stall_kind;
 
@@ -194,16 +199,17 @@ static int item_rows(int mats, int rows, int threads, int least, int most) {
 // 4 rows' accumulators in registers; from RAM 10 % faster than 2 rows at T = 1, 30 % at T = 2)
 #define PAIRS(T) ((T) <= 2 ? 2 : 1)
 
-// in a rescue phase, another thread has copied out this item (or its phase has closed): the item is dropped
-// at its next pass (a parked thread's stale passes would take a core from the calls after it, a rescuer's
-// from the phase)
-static inline int left_behind(const Job *j, int item, uint64_t ser) {
-  return j->rescue && atomic_load_explicit(&own[item], memory_order_relaxed) != ser << 2;
+// a worker in a rescue phase whose items the caller has begun to compute (or one that has closed since):
+// it drops its item at the next pass, as a parked thread's stale passes would take a core from the calls
+// after it. Read every pass: a word written once a rescue (own[], beside other items' words, cost 3 %)
+static _Alignas(64) _Atomic uint64_t rescued;  // the last phase whose caller computed items workers held
+static inline int left_behind(const Job *j, uint64_t ser, const Lane *me) {
+  return me->worker && j->rescue && atomic_load_explicit(&rescued, memory_order_relaxed) >= ser;
 }
 
-// an item's [T, len] results from priv into dst (rows `stride` floats apart); see claims above
-static void publish(const Job *j, int item, uint64_t ser, float *dst, long stride, int len) {
-  if (in_pool && atomic_load(&stall_ns) && j->kind == atomic_load(&stall_kind)) {  // computed, not copied
+// an item's [T, len] results from the lane into dst (rows `stride` floats apart); see claims above
+static void publish(const Job *j, int item, uint64_t ser, const Lane *me, float *dst, long stride, int len) {
+  if (me->worker && atomic_load(&stall_ns) && j->kind == atomic_load(&stall_kind)) {  // computed, not copied
     long ns = atomic_exchange(&stall_ns, 0);
     struct timespec t = {ns / 1000000000, ns % 1000000000};
     if (ns) nanosleep(&t, NULL);
@@ -212,18 +218,19 @@ static void publish(const Job *j, int item, uint64_t ser, float *dst, long strid
     uint64_t want = ser << 2;
     if (!atomic_compare_exchange_strong(&own[item], &want, want | 1)) return;
   }
-  for (int t = 0; t < j->T; t++) memcpy(dst + t * stride, priv + t * ROWS_MAX, len * sizeof(float));
+  for (int t = 0; t < j->T; t++) memcpy(dst + t * stride, me->buf + t * ROWS_MAX, len * sizeof(float));
   if (j->rescue) atomic_store(&own[item], ser << 2 | 2);
   atomic_fetch_add(&done, 1);
 }
 
-static inline __attribute__((always_inline)) void up_item(const Job *j, int item, uint64_t ser, int T) {
+static inline __attribute__((always_inline)) void up_item(const Job *j, int item, uint64_t ser, Lane *me,
+                                                          int T) {
   int rows = j->rows_up, per = (j->I + rows - 1) / rows, e = item / per, r0 = (item % per) * rows;
   int r1 = r0 + rows < j->I ? r0 + rows : j->I, H = j->H, I = j->I, G = H / 16, P = PAIRS(T);
   const uint8_t *b = j->blocks[e];
   float sg = j->ws2[3 * e], su = j->ws2[3 * e + 1], gu[RMAX][TMAX];
   for (int r = r0; r < r1; r += P) {  // gate rows r..r+P-1 and the same up rows in one pass over x
-    if (left_behind(j, item, ser)) return;
+    if (left_behind(j, ser, me)) return;
     const uint8_t *w[RMAX], *s[RMAX];
     for (int k = 0; k < P; k++) {
       w[k] = b + j->off[0] + (size_t)(r + k) * H / 2, s[k] = b + j->off[3] + (size_t)(r + k) * G;
@@ -233,18 +240,19 @@ static inline __attribute__((always_inline)) void up_item(const Job *j, int item
     for (int k = 0; k < P; k++)
       for (int t = 0; t < T; t++) {
         float gg = gu[k][t] * sg;
-        priv[t * ROWS_MAX + perm(r + k) - r0] = gg / (1.f + expf(-gg)) * (gu[P + k][t] * su);
+        me->buf[t * ROWS_MAX + perm(r + k) - r0] = gg / (1.f + expf(-gg)) * (gu[P + k][t] * su);
       }
   }
-  publish(j, item, ser, j->hp + (size_t)e * T * I + r0, I, r1 - r0);  // perm keeps rows in 16-row groups
+  publish(j, item, ser, me, j->hp + (size_t)e * T * I + r0, I, r1 - r0);  // perm keeps rows in 16-row groups
 }
 
-static inline __attribute__((always_inline)) void down_item(const Job *j, int item, uint64_t ser, int T) {
+static inline __attribute__((always_inline)) void down_item(const Job *j, int item, uint64_t ser, Lane *me,
+                                                            int T) {
   int r0 = item * j->rows_down, r1 = r0 + j->rows_down < j->H ? r0 + j->rows_down : j->H, I = j->I, G = I / 16;
   int R = 2 * PAIRS(T);
   float d[RMAX][TMAX];
   for (int r = r0; r < r1; r += R) {  // rows r..r+R-1 (H is a multiple of 16) in one pass over each h
-    if (left_behind(j, item, ser)) return;
+    if (left_behind(j, ser, me)) return;
     float acc[RMAX][TMAX] = {{0}};
     for (int e = 0; e < j->n; e++) {
       const uint8_t *b = j->blocks[e], *w[RMAX], *s[RMAX];
@@ -256,14 +264,14 @@ static inline __attribute__((always_inline)) void down_item(const Job *j, int it
         for (int t = 0; t < T; t++) acc[k][t] += j->wt[e * T + t] * sd * d[k][t];
     }
     for (int k = 0; k < R; k++)
-      for (int t = 0; t < T; t++) priv[t * ROWS_MAX + r + k - r0] = acc[k][t];
+      for (int t = 0; t < T; t++) me->buf[t * ROWS_MAX + r + k - r0] = acc[k][t];
   }
-  publish(j, item, ser, j->out + r0, j->H, r1 - r0);
+  publish(j, item, ser, me, j->out + r0, j->H, r1 - r0);
 }
 
 // item i of a phase; T = 1, 2 and 4 get their own copies (accumulators in registers)
-#define ITEM(T) (j->kind ? down_item(j, i, ser, T) : up_item(j, i, ser, T))
-static void run_item(const Job *j, int i, uint64_t ser) {
+#define ITEM(T) (j->kind ? down_item(j, i, ser, me, T) : up_item(j, i, ser, me, T))
+static void run_item(const Job *j, int i, uint64_t ser, Lane *me) {
   switch (j->T) {
     case 1: ITEM(1); break;
     case 2: ITEM(2); break;
@@ -296,7 +304,8 @@ static void phase(Job *j) {
   Job s;
   uint64_t ser = 0;
   int i;
-  while ((i = claim(j, &s, &ser)) >= 0) run_item(&s, i, ser);
+  Lane *me = &lane;
+  while ((i = claim(j, &s, &ser)) >= 0) run_item(&s, i, ser, me);
 }
 
 // A persistent pool: the caller plus workers 0..active-1 run `fn` on a phase's items; idle workers spin for
@@ -345,7 +354,7 @@ static unsigned long born[MAXTH];  // gen when worker i was made: a job publishe
 static void *worker(void *arg) {
   int id = (int)(intptr_t)arg;
   unsigned long seen = born[id];
-  in_pool = 1;
+  lane.worker = 1;
   // it spins after its first phase and after each it took part in; after one it did not, it sleeps at once
   for (int wanted = 1;; wanted = id < atomic_load(&active)) {
     long until = now_ns() + atomic_load(&spin_ns);
@@ -425,8 +434,11 @@ static void run_phase(Job *j, int threads) {
   if (j->rescue) {
     long t_out = now_ns(), until = t_out + (t_out - t_open) / 2;
     while (atomic_load(&done) < j->items && now_ns() < until) relax();
-    for (int i = 0; i < j->items && atomic_load(&done) < j->items; i++)
-      if (atomic_load(&own[i]) == ser << 2) run_item(j, i, ser);
+    if (atomic_load(&done) < j->items) {
+      atomic_store(&rescued, ser);
+      for (int i = 0; i < j->items && atomic_load(&done) < j->items; i++)
+        if (atomic_load(&own[i]) == ser << 2) run_item(j, i, ser, &lane);
+    }
   }
   while (atomic_load(&done) < j->items) relax();  // the last copies (a rescued item's: being copied)
   atomic_store(&claims, (++serial << IDX_BITS) | CLOSED);
