@@ -176,7 +176,7 @@ typedef struct {
 static _Atomic uint64_t claims, own[OWN_MAX];  // own[i]: serial << 2 | 0 open, 1 being copied, 2 copied
 static atomic_int done;                        // items copied out in the open phase
 // a thread's own: an item's [T, rows] results before they are copied out, and whether it is a worker (not
-// the caller). Passed down by address: a TLS access from a shared library is a call (3 % of a layer per pass)
+// the caller). Passed down by address, read once a phase: in a shared library a TLS access may be a call
 typedef struct {
   float buf[TMAX * ROWS_MAX];
   int worker;
@@ -201,7 +201,8 @@ static int item_rows(int mats, int rows, int threads, int least, int most) {
 
 // a worker in a rescue phase whose items the caller has begun to compute (or one that has closed since):
 // it drops its item at the next pass, as a parked thread's stale passes would take a core from the calls
-// after it. Read every pass: a word written once a rescue (own[], beside other items' words, cost 3 %)
+// after it. Read every pass, so a word written once a rescue: reading own[], whose lines other items'
+// copies write, cost ~3 % of a server call at rest on the 2-core box
 static _Alignas(64) _Atomic uint64_t rescued;  // the last phase whose caller computed items workers held
 static inline int left_behind(const Job *j, uint64_t ser, const Lane *me) {
   return me->worker && j->rescue && atomic_load_explicit(&rescued, memory_order_relaxed) >= ser;
