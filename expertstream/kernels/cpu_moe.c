@@ -201,8 +201,8 @@ static int item_rows(int mats, int rows, int threads, int least, int most) {
 
 // a worker in a rescue phase whose items the caller has begun to compute (or one that has closed since):
 // it drops its item at the next pass, as a parked thread's stale passes would take a core from the calls
-// after it. Read every pass, so a word written once a rescue: reading own[], whose lines other items'
-// copies write, cost ~3 % of a server call at rest on the 2-core box
+// after it. Read every pass, so a word written only when a rescue begins (own[]'s lines are written by the
+// other items' copies all through a phase)
 static _Alignas(64) _Atomic uint64_t rescued;  // the last phase whose caller computed items workers held
 static inline int left_behind(const Job *j, uint64_t ser, const Lane *me) {
   return me->worker && j->rescue && atomic_load_explicit(&rescued, memory_order_relaxed) >= ser;
@@ -444,7 +444,6 @@ static void run_phase(Job *j, int threads) {
   while (atomic_load(&done) < j->items) relax();  // the last copies (a rescued item's: being copied)
   atomic_store(&claims, (++serial << IDX_BITS) | CLOSED);
 }
-
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 // one call at a time holds the pool: the exported entry points and the split server (below) take it
