@@ -89,6 +89,49 @@ def test_the_split_server_answers_posted_layers_from_its_tables():
     assert box[mailbox.FAIL] == seq
 
 
+def test_the_split_server_copies_the_gpus_share_before_it_computes():
+    """With copies (`cpu_moe.Copies`, here into host rows by memcpy as off CUDA), a request also names the
+    GPU's K - n experts after x: each one's block lands in copy row i (-1: read from VRAM, row left alone),
+    then the request's number in the flag, which `mailbox.wait` waits for; the CPU's answer is as without.
+    An expert the layer lacks is refused (box[ERR] 4, NaN) and the flag still set, so the GPU goes on."""
+    from expertstream.kernels import mailbox
+
+    layout = ExpertLayout.for_dims(96, 48)
+    blocks, ws2 = random_blocks(layout, 12, seed=3)
+    rows = torch.stack(blocks)
+    addr = (torch.arange(12, dtype=torch.long) * rows.stride(0) + rows.data_ptr()).view(2, 6)
+    packed, out = torch.full((2 * cpu_moe.NMAX + 96,), float("nan")), torch.empty(96)
+    box, seq = mailbox.new_box(pin=False), torch.zeros(1, dtype=torch.int32)
+    copy_rows, flag = torch.zeros(5, layout.block_bytes, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32)
+    copies = cpu_moe.Copies(copy_rows, flag, k=5)
+    server = cpu_moe.SplitServer(addr, ws2.view(2, 6, 3), packed, out, box, layout, 2, 1e-3, copies)
+    g = torch.Generator().manual_seed(4)
+    ids, w, x = torch.tensor([4, 0]), torch.rand(2, generator=g), torch.randn(96, generator=g)
+    part, gw = torch.randn(1, 96, generator=g), torch.ones(3)
+    for layer, gpu in ((1, [2.0, -1.0, 5.0]), (0, [-1.0, 3.0, 1.0])):
+        copy_rows.zero_()
+        seq += 1
+        mailbox.post(torch.cat((ids.float(), w, x, torch.tensor(gpu))), packed, seq, box, layer, 2)
+        mailbox.wait(flag, seq, gw, box)
+        for i, e in enumerate(gpu):
+            want_row = (
+                rows[6 * layer + int(e)] if e >= 0 else torch.zeros(layout.block_bytes, dtype=torch.uint8)
+            )
+            assert torch.equal(copy_rows[i], want_row)
+        e = ids + 6 * layer
+        want = cpu_moe.moe([blocks[i] for i in e], ws2[e], w[:, None], x[None], layout, 1)
+        assert torch.equal(mailbox.take(part, out, seq, box), part + want)
+    assert flag == seq and box[mailbox.ERR] == 0 and gw.eq(1).all()
+    seq += 1
+    mailbox.post(torch.cat((ids.float(), w, x, torch.tensor([6.0, -1.0, -1.0]))), packed, seq, box, 0, 2)
+    mailbox.wait(flag, seq, gw, box)
+    assert mailbox.take(part, out, seq, box).isnan().all() and box[mailbox.ERR] == 4 and gw.eq(1).all()
+    server.close()
+    seq += 1  # nothing copies now: the wait gives up, the GPU's weights turn NaN, box[FAIL] notes it
+    mailbox.wait_ref(flag, seq, gw, box, timeout_s=0.05)
+    assert gw.isnan().all() and box[mailbox.FAIL] == seq
+
+
 @pytest.mark.parametrize("kind", [0, 1])
 def test_the_split_server_does_not_wait_for_a_parked_thread(kind):
     """A worker parked mid-item (the test's stall: 1 s, as the scheduler parks a thread for a slice): the

@@ -52,3 +52,57 @@ def test_a_graph_posts_two_layers_and_takes_the_servers_answers():
     seq.add_(1)  # nothing answers now: a take with few spins gives NaN and notes the number in box[FAIL]
     assert mailbox.take(part, out, seq, box, spins=1000).isnan().all()
     assert box[mailbox.FAIL] == int(seq)
+
+
+def test_a_graph_waits_for_the_servers_copies_by_the_copy_engine():
+    """The server copies the GPU's share of each request into VRAM rows on its own driver stream (the copy
+    engine), then the number into a device flag; a graph's `wait` holds the kernels after it until they have
+    landed, request after request, and the CPU's answers are as without copies."""
+    from expertstream.kernels.cuda_driver import CopyStream
+
+    layout = ExpertLayout.for_dims(96, 48)
+    blocks, ws2 = random_blocks(layout, 12, seed=3)
+    rows = torch.stack(blocks).pin_memory()
+    addr = (torch.arange(12, dtype=torch.long) * rows.stride(0) + rows.data_ptr()).view(2, 6)
+    packed = torch.empty(2 * cpu_moe.NMAX + 96, pin_memory=True)
+    out, box = torch.empty(96, pin_memory=True), mailbox.new_box(pin=True)
+    copy_rows = torch.zeros(4, layout.block_bytes, dtype=torch.uint8, device="cuda")
+    flag, stream = torch.zeros(1, dtype=torch.int32, device="cuda"), CopyStream(torch.device("cuda"))
+    copies = cpu_moe.Copies(copy_rows, flag, k=4, stream=stream)
+    server = cpu_moe.SplitServer(addr, ws2.view(2, 6, 3), packed, out, box, layout, 2, 1e-3, copies)
+    seq = torch.zeros(1, dtype=torch.int32, device="cuda")
+    src, part = torch.zeros(2 * 2 + 96 + 2, device="cuda"), torch.zeros(1, 96, device="cuda")
+    gw = torch.ones(2, device="cuda")
+
+    def layer(i):  # a new number, the post, the wait, what the GPU's kernel reads, the take
+        seq.add_(1)
+        mailbox.post(src, packed, seq, box, i, 2)
+        mailbox.wait(flag, seq, gw, box)
+        return copy_rows[:2].clone(), mailbox.take(part, out, seq, box)
+
+    src.copy_(torch.tensor([0.0, 1.0, 1.0, 1.0, *([0.0] * 96), -1.0, -1.0]))  # nothing to copy yet
+    layer(0), layer(1)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = (layer(0), layer(1))
+    g = torch.Generator().manual_seed(5)
+    for trial in range(6):
+        perm = torch.randperm(6, generator=g)
+        ids, gpu, w = perm[:2], perm[2:4], torch.rand(2, generator=g)
+        x, p = torch.randn(96, generator=g), torch.randn(1, 96, generator=g)
+        src.copy_(torch.cat((ids.float(), w, x, gpu.float())))
+        part.copy_(p)
+        graph.replay()
+        server.arm(1 + trial % 2)
+        for i in (0, 1):
+            e = ids + 6 * i
+            want = cpu_moe.moe([blocks[j] for j in e], ws2[e], w[:, None], x[None], layout, 1)
+            assert torch.equal(got[i][1].cpu(), p + want)
+            assert torch.equal(got[i][0].cpu(), rows[gpu + 6 * i])  # the copies had landed
+    assert box[mailbox.FAIL] == 0 and box[mailbox.ERR] == 0 and int(flag) == int(seq) == 2 + 2 * 6
+    assert gw.eq(1).all()
+    server.close()
+    stream.close()
+    seq.add_(1)  # nothing copies now: a wait with few spins turns the GPU's weights NaN, notes box[FAIL]
+    mailbox.wait(flag, seq, gw, box, spins=1000)
+    assert gw.isnan().all() and box[mailbox.FAIL] == int(seq)

@@ -29,7 +29,6 @@ from expertstream.experts.speculation import Speculator
 from expertstream.experts.vram_cache import VramExpertCache
 from expertstream.kernels import nvfp4_moe
 from expertstream.kernels.decode_counts import decode_counts
-from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
 from expertstream.memory_plan import bank_slots
 
@@ -51,9 +50,8 @@ class GpuExperts(ExpertBank):
             (2 x this many of the slots become staging rows); 0: off.
         swiglu_limit: clamp gate x above and up x on both sides first (DeepSeek-V4), None: no clamp. The
             kernels read the workdir's block format (NVFP4 or MXFP4) from its layout.
-        copy_rows: VRAM rows, taken from n_slots, that a RAM-resident decode call asked to (`decode_compute`'s
-            `copy`) copies its routed RAM blocks into before its kernel reads them (the CPU share's GPU
-            side, experts/split_bank.py); 0: none.
+        copy_rows: VRAM rows, taken from n_slots, for the CPU share's GPU side (experts/split_bank.py): its
+            routed RAM blocks are copied there before its kernel reads them (`copy_view`); 0: none.
     """
 
     def __init__(
@@ -96,9 +94,8 @@ class GpuExperts(ExpertBank):
             fetch_host, self.layout.block_bytes, n_slots - 2 * guesses, scales, dev,
             extra_rows=2 * guesses + copy_rows, host_rows=self.host_blocks,
         )  # fmt: skip
-        # the copy rows follow the staging rows; the working location row [E] points at what was copied
-        self.copy_rows, self._copy_first = copy_rows, n_slots
-        self._copy_loc = torch.zeros(self.num_experts, dtype=torch.int32, device=dev) if copy_rows else None
+        # the copy rows follow the staging rows
+        self.copy_rows, self.copy_first = copy_rows, n_slots
         self.residency = Residency(
             store, self.cache, self.host_blocks, n_layers, self.num_experts, hot_pass, hot_quota, dev
         )
@@ -296,13 +293,12 @@ class GpuExperts(ExpertBank):
             self.spec_seconds += time.perf_counter() - t1
         self.decode_seconds += time.perf_counter() - t0
 
-    def decode_compute(self, layer: int, x, expert_ids, weights, copy: bool = False) -> torch.Tensor:
-        """The routed sum of x [1, H] from the places `decode_prepare` gave (no host work but launches). With
-        `copy` and every block in RAM, the routed blocks there are first copied into the copy rows by a
-        kernel (graphable) and read from VRAM: a few blocks read in place leave the bus partly idle
-        (docs/runtime.md, the CPU share)."""
+    def decode_compute(self, layer: int, x, expert_ids, weights, loc=None) -> torch.Tensor:
+        """The routed sum of x [1, H] from the places `decode_prepare` gave (no host work but launches), or
+        from `loc` [E] int32 where given: a location row read in the layer's stead (the CPU share's, whose
+        RAM blocks point at the copy rows the split server fills, docs/runtime.md)."""
         self.decode_join()
-        loc = self.residency.loc[layer]
+        given, loc = loc, self.residency.loc[layer]
         uncounted, self._uncounted = self._uncounted, False
         hot = None if uncounted else self.residency.hot_counters(layer)  # routing and hot reads counted
         staged = self.staging.take(layer)  # the guesses staged for this layer: read them from VRAM
@@ -311,11 +307,8 @@ class GpuExperts(ExpertBank):
             decode_counts(expert_ids[0], loc, *(hot or (None, None)), *stage_hits)
         if staged:
             loc = staged[2]
-        if copy and self.resident == "ram":
-            ids, rows = expert_ids[0], self.cache.slots
-            assert ids.numel() <= self.copy_rows, f"{ids.numel()} blocks, {self.copy_rows} copy rows"
-            stage_blocks(ids, loc, self.host_blocks, rows, self._copy_first, self._copy_loc)
-            loc = self._copy_loc
+        if given is not None:
+            loc = given
         # with every block in VRAM for good there is no host pool to pass (the launch shape, and so the sums,
         # are the same either way)
         host = None if self.resident == "vram" else self.host_blocks
@@ -323,6 +316,11 @@ class GpuExperts(ExpertBank):
             x, expert_ids[0], loc, self.scales[layer], weights[0].float(), self.layout, self.cache.slots,
             host, swiglu_limit=self.swiglu_limit,
         )  # fmt: skip
+
+    @property
+    def copy_view(self) -> torch.Tensor:
+        """The copy rows, [copy_rows, B] uint8, from slot `copy_first` on."""
+        return self.cache.slots[self.copy_first : self.copy_first + self.copy_rows]
 
     @property
     def decode_reads_vram(self) -> bool:

@@ -7,11 +7,12 @@ GPU bank's decode kernel, and the two sums are added on the GPU.
 a one-token layer runs as the "split" decode mode's stages, all device work: the K routed experts are
 ordered with those the GPU reads from VRAM (hot set, staged guesses) first and the rest in top-k order; the
 last n go to the CPU, the first K - n to the GPU, a split that needs nothing from the host. split_send
-orders them, packs the CPU's ids, weights and x into one buffer and posts it to the split server through a
-pinned mailbox (kernels/mailbox.py); split_gpu queues the GPU's share behind it (a kernel copies its blocks
-into the GPU bank's copy rows, where the engine gives it K of them, then the decode kernel reads them from
-VRAM: a few blocks read in place leave the bus partly idle); split_take spins on the GPU until the server's
-answer lands and adds it. The server (`cpu_moe.SplitServer`, a C thread) spins on the mailbox, gathers the
+orders them, packs the CPU's ids, weights and x, and the GPU's ids where they sit in RAM, into one buffer
+and posts it to the split server through a pinned mailbox (kernels/mailbox.py); split_gpu queues the GPU's
+share behind it (where the engine gives the GPU bank K copy rows, the server copies its RAM blocks there by
+the copy engine and the GPU waits for them, then the decode kernel reads them from VRAM: a few blocks read in
+place leave the bus partly idle); split_take spins on the GPU until the server's answer lands and adds it.
+The server (`cpu_moe.SplitServer`, a C thread) spins on the mailbox, queues the GPU's copies, gathers the
 request's blocks from the layers' address table and runs the kernel while the bus carries the GPU's blocks.
 No host call or sync sits between a layer's GPU and CPU work, so the decode graphs replay a token without an
 eager point for the split; the host only arms the server once a token is queued (`split_launched`).
@@ -35,7 +36,7 @@ import torch
 
 from expertstream.experts.bank import ExpertBank, WrappedBank
 from expertstream.kernels import cpu_moe, mailbox
-from expertstream.kernels.stage_blocks import stage_blocks
+from expertstream.kernels.cuda_driver import CopyStream
 from expertstream.log import get_logger
 
 log = get_logger(__name__)
@@ -224,12 +225,16 @@ class SplitExperts(WrappedBank):
         self._ids = torch.zeros(1, k, dtype=torch.int64, device=dev)
         self._w = torch.zeros(1, k, device=dev)
         self._pos = torch.arange(k, device=dev)
-        self._dev = torch.empty(2 * k + h, device=dev)  # the CPU's ids and weights, and x, packed on the GPU
+        # the CPU's ids and weights, x, the GPU's ids to copy (-1: in VRAM), packed on the GPU
+        self._dev = torch.empty(3 * k + h, device=dev)
         self._host = torch.empty(2 * cpu_moe.NMAX + h, pin_memory=pin)  # ... posted here (the request)
         self._out = torch.empty(h, pin_memory=pin)  # the server's answer, the CPU's [H] sum
         self._box = mailbox.new_box(pin)
         self._words = self._box.numpy()  # the host reads FAIL and ERR here without a device call
         self._seq = torch.zeros(1, dtype=torch.int32, device=dev)  # the last request's number
+        self._flag = torch.zeros(1, dtype=torch.int32, device=dev)  # ... once the GPU's copies have landed
+        self._loc = torch.zeros(gpu.num_experts, dtype=torch.int32, device=dev)  # the GPU's share's places
+        self._stream: CopyStream | None = None  # the server's copy stream on CUDA
         self._server: cpu_moe.SplitServer | None = None  # started at the first split layer
         self._ev: tuple = ()  # the split layer's CUDA events, set by split_send
         self.cpu_blocks = 0  # routed blocks posted to the CPU
@@ -287,8 +292,8 @@ class SplitExperts(WrappedBank):
         dev, h, n = self.bank.cache.device, self.layout.hidden_size, self.k - self.n_cpu
         e2s = torch.zeros(self.bank.num_experts, dtype=torch.int32, device=dev)
         ids, w = torch.zeros(n, dtype=torch.int64, device=dev), torch.ones(n, device=dev)
-        if self.copies:  # its copy kernel (every entry of e2s a slot: nothing is copied)
-            stage_blocks(ids[:1], e2s, self.bank.host_blocks, self.bank.cache.slots, 0, e2s.clone())
+        if self.copies:  # its wait (on a flag that already holds the number)
+            mailbox.wait(self._seq, self._seq, w, self._box)
         nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, device=dev), ids, e2s, self.bank.scales[0], w,
                                    self.layout, self.bank.cache.slots, self.bank.host_blocks)  # fmt: skip
 
@@ -321,7 +326,16 @@ class SplitExperts(WrappedBank):
         self._ids.copy_(expert_ids)
         self._w.copy_(weights)
         m = 2 * self.n_cpu + self.layout.hidden_size
-        torch.cat((self._ids[0, g:].float(), self._w[0, g:], x[0].float()), out=self._dev[:m])
+        parts = [self._ids[0, g:].float(), self._w[0, g:], x[0].float()]
+        if self.copies and g:  # the GPU's experts the server copies (in RAM; -1: in VRAM), and the places
+            loc = self.bank.residency.loc[layer]  # its kernel reads them from: expert i in copy row i
+            place = loc[self._ids[0, :g]]
+            ram = place < 0
+            parts.append(torch.where(ram, self._ids[0, :g], -1).float())
+            self._loc.copy_(loc)
+            self._loc[self._ids[0, :g]] = torch.where(ram, self._pos[:g].int() + self.bank.copy_first, place)
+            m += g
+        torch.cat(parts, out=self._dev[:m])
         self._seq.add_(1)
         mailbox.post(self._dev[:m], self._host, self._seq, self._box, layer, self.n_cpu)
         if self.gpu_timing:  # timed tokens send eagerly: the GPU's share is timed from the send's end, so
@@ -331,8 +345,8 @@ class SplitExperts(WrappedBank):
 
     @property
     def copies(self) -> bool:
-        """The GPU's share is copied into VRAM rows of its own before its kernel reads it (the GPU bank has
-        K copy rows); else the kernel reads it in place."""
+        """The server copies the GPU's share into VRAM rows of its own before the GPU's kernel reads it (the
+        GPU bank has K copy rows); else the kernel reads it in place."""
         return self.bank.copy_rows >= self.k
 
     def split_gpu(self, layer: int, x) -> torch.Tensor:
@@ -341,7 +355,10 @@ class SplitExperts(WrappedBank):
         g = self.k - self.n_cpu
         if not g:
             return torch.zeros(1, self.layout.hidden_size, device=x.device)
-        return self.bank.decode_compute(layer, x.float(), self._ids[:, :g], self._w[:, :g], copy=self.copies)
+        if not self.copies:
+            return self.bank.decode_compute(layer, x.float(), self._ids[:, :g], self._w[:, :g])
+        mailbox.wait(self._flag, self._seq, self._w[0, :g], self._box)
+        return self.bank.decode_compute(layer, x.float(), self._ids[:, :g], self._w[:, :g], loc=self._loc)
 
     def split_launched(self, layer: int) -> None:
         """Host work once a split layer is queued: the server armed, the GPU's reads counted, the GPU bank
@@ -377,8 +394,13 @@ class SplitExperts(WrappedBank):
         rows = torch.stack([torch.from_numpy(self.bank.ram_rows(i)) for i in range(self.ws2.shape[0])])
         host = self.bank.host_blocks
         addr = (rows.long() * host.stride(0) + host.data_ptr()).contiguous()  # [L, E]
+        copies = None
+        if self.copies:
+            cuda = self._flag.device.type == "cuda"
+            self._stream = CopyStream(self._flag.device) if cuda else None
+            copies = cpu_moe.Copies(self.bank.copy_view, self._flag, self.k, self._stream)
         self._server = cpu_moe.SplitServer(addr, self.ws2, self._host, self._out, self._box, self.layout,
-                                           self.threads(), SPLIT_SPIN_S)  # fmt: skip
+                                           self.threads(), SPLIT_SPIN_S, copies)  # fmt: skip
 
     @property
     def tuning(self) -> bool:
@@ -434,6 +456,9 @@ class SplitExperts(WrappedBank):
                 torch.cuda.synchronize(self.bank.cache.device)
             self._server.close()
             self._server = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         self.bank.close()
 
     @property
