@@ -132,6 +132,27 @@ def test_the_split_server_copies_the_gpus_share_before_it_computes():
     assert gw.isnan().all() and box[mailbox.FAIL] == seq
 
 
+@pytest.mark.parametrize("landed", [True, False])
+def test_the_wait_kernel_matches_its_twin(landed, kernel_device):
+    """`mailbox.wait`'s kernel (through the interpreter off CUDA) and its twin: a flag that holds the number
+    leaves the GPU's weights alone; one that never does turns them NaN and notes the number in box[FAIL]."""
+    from expertstream.kernels import mailbox
+
+    outs = []
+    for kernel in (True, False):
+        flag = torch.tensor([7 if landed else 6], dtype=torch.int32)
+        seq, box, w = torch.tensor([7], dtype=torch.int32), mailbox.new_box(pin=False), torch.ones(3)
+        if kernel:
+            flag, seq, w = flag.to(kernel_device), seq.to(kernel_device), w.to(kernel_device)
+            box = mailbox.new_box(pin=kernel_device == "cuda")
+            mailbox._wait_kernel[(1,)](flag, seq, w, 3, box, 100, W_FAIL=mailbox.FAIL, BLOCK=4)
+        else:
+            mailbox.wait_ref(flag, seq, w, box, timeout_s=0.01)
+        outs.append((w.cpu(), int(box[mailbox.FAIL])))
+    assert torch.equal(outs[0][0], outs[1][0]) or (outs[0][0].isnan().all() and outs[1][0].isnan().all())
+    assert outs[0][1] == outs[1][1] == (0 if landed else 7) and outs[0][0].isnan().all() != landed
+
+
 @pytest.mark.parametrize("kind", [0, 1])
 def test_the_split_server_does_not_wait_for_a_parked_thread(kind):
     """A worker parked mid-item (the test's stall: 1 s, as the scheduler parks a thread for a slice): the

@@ -139,10 +139,10 @@ def _wait_kernel(flag, seq, w, g, box, spins, W_FAIL: tl.constexpr, BLOCK: tl.co
     while (got != s) & (i < spins):
         got = tl.load(flag, volatile=True)
         i += 1
-    bad = (tl.zeros([1], tl.int32) + (got != s).to(tl.int32)) != 0
     offs = tl.arange(0, BLOCK)
-    tl.store(w + offs, tl.full([BLOCK], float("nan"), tl.float32), mask=(offs < g) & (tl.max(bad, 0) != 0))
-    tl.store(box + W_FAIL + tl.arange(0, 1), tl.zeros([1], tl.int32) + s, mask=bad)
+    bad = (tl.zeros([BLOCK], tl.int32) + got) != s
+    tl.store(w + offs, tl.full([BLOCK], float("nan"), tl.float32), mask=(offs < g) & bad)
+    tl.store(box + W_FAIL + offs, tl.zeros([BLOCK], tl.int32) + s, mask=(offs == 0) & bad)
 
 
 def _check_box(seq: torch.Tensor, box: torch.Tensor) -> None:
