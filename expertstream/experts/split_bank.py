@@ -234,7 +234,9 @@ class SplitExperts(WrappedBank):
         self._seq = torch.zeros(1, dtype=torch.int32, device=dev)  # the last request's number
         self._flag = torch.zeros(1, dtype=torch.int32, device=dev)  # ... once the GPU's copies have landed
         self._loc = torch.zeros(gpu.num_experts, dtype=torch.int32, device=dev)  # the GPU's share's places
-        self._stream: CopyStream | None = None  # the server's copy stream on CUDA
+        # the server's copy stream on CUDA: made here, as the server may start inside a capture
+        cuda = usable and self.copies and dev.type == "cuda"
+        self._stream = CopyStream(dev) if cuda else None
         self._server: cpu_moe.SplitServer | None = None  # started at the first split layer
         self._ev: tuple = ()  # the split layer's CUDA events, set by split_send
         self.cpu_blocks = 0  # routed blocks posted to the CPU
@@ -396,8 +398,6 @@ class SplitExperts(WrappedBank):
         addr = (rows.long() * host.stride(0) + host.data_ptr()).contiguous()  # [L, E]
         copies = None
         if self.copies:
-            cuda = self._flag.device.type == "cuda"
-            self._stream = CopyStream(self._flag.device) if cuda else None
             copies = cpu_moe.Copies(self.bank.copy_view, self._flag, self.k, self._stream)
         self._server = cpu_moe.SplitServer(addr, self.ws2, self._host, self._out, self._box, self.layout,
                                            self.threads(), SPLIT_SPIN_S, copies)  # fmt: skip
