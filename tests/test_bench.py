@@ -363,6 +363,9 @@ def test_the_cpu_share_regime_is_ram_with_a_measured_share_and_k_copy_rows(tiny_
     assert share[0].cpu_moe_share == -1.0 and without[0].cpu_moe_share == 0.0
     assert dataclasses.replace(share[0], cpu_moe_share=0.0) == without[0]
     assert share[1] == without[1] + wd.text_config["num_experts_per_tok"]  # the GPU share's copy rows
+    engine = regimes["ram, CPU share, copy engine"]  # the same, the server copying by the copy engine
+    assert engine[0].cpu_moe_copy == "engine" and share[0].cpu_moe_copy == "kernel"
+    assert dataclasses.replace(engine[0], cpu_moe_copy="kernel") == share[0] and engine[1] == share[1]
 
 
 def test_serve_table_says_why_a_background_task_failed():

@@ -84,16 +84,20 @@ def routing(wd, t, seed):
 
 
 @needs_kernel
-@pytest.mark.parametrize("copy", [True, False], ids=["copied", "in_place"])
-def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_device, copy):
+@pytest.mark.parametrize("how", ["kernel", "engine", "in_place"])
+def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_device, how):
+    """The GPU's share copied into its copy rows by a kernel, by the server (`copy_engine`: memcpy off CUDA,
+    the copy engine on it), or read in place."""
     wd = Workdir(tiny_workdir)
     k = wd.text_config["num_experts_per_tok"]
     blocks = wd.num_layers * wd.num_experts
+    copy = how != "in_place"
     with ExpertStore(wd, blocks * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
         ref = StreamedExperts(wd, store, torch.float32)
         gpu = GpuExperts(wd, store, 8 + k * copy, kernel_device, copy_rows=k * copy)
-        bank = SplitExperts(gpu, wd, share=0.5, threads=lambda: 2)
+        bank = SplitExperts(gpu, wd, share=0.5, threads=lambda: 2, copy_engine=how == "engine")
         assert bank.n_cpu == round(0.5 * k) and bank.copies == copy and gpu.cache.n_slots == 8
+        assert bank.copy_engine == (how == "engine")
         # before every block has a RAM row it is the GPU bank, staged
         assert not bank.splitting and bank.decode_mode == "staged"
         for h in store.request([(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]):
@@ -369,9 +373,10 @@ def test_split_decode_in_graphs_equals_eager_on_cuda(tiny_workdir):
     from expertstream.runtime.engine import Engine
 
     outs = []
-    for eager in (True, False):
+    for eager, how in ((True, "kernel"), (False, "kernel"), (False, "engine")):  # copied by the copy engine
         cfg = EngineConfig(model=str(tiny_workdir), device="cuda", max_model_len=512, gpu_memory_gb=4,
-                           ram_cache_gb=1, cpu_moe_share=0.5, enforce_eager=eager)  # fmt: skip
+                           ram_cache_gb=1, cpu_moe_share=0.5, enforce_eager=eager,
+                           cpu_moe_copy=how)  # fmt: skip
         eng = Engine(cfg, vram_cache_blocks=0)  # every block read from RAM: the bank adopts the RAM rows
         wd = eng.workdir
         for h in eng.store.request([(i, e) for i in range(wd.num_layers) for e in range(wd.num_experts)]):
@@ -381,6 +386,8 @@ def test_split_decode_in_graphs_equals_eager_on_cuda(tiny_workdir):
         assert eng.bank.decode_mode == "split" and eng.bank.split_times().calls == 12 * wd.num_layers
         assert eng.bank.graphed  # the graphs hold the whole split layer
         assert eng.bank.copies  # the engine gives the GPU's share rows to copy its blocks into
+        assert eng.bank.copy_engine == (how == "engine")
         outs.append(rows)
         eng.close()
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    for rows in outs[1:]:
+        torch.testing.assert_close(rows, outs[0], rtol=0, atol=0)

@@ -438,6 +438,13 @@ def decode_regimes(
             dataclasses.replace(all_in_ram, stage_guesses=staged, cpu_moe_share=cpu_moe_share),
             vram_blocks + 2 * staged + k,
         ),
+        # the same, the GPU's share copied by the copy engine, queued by the CPU share's server
+        "ram, CPU share, copy engine": (
+            dataclasses.replace(
+                all_in_ram, stage_guesses=staged, cpu_moe_share=cpu_moe_share, cpu_moe_copy="engine"
+            ),  # fmt: skip
+            vram_blocks + 2 * staged + k,
+        ),
         # every expert in RAM beside a large VRAM cache: decode reads the hot set there (not an issue regime)
         f"ram, {BIG_BUDGET_GB:g} GiB VRAM": (
             dataclasses.replace(all_in_ram, gpu_memory_gb=BIG_BUDGET_GB, stage_guesses=staged),

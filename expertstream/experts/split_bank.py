@@ -7,12 +7,12 @@ GPU bank's decode kernel, and the two sums are added on the GPU.
 a one-token layer runs as the "split" decode mode's stages, all device work: the K routed experts are
 ordered with those the GPU reads from VRAM (hot set, staged guesses) first and the rest in top-k order; the
 last n go to the CPU, the first K - n to the GPU, a split that needs nothing from the host. split_send
-orders them, packs the CPU's ids, weights and x, and the GPU's ids where they sit in RAM, into one buffer
-and posts it to the split server through a pinned mailbox (kernels/mailbox.py); split_gpu queues the GPU's
-share behind it (where the engine gives the GPU bank K copy rows, the server copies its RAM blocks there by
-the copy engine and the GPU waits for them, then the decode kernel reads them from VRAM: a few blocks read in
-place leave the bus partly idle); split_take spins on the GPU until the server's answer lands and adds it.
-The server (`cpu_moe.SplitServer`, a C thread) spins on the mailbox, queues the GPU's copies, gathers the
+orders them, packs the CPU's ids, weights and x into one buffer and posts it to the split server through a
+pinned mailbox (kernels/mailbox.py); split_gpu queues the GPU's share behind it (where the engine gives the
+GPU bank K copy rows, its RAM blocks are first copied there, by a kernel or, with `copy_engine`, by the
+server on the copy engine while the GPU waits for them; then the decode kernel reads them from VRAM: a few
+blocks read in place leave the bus partly idle); split_take spins on the GPU until the server's answer
+lands and adds it. The server (`cpu_moe.SplitServer`, a C thread) spins on the mailbox, gathers the
 request's blocks from the layers' address table and runs the kernel while the bus carries the GPU's blocks.
 No host call or sync sits between a layer's GPU and CPU work, so the decode graphs replay a token without an
 eager point for the split; the host only arms the server once a token is queued (`split_launched`).
@@ -37,6 +37,7 @@ import torch
 from expertstream.experts.bank import ExpertBank, WrappedBank
 from expertstream.kernels import cpu_moe, mailbox
 from expertstream.kernels.cuda_driver import CopyStream
+from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
 
 log = get_logger(__name__)
@@ -182,6 +183,8 @@ class SplitExperts(WrappedBank):
         cpu_gbps: the CPU kernel's rate; None: measured on the RAM cache's rows on `threads()` threads.
         tune: the auto share tunes itself by token time (the decode graphs time the tokens; without them
             it keeps the rates' choice).
+        copy_engine: where the GPU's share is copied (`copies`), the server queues the copies on the copy
+            engine (`cpu_moe.Copies`) instead of a kernel copying them (`--cpu-moe-copy engine`).
     """
 
     def __init__(
@@ -193,6 +196,7 @@ class SplitExperts(WrappedBank):
         bus_gbps: float | None = None,
         cpu_gbps: float | None = None,
         tune: bool = True,
+        copy_engine: bool = False,
     ):
         super().__init__(gpu)
         self.layout, self.threads = workdir.layout, threads
@@ -234,9 +238,9 @@ class SplitExperts(WrappedBank):
         self._seq = torch.zeros(1, dtype=torch.int32, device=dev)  # the last request's number
         self._flag = torch.zeros(1, dtype=torch.int32, device=dev)  # ... once the GPU's copies have landed
         self._loc = torch.zeros(gpu.num_experts, dtype=torch.int32, device=dev)  # the GPU's share's places
+        self.copy_engine = usable and copy_engine and self.copies
         # the server's copy stream on CUDA: made here, as the server may start inside a capture
-        cuda = usable and self.copies and dev.type == "cuda"
-        self._stream = CopyStream(dev) if cuda else None
+        self._stream = CopyStream(dev) if self.copy_engine and dev.type == "cuda" else None
         self._server: cpu_moe.SplitServer | None = None  # started at the first split layer
         self._ev: tuple = ()  # the split layer's CUDA events, set by split_send
         self.cpu_blocks = 0  # routed blocks posted to the CPU
@@ -294,8 +298,10 @@ class SplitExperts(WrappedBank):
         dev, h, n = self.bank.cache.device, self.layout.hidden_size, self.k - self.n_cpu
         e2s = torch.zeros(self.bank.num_experts, dtype=torch.int32, device=dev)
         ids, w = torch.zeros(n, dtype=torch.int64, device=dev), torch.ones(n, device=dev)
-        if self.copies:  # its wait (on a flag that already holds the number)
+        if self.copy_engine:  # its wait (on a flag that already holds the number)
             mailbox.wait(self._seq, self._seq, w, self._box)
+        elif self.copies:  # its copy kernel (every entry of e2s a slot: nothing is copied)
+            stage_blocks(ids[:1], e2s, self.bank.host_blocks, self.bank.cache.slots, 0, e2s.clone())
         nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, device=dev), ids, e2s, self.bank.scales[0], w,
                                    self.layout, self.bank.cache.slots, self.bank.host_blocks)  # fmt: skip
 
@@ -329,8 +335,8 @@ class SplitExperts(WrappedBank):
         self._w.copy_(weights)
         m = 2 * self.n_cpu + self.layout.hidden_size
         parts = [self._ids[0, g:].float(), self._w[0, g:], x[0].float()]
-        if self.copies and g:  # the GPU's experts the server copies (in RAM; -1: in VRAM), and the places
-            loc = self.bank.residency.loc[layer]  # its kernel reads them from: expert i in copy row i
+        if self.copy_engine and g:  # the GPU's experts the server copies (in RAM; -1: in VRAM), and the
+            loc = self.bank.residency.loc[layer]  # places its kernel reads them from: expert i in copy row i
             place = loc[self._ids[0, :g]]
             ram = place < 0
             parts.append(torch.where(ram, self._ids[0, :g], -1).float())
@@ -347,8 +353,8 @@ class SplitExperts(WrappedBank):
 
     @property
     def copies(self) -> bool:
-        """The server copies the GPU's share into VRAM rows of its own before the GPU's kernel reads it (the
-        GPU bank has K copy rows); else the kernel reads it in place."""
+        """The GPU's share is copied into VRAM rows of its own before its kernel reads it (the GPU bank has
+        K copy rows): by a kernel, or by the server (`copy_engine`); else the kernel reads it in place."""
         return self.bank.copy_rows >= self.k
 
     def split_gpu(self, layer: int, x) -> torch.Tensor:
@@ -359,7 +365,12 @@ class SplitExperts(WrappedBank):
             return torch.zeros(1, self.layout.hidden_size, device=x.device)
         if not self.copies:
             return self.bank.decode_compute(layer, x.float(), self._ids[:, :g], self._w[:, :g])
-        mailbox.wait(self._flag, self._seq, self._w[0, :g], self._box)
+        if self.copy_engine:  # split_send named the blocks and pointed self._loc at the copy rows
+            mailbox.wait(self._flag, self._seq, self._w[0, :g], self._box)
+        else:  # a kernel copies them and points self._loc there
+            bank = self.bank
+            loc, rows = bank.residency.loc[layer], bank.cache.slots
+            stage_blocks(self._ids[0, :g], loc, bank.host_blocks, rows, bank.copy_first, self._loc)
         return self.bank.decode_compute(layer, x.float(), self._ids[:, :g], self._w[:, :g], loc=self._loc)
 
     def split_launched(self, layer: int) -> None:
@@ -397,7 +408,7 @@ class SplitExperts(WrappedBank):
         host = self.bank.host_blocks
         addr = (rows.long() * host.stride(0) + host.data_ptr()).contiguous()  # [L, E]
         copies = None
-        if self.copies:
+        if self.copy_engine:
             copies = cpu_moe.Copies(self.bank.copy_view, self._flag, self.k, self._stream)
         self._server = cpu_moe.SplitServer(addr, self.ws2, self._host, self._out, self._box, self.layout,
                                            self.threads(), SPLIT_SPIN_S, copies)  # fmt: skip
