@@ -10,6 +10,7 @@ efficiency = bound / actual:
   ram, CPU share: the same, with the CPU computing a share of each layer's routed experts in place
                (--cpu-moe-share; -1, the default: the share the rates measured at start balance); its
                bound is max(PCIe bytes / PCIe rate, CPU bytes / CPU kernel rate, GPU)
+  ram, CPU share, copy engine: the same, the GPU's share copied by the copy engine (--cpu-moe-copy engine)
   disk:        RAM cache = 25% of the expert bytes, the rest read from disk (disk-bound)
   disk, 24 GiB VRAM: the disk regime's RAM cache with the VRAM cache a 24 GiB card's plan leaves
 Per-token times are for the bench's layers and scaled to the real 48. Each regime also reports the
