@@ -148,7 +148,7 @@ class EngineConfig:
         metadata={
             "help": "with --cpu-moe-share, how the GPU's share of a layer's experts crosses the bus into "
             "VRAM: kernel (a Triton kernel reads it from pinned RAM) or engine (the CPU share's server "
-            "thread queues it on the copy engine; see docs/runtime.md)"
+            "thread queues it on the copy engine; it has not yet run on a GPU, docs/runtime.md)"
         },
     )
     cpu_affinity: str | None = field(
