@@ -14,13 +14,35 @@ pytestmark = [
 ]
 
 
-def test_a_graph_posts_two_layers_and_takes_the_servers_answers():
+def two_layers():
+    """Two layers of 6 random experts in pinned rows, as in the RAM cache, and a server's buffers: (layout,
+    blocks, ws2, rows, addr [2, 6], packed, out, box)."""
     layout = ExpertLayout.for_dims(96, 48)
     blocks, ws2 = random_blocks(layout, 12, seed=3)
-    rows = torch.stack(blocks).pin_memory()  # two layers of 6 experts, as in the RAM cache
+    rows = torch.stack(blocks).pin_memory()
     addr = (torch.arange(12, dtype=torch.long) * rows.stride(0) + rows.data_ptr()).view(2, 6)
     packed = torch.empty(2 * cpu_moe.NMAX + 96, pin_memory=True)
     out, box = torch.empty(96, pin_memory=True), mailbox.new_box(pin=True)
+    return layout, blocks, ws2, rows, addr, packed, out, box
+
+
+def answer(layout, blocks, ws2, layer: int, ids, w, x) -> torch.Tensor:
+    """The CPU kernel's sum of experts ids of `layer` (of two_layers' tables) for x [H], weights w."""
+    e = ids + 6 * layer
+    return cpu_moe.moe([blocks[j] for j in e], ws2[e], w[:, None], x[None], layout, 1)
+
+
+def captured(layer) -> tuple[torch.cuda.CUDAGraph, tuple]:
+    """layer(0) and layer(1) run once (compiled), then captured in one graph: (graph, their outputs)."""
+    layer(0), layer(1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = (layer(0), layer(1))
+    return graph, got
+
+
+def test_a_graph_posts_two_layers_and_takes_the_servers_answers():
+    layout, blocks, ws2, rows, addr, packed, out, box = two_layers()
     server = cpu_moe.SplitServer(addr, ws2.view(2, 6, 3), packed, out, box, layout, threads=2, idle_s=1e-3)
     seq = torch.zeros(1, dtype=torch.int32, device="cuda")
     src, part = torch.zeros(2 * 3 + 96, device="cuda"), torch.zeros(1, 96, device="cuda")
@@ -30,10 +52,7 @@ def test_a_graph_posts_two_layers_and_takes_the_servers_answers():
         mailbox.post(src, packed, seq, box, i, 3)
         return mailbox.take(part, out, seq, box)
 
-    layer(0), layer(1)  # compiled before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = (layer(0), layer(1))
+    graph, got = captured(layer)
     g = torch.Generator().manual_seed(5)
     for trial in range(6):
         ids, w = torch.randperm(6, generator=g)[:3], torch.rand(3, generator=g)
@@ -43,9 +62,7 @@ def test_a_graph_posts_two_layers_and_takes_the_servers_answers():
         graph.replay()
         server.arm(1 + trial % 3)
         for i in (0, 1):
-            e = ids + 6 * i
-            want = cpu_moe.moe([blocks[j] for j in e], ws2[e], w[:, None], x[None], layout, 1)
-            assert torch.equal(got[i].cpu(), p + want)
+            assert torch.equal(got[i].cpu(), p + answer(layout, blocks, ws2, i, ids, w, x))
     assert server.stats()[0] == 2 + 2 * 6 and int(seq) == 2 + 2 * 6
     assert box[mailbox.FAIL] == 0 and box[mailbox.ERR] == 0
     server.close()
@@ -60,12 +77,7 @@ def test_a_graph_waits_for_the_servers_copies_by_the_copy_engine():
     landed, request after request, and the CPU's answers are as without copies."""
     from expertstream.kernels.cuda_driver import CopyStream
 
-    layout = ExpertLayout.for_dims(96, 48)
-    blocks, ws2 = random_blocks(layout, 12, seed=3)
-    rows = torch.stack(blocks).pin_memory()
-    addr = (torch.arange(12, dtype=torch.long) * rows.stride(0) + rows.data_ptr()).view(2, 6)
-    packed = torch.empty(2 * cpu_moe.NMAX + 96, pin_memory=True)
-    out, box = torch.empty(96, pin_memory=True), mailbox.new_box(pin=True)
+    layout, blocks, ws2, rows, addr, packed, out, box = two_layers()
     copy_rows = torch.zeros(4, layout.block_bytes, dtype=torch.uint8, device="cuda")
     flag, stream = torch.zeros(1, dtype=torch.int32, device="cuda"), CopyStream(torch.device("cuda"))
     copies = cpu_moe.Copies(copy_rows, flag, k=4, stream=stream)
@@ -81,10 +93,7 @@ def test_a_graph_waits_for_the_servers_copies_by_the_copy_engine():
         return copy_rows[:2].clone(), mailbox.take(part, out, seq, box)
 
     src.copy_(torch.tensor([0.0, 1.0, 1.0, 1.0, *([0.0] * 96), -1.0, -1.0]))  # nothing to copy yet
-    layer(0), layer(1)  # compiled before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = (layer(0), layer(1))
+    graph, got = captured(layer)
     g = torch.Generator().manual_seed(5)
     for trial in range(6):
         perm = torch.randperm(6, generator=g)
@@ -95,9 +104,7 @@ def test_a_graph_waits_for_the_servers_copies_by_the_copy_engine():
         graph.replay()
         server.arm(1 + trial % 2)
         for i in (0, 1):
-            e = ids + 6 * i
-            want = cpu_moe.moe([blocks[j] for j in e], ws2[e], w[:, None], x[None], layout, 1)
-            assert torch.equal(got[i][1].cpu(), p + want)
+            assert torch.equal(got[i][1].cpu(), p + answer(layout, blocks, ws2, i, ids, w, x))
             assert torch.equal(got[i][0].cpu(), rows[gpu + 6 * i])  # the copies had landed
     assert box[mailbox.FAIL] == 0 and box[mailbox.ERR] == 0 and int(flag) == int(seq) == 2 + 2 * 6
     assert gw.eq(1).all()
