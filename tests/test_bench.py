@@ -286,6 +286,14 @@ def test_regimes_flag_picks_regimes_by_slug_and_names_unknown_ones():
     assert list(picked) == ["vram", "disk, 24 GiB VRAM"]
     with pytest.raises(SystemExit, match="vram_eager"):
         chosen(argparse.Namespace(regimes=["ram"]), regimes)
+    # a regime that runs only when named
+    assert list(chosen(argparse.Namespace(regimes=None), regimes, named_only=("vram eager",))) == [
+        "vram",
+        "disk, 24 GiB VRAM",
+    ]
+    assert list(chosen(argparse.Namespace(regimes=["vram_eager"]), regimes, ("vram eager",))) == [
+        "vram eager"
+    ]
 
 
 def test_decode_regimes_stage_in_ram_only_on_top_of_the_cache_share(tiny_workdir):

@@ -10,7 +10,8 @@ efficiency = bound / actual:
   ram, CPU share: the same, with the CPU computing a share of each layer's routed experts in place
                (--cpu-moe-share; -1, the default: the share the rates measured at start balance); its
                bound is max(PCIe bytes / PCIe rate, CPU bytes / CPU kernel rate, GPU)
-  ram, CPU share, copy engine: the same, the GPU's share copied by the copy engine (--cpu-moe-copy engine)
+  ram, CPU share, copy engine: the same, the GPU's share copied by the copy engine (--cpu-moe-copy engine;
+               only when --regimes names it)
   disk:        RAM cache = 25% of the expert bytes, the rest read from disk (disk-bound)
   disk, 24 GiB VRAM: the disk regime's RAM cache with the VRAM cache a 24 GiB card's plan leaves
 Per-token times are for the bench's layers and scaled to the real 48. Each regime also reports the
@@ -489,7 +490,8 @@ def run(args) -> int:
     regimes, info = decode_regimes(wd, base, args.stage_guesses, args.cpu_moe_share)
     vram_blocks, share, share24, staged = (info[n] for n in ("vram_blocks", "share", "share24", "staged"))
     results = {}
-    for name, (cfg, blocks) in chosen(args, regimes).items():
+    # --cpu-moe-copy engine has not run on a GPU: timed only where named
+    for name, (cfg, blocks) in chosen(args, regimes, named_only=("ram, CPU share, copy engine",)).items():
         where = Path(args.profile) / regime_slug(name) if args.profile else None
         results[name] = decode_regime(cfg, blocks, args.tokens, where)
         log.info("%s: %s", name, results[name])
