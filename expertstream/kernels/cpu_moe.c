@@ -65,6 +65,27 @@ static inline v16f decode16(const uint8_t *p, uint8_t s) {
   __m128i c = _mm_unpacklo_epi64(b, _mm_srli_epi16(b, 4));
   return (v16f)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), (__m512)SLUT[s]);
 }
+#elif defined(__AVX2__) && !defined(CPU_MOE_PORTABLE)
+#include <immintrin.h>
+// as the AVX-512 form, in two halves of 8 lanes: vpermps indexes 8 entries, so the low 3 bits of a code pick
+// SLUT[s][0..7] and bit 3 flips the sign (E2M1 codes 8..15 are the negatives of 0..7, so the bits are those
+// of the table's own entries)
+static inline v16f decode16(const uint8_t *p, uint8_t s) {
+  __m128i b = _mm_loadl_epi64((const __m128i *)p);
+  __m128i c = _mm_unpacklo_epi64(b, _mm_srli_epi16(b, 4));
+  __m256 t = _mm256_load_ps((const float *)&SLUT[s]);
+  const __m256i bit3 = _mm256_set1_epi32(8);
+  union {
+    __m256 h[2];
+    v16f v;
+  } u;
+  for (int k = 0; k < 2; k++) {
+    __m256i i = _mm256_cvtepu8_epi32(k ? _mm_srli_si128(c, 8) : c);
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(i, bit3), 28);
+    u.h[k] = _mm256_xor_ps(_mm256_permutevar8x32_ps(t, i), _mm256_castsi256_ps(sign));
+  }
+  return u.v;
+}
 #else
 // portable form, even elements then odd ones (GCC vector extensions; compilers scalarise the widening, so
 // it is several times slower)
