@@ -444,7 +444,7 @@ def decode_regimes(
         "ram, CPU share, copy engine": (
             dataclasses.replace(
                 all_in_ram, stage_guesses=staged, cpu_moe_share=cpu_moe_share, cpu_moe_copy="engine"
-            ),  # fmt: skip
+            ),
             vram_blocks + 2 * staged + k,
         ),
         # every expert in RAM beside a large VRAM cache: decode reads the hot set there (not an issue regime)

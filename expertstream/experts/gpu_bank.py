@@ -296,7 +296,7 @@ class GpuExperts(ExpertBank):
     def decode_compute(self, layer: int, x, expert_ids, weights, loc=None) -> torch.Tensor:
         """The routed sum of x [1, H] from the places `decode_prepare` gave (no host work but launches), or
         from `loc` [E] int32 where given: a location row read in the layer's stead (the CPU share's, whose
-        RAM blocks point at the copy rows the split server fills, docs/runtime.md)."""
+        RAM blocks point at the copy rows they were copied into, docs/runtime.md)."""
         self.decode_join()
         given, loc = loc, self.residency.loc[layer]
         uncounted, self._uncounted = self._uncounted, False

@@ -31,8 +31,8 @@ def _check(rc: int, what: str) -> None:
 
 class CopyStream:
     """A non-blocking driver stream on `device` and what a C thread needs to queue copies on it:
-    `entry_points()` = (cuMemcpyHtoDAsync_v2, the stream, cuCtxSetCurrent, the primary context), as addresses.
-    None of it exists without libcuda (`available`)."""
+    `entry_points()` = (cuMemcpyHtoDAsync_v2, the stream, cuCtxSetCurrent, the primary context), as
+    addresses."""
 
     def __init__(self, device: torch.device):
         lib = _libcuda()
@@ -48,10 +48,6 @@ class CopyStream:
         finally:
             lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
         self.stream = stream
-
-    @staticmethod
-    def available(device: torch.device) -> bool:
-        return torch.device(device).type == "cuda" and _libcuda() is not None
 
     def entry_points(self) -> tuple[int, int, int, int]:
         addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
