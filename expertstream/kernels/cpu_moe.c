@@ -21,9 +21,18 @@
 #define RMAX 4        // rows one pass over x (or h) takes: each load of x feeds R FMAs
 
 typedef float v16f __attribute__((vector_size(64)));
-typedef float v16fu __attribute__((vector_size(64), aligned(4)));  // unaligned loads
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
+// The loops' vector: VL lanes, a group's 16 weights in 16 / VL parts. AVX2 has 8-lane registers: there GCC
+// moves a 16-lane vector through the stack at every use (2x slower than 8-lane parts)
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(CPU_MOE_PORTABLE)
+#define VL 8
+#else
+#define VL 16
+#endif
+#define PARTS (16 / VL)
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef float vfu __attribute__((vector_size(4 * VL), aligned(4)));  // unaligned loads
 
 // E2M1 code -> value; codes 8..15 are the negatives of 0..7
 static const float E2M1[16] = {0, .5f, 1, 1.5f, 2, 3, 4, 6, -0.f, -.5f, -1, -1.5f, -2, -3, -4, -6};
@@ -41,55 +50,49 @@ static void init_tables(void) {
   }
 }
 
-// The 16 weights of one group (8 code bytes p, scale byte s) as a vector, in the order x is permuted to
-// (perm below).
+// Part q (lanes VL q .. VL q + VL - 1) of the 16 weights of one group (8 code bytes p, scale byte s), in the
+// order x is permuted to (perm below).
 #if defined(__AVX512VBMI__) && !defined(CPU_MOE_PORTABLE)
 #include <immintrin.h>
 // natural order: vpmultishiftqb puts nibble L (bits 4L..4L+3 of the 8 bytes, broadcast to every qword) in
 // the low byte of dword lane L, and vpermps reads only its low 4 bits
 #define NATURAL 1
-static inline v16f decode16(const uint8_t *p, uint8_t s) {
+static inline vf decode(const uint8_t *p, uint8_t s, int q) {
+  (void)q;
   const __m512i ctl = _mm512_set_epi64(0x3c00000038LL, 0x3400000030LL, 0x2c00000028LL, 0x2400000020LL,
                                        0x1c00000018LL, 0x1400000010LL, 0x0c00000008LL, 0x0400000000LL);
   uint64_t b;
   memcpy(&b, p, 8);
   __m512i idx = _mm512_multishift_epi64_epi8(ctl, _mm512_set1_epi64((long long)b));
-  return (v16f)_mm512_permutexvar_ps(idx, (__m512)SLUT[s]);
+  return (vf)_mm512_permutexvar_ps(idx, (__m512)SLUT[s]);
 }
 #elif defined(__AVX512F__) && !defined(CPU_MOE_PORTABLE)
 #include <immintrin.h>
 // lanes 0-7 the low nibbles (even elements), 8-15 the high ones (odd elements); vpermps reads the low 4
 // bits of each index, so the neighbouring nibble above them needs no masking
-static inline v16f decode16(const uint8_t *p, uint8_t s) {
+static inline vf decode(const uint8_t *p, uint8_t s, int q) {
+  (void)q;
   __m128i b = _mm_loadl_epi64((const __m128i *)p);
   __m128i c = _mm_unpacklo_epi64(b, _mm_srli_epi16(b, 4));
-  return (v16f)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), (__m512)SLUT[s]);
+  return (vf)_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), (__m512)SLUT[s]);
 }
 #elif defined(__AVX2__) && !defined(CPU_MOE_PORTABLE)
 #include <immintrin.h>
-// as the AVX-512 form, in two halves of 8 lanes: vpermps indexes 8 entries, so the low 3 bits of a code pick
-// SLUT[s][0..7] and bit 3 flips the sign (E2M1 codes 8..15 are the negatives of 0..7, so the bits are those
-// of the table's own entries)
-static inline v16f decode16(const uint8_t *p, uint8_t s) {
+// part 0 the low nibbles (even elements), part 1 the high ones; vpermps indexes 8 entries, so the low 3 bits
+// of a code pick SLUT[s][0..7] and bit 3 flips the sign (E2M1 codes 8..15 are the negatives of 0..7, so the
+// bits are those of the table's own entries)
+static inline vf decode(const uint8_t *p, uint8_t s, int q) {
   __m128i b = _mm_loadl_epi64((const __m128i *)p);
-  __m128i c = _mm_unpacklo_epi64(b, _mm_srli_epi16(b, 4));
-  __m256 t = _mm256_load_ps((const float *)&SLUT[s]);
-  const __m256i bit3 = _mm256_set1_epi32(8);
-  union {
-    __m256 h[2];
-    v16f v;
-  } u;
-  for (int k = 0; k < 2; k++) {
-    __m256i i = _mm256_cvtepu8_epi32(k ? _mm_srli_si128(c, 8) : c);
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(i, bit3), 28);
-    u.h[k] = _mm256_xor_ps(_mm256_permutevar8x32_ps(t, i), _mm256_castsi256_ps(sign));
-  }
-  return u.v;
+  __m256i i = _mm256_cvtepu8_epi32(q ? _mm_srli_epi16(b, 4) : b);
+  __m256i sign = _mm256_slli_epi32(_mm256_and_si256(i, _mm256_set1_epi32(8)), 28);
+  __m256 t = _mm256_permutevar8x32_ps(_mm256_load_ps((const float *)&SLUT[s]), i);
+  return (vf)_mm256_xor_ps(t, _mm256_castsi256_ps(sign));
 }
 #else
 // portable form, even elements then odd ones (GCC vector extensions; compilers scalarise the widening, so
 // it is several times slower)
-static inline v16f decode16(const uint8_t *p, uint8_t s) {
+static inline vf decode(const uint8_t *p, uint8_t s, int q) {
+  (void)q;
   uint64_t b, nib[2];
   memcpy(&b, p, 8);
   nib[0] = b & 0x0F0F0F0F0F0F0F0FULL;
@@ -111,28 +114,33 @@ static inline v16f decode16(const uint8_t *p, uint8_t s) {
 // compiler from fusing any other sum). Unfused, the multiply and the add were two of a group's four uops on
 // the two 512-bit ports of Intel's cores: fused, the kernel runs faster there (docs/benchmarks.md)
 #if defined(__AVX512F__) && !defined(CPU_MOE_PORTABLE)
-#define MADD(a, b, c) ((v16f)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#define MADD(a, b, c) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c)))
+#elif VL == 8 && defined(__FMA__)
+#define MADD(a, b, c) ((vf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
 #else
 #define MADD(a, b, c) ((a) * (b) + (c))
 #endif
 
-static inline float hsum(v16f v) {
+static inline float hsum(vf v) {
   float s = 0;
-  for (int i = 0; i < 16; i++) s += v[i];
+  for (int i = 0; i < VL; i++) s += v[i];
   return s;
 }
 
+// a row and token's dot product from its two accumulators: the even and odd groups' (VL 16), or the groups'
+// two parts (VL 8)
+static inline float fold(vf a, vf b) { return VL == 16 ? hsum(a + b) : hsum(a) + hsum(b); }
+
 // res[r][t] = row r . xp[t] over G groups for R <= RMAX rows at once (gate and up rows, or down rows, share
-// each load of x); xp holds x in decode16's order. Two accumulators per row and token (even and odd groups)
-// keep enough FMA chains in flight for one token.
+// each load of x); xp holds x in decode's order. Two accumulators per row and token (even and odd groups, or
+// a group's two parts) keep enough FMA chains in flight for one token.
 static inline __attribute__((always_inline)) void dot_rows(const uint8_t *const *w, const uint8_t *const *s,
                                                           int R, int G, const float *xp, int stride, int T,
                                                           long ahead, float res[][TMAX]) {
-  v16f acc[RMAX][TMAX][2];
+  vf acc[RMAX][TMAX][2];
   for (int r = 0; r < R; r++)
-    for (int t = 0; t < T; t++) acc[r][t][0] = acc[r][t][1] = (v16f){0};
-  int g = 0;
-  for (; g + 2 <= G; g += 2) {
+    for (int t = 0; t < T; t++) acc[r][t][0] = acc[r][t][1] = (vf){0};
+  for (int g = 0; g < G; g += 2) {
     // every 8 groups a line of each row's codes and scales `ahead` code bytes on: the same row of the next
     // pass (an item's rows are adjacent). From RAM the hardware prefetchers lose the interleaved streams:
     // one thread ~1.7x faster with it
@@ -141,28 +149,23 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *const 
         __builtin_prefetch(w[r] + 8 * g + ahead);
         __builtin_prefetch(s[r] + g + ahead / 8);
       }
-    for (int u = 0; u < 2; u++) {
-      v16f wg[RMAX];
-      for (int r = 0; r < R; r++) wg[r] = decode16(w[r] + 8 * (g + u), s[r][g + u]);
-      for (int t = 0; t < T; t++) {
-        v16f x = *(const v16fu *)(xp + (size_t)t * stride + 16 * (g + u));
-        IN_REGISTER(x);
-        for (int r = 0; r < R; r++) acc[r][t][u] = MADD(wg[r], x, acc[r][t][u]);
+    for (int u = 0; u < 2 && g + u < G; u++)
+      for (int q = 0; q < PARTS; q++) {
+        const int k = PARTS == 1 ? u : q;  // the accumulator
+        vf wg[RMAX];
+        for (int r = 0; r < R; r++) wg[r] = decode(w[r] + 8 * (g + u), s[r][g + u], q);
+        for (int t = 0; t < T; t++) {
+          vf x = *(const vfu *)(xp + (size_t)t * stride + 16 * (g + u) + VL * q);
+          IN_REGISTER(x);
+          for (int r = 0; r < R; r++) acc[r][t][k] = MADD(wg[r], x, acc[r][t][k]);
+        }
       }
-    }
-  }
-  if (g < G) {
-    for (int r = 0; r < R; r++) {
-      v16f wg = decode16(w[r] + 8 * g, s[r][g]);
-      for (int t = 0; t < T; t++)
-        acc[r][t][0] = MADD(wg, *(const v16fu *)(xp + (size_t)t * stride + 16 * g), acc[r][t][0]);
-    }
   }
   for (int r = 0; r < R; r++)
-    for (int t = 0; t < T; t++) res[r][t] = hsum(acc[r][t][0] + acc[r][t][1]);
+    for (int t = 0; t < T; t++) res[r][t] = fold(acc[r][t][0], acc[r][t][1]);
 }
 
-// position of element k of a row in decode16's order
+// position of element k of a row in decode's order
 static inline int perm(int k) {
 #ifdef NATURAL
   return k;
@@ -217,8 +220,9 @@ static int item_rows(int mats, int rows, int threads, int least, int most) {
 }
 
 // rows a pass takes per matrix: P gate and P up rows in up_item, 2P down rows in down_item (T <= 2 keeps the
-// 4 rows' accumulators in registers; from RAM 10 % faster than 2 rows at T = 1, 30 % at T = 2)
-#define PAIRS(T) ((T) <= 2 ? 2 : 1)
+// 4 rows' accumulators in registers; from RAM 10 % faster than 2 rows at T = 1, 30 % at T = 2). With 8-lane
+// parts (AVX2: half AVX-512's registers) one pair
+#define PAIRS(T) (PARTS == 1 && (T) <= 2 ? 2 : 1)
 
 // a worker in a rescue phase whose items the caller has begun to compute (or one that has closed since):
 // it drops its item at the next pass, as a parked thread's stale passes would take a core from the calls
@@ -531,10 +535,10 @@ static void bw_phase(Job *unused) {
   (void)unused;
   int i;
   long chunk = 1 << 16;
-  v16f acc = {0};
+  vf acc = {0};
   while ((i = atomic_fetch_add(&bw_next, 1)) * chunk < bw_n) {
     long a = i * chunk, b = a + chunk < bw_n ? a + chunk : bw_n;
-    for (long k = a; k + 16 <= b; k += 16) acc += *(const v16fu *)(bw_buf + k);
+    for (long k = a; k + VL <= b; k += VL) acc += *(const vfu *)(bw_buf + k);
   }
   bw_sink[0] += hsum(acc);
 }
