@@ -29,6 +29,16 @@ def random_blocks(layout: ExpertLayout, n: int, seed: int) -> tuple[list[torch.T
     return blocks, ws2
 
 
+def test_a_small_layer_takes_one_thread_and_a_large_one_all():
+    """Threads are worth waking only for MIN_BYTES of blocks each: the demo model's four experts (25 KB
+    each) run on the caller's thread, a full-shape layer's ten (2.7 MiB each) on every thread given."""
+    demo, full = ExpertLayout.for_dims(256, 64), ExpertLayout.for_dims(2560, 640)
+    assert cpu_moe.useful_threads(demo, 4, threads=2) == 1
+    assert cpu_moe.useful_threads(full, 10, threads=14) == 14
+    assert cpu_moe.useful_threads(full, 1, threads=14) == full.payload_bytes // cpu_moe.MIN_BYTES + 1
+    assert cpu_moe.useful_threads(full, 10, threads=0) == 1
+
+
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_kernel_matches_twin(t, threads):

@@ -216,7 +216,8 @@ class StreamedExperts(ExpertBank):
         wt = torch.zeros(len(experts), t)  # [n, T] routing weight of expert row j for token t
         wt[torch.searchsorted(uniq, expert_ids), torch.arange(t)[:, None]] = weights.float()
         ws2 = self.weight_scale_2[layer, experts]  # [n, 3]
-        return cpu_moe.moe(blocks, ws2, wt, x, self.layout, self.threads()).to(x.dtype)
+        threads = cpu_moe.useful_threads(self.layout, len(blocks), self.threads())
+        return cpu_moe.moe(blocks, ws2, wt, x, self.layout, threads).to(x.dtype)
 
 
 def _groups(segments: list[tuple[int, int]], rows: int) -> list[list[tuple[int, int]]]:

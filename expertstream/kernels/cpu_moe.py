@@ -177,6 +177,15 @@ def moe(
     return out
 
 
+MIN_BYTES = 256 << 10  # fewest bytes of blocks worth a thread of their own (`useful_threads`)
+
+
+def useful_threads(layout: ExpertLayout, n: int, threads: int) -> int:
+    """Threads worth waking for n experts' blocks: one per MIN_BYTES at most. A sleeping worker takes tens of
+    microseconds to wake (more in a VM), longer than a small model's whole layer on one thread."""
+    return max(1, min(threads, n * layout.payload_bytes // MIN_BYTES + 1))
+
+
 def scratch_floats(layout: ExpertLayout, n: int, t: int) -> int:
     """FP32 scratch `moe_into` needs for n experts and t tokens."""
     return n * t * layout.intermediate_size + t * layout.hidden_size
