@@ -207,8 +207,10 @@ def test_ctrl_c_ends_generate_quietly(tiny_workdir):
         "--max-model-len",
         "4096",
     ]
+    # SIGINT's default action, as under a terminal (a pytest-xdist worker ignores it; children inherit that)
     proc = subprocess.Popen([sys.executable, "-m", "expertstream", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         proc.stdout.read(1)  # the first generated character: the engine is in its decode loop
         proc.send_signal(signal.SIGINT)
