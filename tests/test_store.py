@@ -269,6 +269,26 @@ def test_closed_store_refuses_requests(tiny_workdir):
         store.request([(0, 0)])
 
 
+@pytest.mark.parametrize("thread_runs", [False, True])
+def test_ctrl_c_while_the_prefetcher_starts_still_closes(tiny_workdir, monkeypatch, thread_runs):
+    """Ctrl-C can interrupt Thread.start() while it waits for the new thread: close() then neither raises
+    (join() refuses a thread not yet marked started) nor closes the reader under a thread that reads."""
+    start = threading.Thread.start
+
+    def interrupted_start(thread):
+        if thread_runs:
+            start(thread)
+        raise KeyboardInterrupt
+
+    store = ExpertStore(tiny_workdir, 1 << 20, io_threads=1)
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        store.prefetch([(0, 0)])
+    monkeypatch.undo()
+    store.close()
+    assert store._prefetcher_done.is_set() == thread_runs
+
+
 def test_peeks_count_no_use_and_prefetched_blocks_enter_cold():
     from expertstream.store.cache import BlockCache
 

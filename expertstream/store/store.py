@@ -135,6 +135,7 @@ class ExpertStore:
         self._preload_queue: deque[Key] = deque()  # below the guesses: read only when they are all done
         self._prefetched: set[Key] = set()  # read by the prefetcher, not yet served to anyone
         self._prefetcher: threading.Thread | None = None
+        self._prefetcher_done = threading.Event()
         self._closed = False
 
     @property
@@ -289,6 +290,12 @@ class ExpertStore:
             os.sched_setaffinity(0, self._cpus)
 
     def _prefetch_loop(self) -> None:
+        try:
+            self._prefetch_until_closed()
+        finally:
+            self._prefetcher_done.set()
+
+    def _prefetch_until_closed(self) -> None:
         self._restore_affinity()
         while True:
             with self._lock:
@@ -388,8 +395,10 @@ class ExpertStore:
                 return
             self._closed = True
             self._landed.notify_all()
-        if self._prefetcher is not None:
-            self._prefetcher.join()
+        # Ctrl-C can land inside Thread.start(), before the thread is marked started (join() would raise).
+        # One that has not run yet (no ident) finds the store closed before it reads anything.
+        if self._prefetcher is not None and self._prefetcher.ident is not None:
+            self._prefetcher_done.wait()
         self._pool.shutdown(wait=True)  # outside the lock: finishing reads take it
         self._reader.close()
 
