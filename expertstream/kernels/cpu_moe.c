@@ -40,16 +40,6 @@ static const float E2M1[16] = {0, .5f, 1, 1.5f, 2, 3, 4, 6, -0.f, -.5f, -1, -1.5
 // 2-bit significand), so decoding a group is one table lookup, with no multiply (16 KB, L1-resident)
 static v16f SLUT[256];
 
-static void init_tables(void) {
-  for (int b = 0; b < 256; b++) {
-    int e = (b >> 3) & 15, m = b & 7;
-    float v = e ? ldexpf(1.f + m / 8.f, e - 7) : ldexpf((float)m, -9);
-    if ((b & 0x7f) == 0x7f) v = NAN;
-    if (b & 0x80) v = -v;
-    for (int i = 0; i < 16; i++) SLUT[b][i] = E2M1[i] * v;
-  }
-}
-
 // Part q (lanes VL q .. VL q + VL - 1) of the 16 weights of one group (8 code bytes p, scale byte s), in the
 // order x is permuted to (perm below).
 #if defined(__AVX512VBMI__) && !defined(CPU_MOE_PORTABLE)
@@ -78,15 +68,16 @@ static inline vf decode(const uint8_t *p, uint8_t s, int q) {
 }
 #elif defined(__AVX2__) && !defined(CPU_MOE_PORTABLE)
 #include <immintrin.h>
-// part 0 the low nibbles (even elements), part 1 the high ones; vpermps indexes 8 entries, so the low 3 bits
-// of a code pick SLUT[s][0..7] and bit 3 flips the sign (E2M1 codes 8..15 are the negatives of 0..7, so the
-// bits are those of the table's own entries)
+#define SIGNED_LUT 1
+// part 0 the low nibbles (even elements), part 1 the high ones. vpermps indexes 8 entries, so a code's low 3
+// bits k pick SLUT8[s][k]; code << 28 puts its bit 3 (the sign: E2M1 codes 8..15 are the negatives of 0..7)
+// on bit 31 and k on bits 28-30, where SLUT8[s][k] holds its value's bits xor k, so one xor gives the value
+static float SLUT8[256][8] __attribute__((aligned(32)));
 static inline vf decode(const uint8_t *p, uint8_t s, int q) {
   __m128i b = _mm_loadl_epi64((const __m128i *)p);
   __m256i i = _mm256_cvtepu8_epi32(q ? _mm_srli_epi16(b, 4) : b);
-  __m256i sign = _mm256_slli_epi32(_mm256_and_si256(i, _mm256_set1_epi32(8)), 28);
-  __m256 t = _mm256_permutevar8x32_ps(_mm256_load_ps((const float *)&SLUT[s]), i);
-  return (vf)_mm256_xor_ps(t, _mm256_castsi256_ps(sign));
+  __m256 t = _mm256_permutevar8x32_ps(_mm256_load_ps(SLUT8[s]), i);
+  return (vf)_mm256_xor_ps(t, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
 }
 #else
 // portable form, even elements then odd ones (GCC vector extensions; compilers scalarise the widening, so
@@ -102,6 +93,24 @@ static inline vf decode(const uint8_t *p, uint8_t s, int q) {
   return __builtin_shuffle(SLUT[s], __builtin_convertvector(c, v16i));
 }
 #endif
+
+static void init_tables(void) {
+  for (int b = 0; b < 256; b++) {
+    int e = (b >> 3) & 15, m = b & 7;
+    float v = e ? ldexpf(1.f + m / 8.f, e - 7) : ldexpf((float)m, -9);
+    if ((b & 0x7f) == 0x7f) v = NAN;
+    if (b & 0x80) v = -v;
+    for (int i = 0; i < 16; i++) SLUT[b][i] = E2M1[i] * v;
+#ifdef SIGNED_LUT
+    for (int k = 0; k < 8; k++) {
+      uint32_t u;
+      memcpy(&u, &SLUT[b][k], 4);
+      u ^= (uint32_t)k << 28;
+      memcpy(&SLUT8[b][k], &u, 4);
+    }
+#endif
+  }
+}
 
 // one load of x for the R rows of dot_rows (compilers fold the load into each FMA; loads bound the loop)
 #if defined(__x86_64__) && defined(__AVX512F__)
@@ -223,6 +232,9 @@ static int item_rows(int mats, int rows, int threads, int least, int most) {
 // 4 rows' accumulators in registers; from RAM 10 % faster than 2 rows at T = 1, 30 % at T = 2). With 8-lane
 // parts (AVX2: half AVX-512's registers) one pair
 #define PAIRS(T) (PARTS == 1 && (T) <= 2 ? 2 : 1)
+// rows one dot_rows call takes: with 8-lane parts and T >= 4, one (two rows' 2 T accumulators each would
+// fill AVX2's 16 registers)
+#define ROWS_CALL(T) (PARTS == 2 && (T) >= 4 ? 1 : 2 * PAIRS(T))
 
 // a worker in a rescue phase whose items the caller has begun to compute (or one that has closed since):
 // it drops its item at the next pass, as a parked thread's stale passes would take a core from the calls
@@ -262,7 +274,8 @@ static inline __attribute__((always_inline)) void up_item(const Job *j, int item
       w[k] = b + j->off[0] + (size_t)(r + k) * H / 2, s[k] = b + j->off[3] + (size_t)(r + k) * G;
       w[P + k] = b + j->off[1] + (size_t)(r + k) * H / 2, s[P + k] = b + j->off[4] + (size_t)(r + k) * G;
     }
-    dot_rows(w, s, 2 * P, G, j->xp, H, T, (long)P * H / 2, gu);
+    for (int k = 0; k < 2 * P; k += ROWS_CALL(T))
+      dot_rows(w + k, s + k, ROWS_CALL(T), G, j->xp, H, T, (long)P * H / 2, gu + k);
     for (int k = 0; k < P; k++)
       for (int t = 0; t < T; t++) {
         float gg = gu[k][t] * sg;
@@ -275,7 +288,7 @@ static inline __attribute__((always_inline)) void up_item(const Job *j, int item
 static inline __attribute__((always_inline)) void down_item(const Job *j, int item, uint64_t ser, Lane *me,
                                                             int T) {
   int r0 = item * j->rows_down, r1 = r0 + j->rows_down < j->H ? r0 + j->rows_down : j->H, I = j->I, G = I / 16;
-  int R = 2 * PAIRS(T);
+  int R = ROWS_CALL(T);
   float d[RMAX][TMAX];
   for (int r = r0; r < r1; r += R) {  // rows r..r+R-1 (H is a multiple of 16) in one pass over each h
     if (left_behind(j, ser, me)) return;
