@@ -74,8 +74,8 @@ static inline vf decode(const uint8_t *p, uint8_t s, int q) {
 // on bit 31 and k on bits 28-30, where SLUT8[s][k] holds its value's bits xor k, so one xor gives the value
 static float SLUT8[256][8] __attribute__((aligned(32)));
 static inline vf decode(const uint8_t *p, uint8_t s, int q) {
-  __m128i b = _mm_loadl_epi64((const __m128i *)p);
-  __m256i i = _mm256_cvtepu8_epi32(q ? _mm_srli_epi16(b, 4) : b);
+  __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));  // shared by the two parts
+  if (q) i = _mm256_srli_epi32(i, 4);
   __m256 t = _mm256_permutevar8x32_ps(_mm256_load_ps(SLUT8[s]), i);
   return (vf)_mm256_xor_ps(t, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
 }
