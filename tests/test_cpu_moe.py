@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from expertstream.formats import nvfp4
+from expertstream.formats import mxfp4, nvfp4
 from expertstream.formats.expert_block import PROJ, ExpertLayout
 from expertstream.kernels import cpu_moe
 
@@ -13,8 +13,8 @@ pytestmark = pytest.mark.skipif(cpu_moe.library() is None, reason="no C compiler
 
 
 def random_blocks(layout: ExpertLayout, n: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """n random expert blocks (every E2M1 code and many E4M3 scales, subnormals included) and their [n, 3]
-    global scales."""
+    """n random expert blocks in the layout's format (every E2M1 code and many block scales, E4M3 subnormals
+    included) and their [n, 3] global scales (ones for MXFP4, which has none)."""
     g = torch.Generator().manual_seed(seed)
     h, i = layout.hidden_size, layout.intermediate_size
     blocks, ws2 = [], torch.empty(n, 3)
@@ -22,7 +22,10 @@ def random_blocks(layout: ExpertLayout, n: int, seed: int) -> tuple[list[torch.T
         tensors = {}
         for j, (proj, shape) in enumerate(zip(PROJ, ((i, h), (i, h), (h, i)))):
             w = torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g).pow(3)
-            q, s, s2 = nvfp4.quantize(w)
+            if layout.fmt == "mxfp4":
+                (q, s), s2 = mxfp4.quantize(w), 1.0
+            else:
+                q, s, s2 = nvfp4.quantize(w)
             tensors[f"{proj}.weight"], tensors[f"{proj}.weight_scale"] = q, s
             ws2[e, j] = s2
         blocks.append(torch.frombuffer(bytearray(layout.pack(tensors)), dtype=torch.uint8))
@@ -211,9 +214,32 @@ def test_the_split_server_does_not_wait_for_a_parked_thread(kind):
         server.close()
 
 
-def test_kernel_reads_every_code_and_the_nibble_order():
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+@pytest.mark.parametrize("limit", [None, 0.3])
+def test_mxfp4_blocks_and_the_swiglu_limit_match_the_twin(t, limit):
+    """DeepSeek-V4's experts: MXFP4 blocks (a UE8M0 scale per 32 weights: 3 groups a row, an odd count) and
+    gate and up clamped at the limit; the limit clamps some of these rows (the twin changes without it)."""
+    layout = ExpertLayout.for_format("mxfp4", 96, 64)
+    blocks, ws2 = random_blocks(layout, 5, seed=t)
+    g = torch.Generator().manual_seed(300 + t)
+    x = torch.randn(t, 96, generator=g)
+    wt = torch.rand(5, t, generator=g) * (torch.rand(5, t, generator=g) < 0.6)
+    ws2 = ws2 * 7  # not read: MXFP4 has no global scale
+    got = cpu_moe.moe(blocks, ws2, wt, x, layout, 3, swiglu_limit=limit)
+    want = cpu_moe.moe_twin(blocks, ws2, wt, x, layout, swiglu_limit=limit)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    if limit is not None:
+        assert not torch.allclose(want, cpu_moe.moe_twin(blocks, ws2, wt, x, layout), rtol=1e-3, atol=1e-3)
+    alone = torch.cat(
+        [cpu_moe.moe(blocks, ws2, wt[:, i : i + 1], x[i : i + 1], layout, 2, limit) for i in range(t)]
+    )
+    assert torch.equal(got, alone)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_kernel_reads_every_code_and_the_nibble_order(fmt):
     # a one-hot input picks single columns: any swap of the two nibbles of a byte changes the result
-    layout = ExpertLayout.for_dims(32, 16)
+    layout = ExpertLayout.for_format(fmt, 32, 32)
     blocks, ws2 = random_blocks(layout, 2, seed=7)
     wt = torch.ones(2, 8)
     for cols in (range(0, 8), range(8, 16), range(16, 24), range(24, 32)):

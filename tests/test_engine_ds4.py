@@ -261,3 +261,22 @@ def test_fp8_as_shipped_gives_the_dequantized_paths_tokens(ds4_setup, kernel_dev
             engine.close()
     assert torch.equal(runs["triton"].argmax(-1), runs["torch"].argmax(-1))
     assert (runs["triton"] - runs["torch"]).abs().max() <= 1e-3
+
+
+def test_the_disk_regime_holds_two_layers_routed_experts(ds4_setup):
+    """A quarter of a small model's blocks can be fewer than the K a layer holds at once (2 layers x 8
+    experts, top-6: 4 blocks); the disk regime's RAM cache then holds two layers' K."""
+    from types import SimpleNamespace
+
+    from expertstream.bench.workdir_decode import regimes
+    from expertstream.config import EngineConfig
+    from expertstream.memory_plan import GiB
+    from expertstream.workdir.workdir import Workdir
+
+    wd = Workdir(ds4_setup[1])
+    block = wd.layout.block_bytes
+    top6 = {"num_experts_per_tok": 6}
+    small = SimpleNamespace(layout=wd.layout, num_layers=2, num_experts=8, text_config=top6)
+    for w, blocks in ((small, 12), (wd, wd.num_layers * wd.num_experts / 4)):
+        cfg, vram = regimes(w, EngineConfig(model=str(wd.path)), cuda=False)["disk"]
+        assert cfg.ram_cache_gb * GiB == pytest.approx(blocks * block) and vram == 0

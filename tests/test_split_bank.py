@@ -139,6 +139,33 @@ def test_split_decode_equals_the_torch_bank(tiny_workdir, host_alloc, kernel_dev
         bank.close()
 
 
+@needs_kernel
+def test_split_decode_of_mxfp4_experts_with_the_swiglu_limit(ds4_tiny, host_alloc, kernel_device):
+    """DeepSeek-V4's experts: the server's share reads MXFP4 blocks and clamps as the GPU bank does (a limit
+    these rows reach: without it the torch bank's answer changes)."""
+    wd, lim = Workdir(ds4_tiny(0)[1]), 0.05
+    k, blocks = wd.text_config["num_experts_per_tok"], wd.num_layers * wd.num_experts
+    with ExpertStore(wd, blocks * wd.layout.block_bytes, io_threads=2, **host_alloc) as store:
+        ref = StreamedExperts(wd, store, torch.float32, swiglu_limit=lim)
+        free = StreamedExperts(wd, store, torch.float32)
+        gpu = GpuExperts(wd, store, 8 + k, kernel_device, swiglu_limit=lim, copy_rows=k)
+        bank = SplitExperts(gpu, wd, share=0.5, threads=lambda: 2)
+        keys = [(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]
+        for h in store.request(keys):
+            h.wait()
+            h.release()
+        bank(0, *(v.to(kernel_device) for v in routing(wd, 4, seed=1)))  # the GPU bank adopts the rows
+        assert bank.splitting and 0 < bank.n_cpu < k
+        for layer in range(wd.num_layers):
+            x, ids, w = routing(wd, 1, seed=10 + layer)
+            got = bank(layer, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
+            want = ref(layer, x, ids, w)
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
+            assert not torch.allclose(want, free(layer, x, ids, w), rtol=1e-3, atol=1e-3)
+        assert bank.cpu_blocks == wd.num_layers * bank.n_cpu
+        bank.close()
+
+
 def test_a_zero_share_is_the_gpu_bank(tiny_workdir, host_alloc, kernel_device):
     wd = Workdir(tiny_workdir)
     with ExpertStore(wd, 1 << 20, io_threads=2, **host_alloc) as store:

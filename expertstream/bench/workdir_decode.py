@@ -1,13 +1,13 @@
 """`expertstream bench decode --model WORKDIR`: decode speed of an existing working directory of any family.
 
 The regimes are where the blocks come from. On CUDA the engine runs the CUDA expert bank (NVFP4 or MXFP4
-blocks): `vram` (every block in a VRAM slot: the budget grows by the expert bytes), `ram` (every block in
-the pinned RAM cache, no VRAM expert cache beside the plan's slots: the kernels read each block over the
-bus) and `disk` (a RAM cache of a quarter of the expert bytes, the rest read from the drive, no VRAM expert
-cache). Without CUDA the engine's CPU bank (StreamedExperts) runs `ram` and `disk`. Each reports ms per
-token and per layer, the disk bytes per token and the drive's bound on them (the rate is measured in the
-same run), the RAM cache's hit rate, the stall waiting for blocks, and whether the greedy tokens equal the
-first regime's.
+blocks): `vram` (every block in a VRAM slot: the budget grows by the expert bytes), `ram` (every block in the
+pinned RAM cache, no VRAM expert cache beside the plan's slots: the kernels read each block over the bus) and
+`disk` (a RAM cache of a quarter of the expert bytes, at least two layers' routed experts, the rest read from
+the drive, no VRAM expert cache). Without CUDA the engine's CPU bank (StreamedExperts) runs `ram` and `disk`.
+Each reports ms per token and per layer, the disk bytes per token and the drive's bound on them (the rate is
+measured in the same run), the RAM cache's hit rate, the stall waiting for blocks, and whether the greedy
+tokens equal the first regime's.
 """
 
 from __future__ import annotations
@@ -75,28 +75,35 @@ def regime(cfg: EngineConfig, tokens: int, vram_cache_blocks: int) -> dict:
         eng.close()
 
 
+def regimes(wd, base: EngineConfig, cuda: bool) -> dict[str, tuple[EngineConfig, int]]:
+    """{name: (config, VRAM expert cache blocks)}: none beside the plan's slots in ram and disk."""
+    block = wd.layout.block_bytes
+    expert_bytes = wd.num_layers * wd.num_experts * block
+    all_in_ram = dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1)
+    # a layer's K blocks are held at once, the next layer's guesses read beside them
+    some = max(0.25 * expert_bytes, 2 * wd.text_config["num_experts_per_tok"] * block)
+    out = {"ram": (all_in_ram, 0), "disk": (dataclasses.replace(base, ram_cache_gb=some / GiB), 0)}
+    if cuda:  # the CUDA bank: every block in a slot, the budget grown to hold them
+        vram = dataclasses.replace(all_in_ram, gpu_memory_gb=base.gpu_memory_gb + expert_bytes / GiB)
+        out = {"vram": (vram, wd.num_layers * wd.num_experts), **out}
+    return out
+
+
 def run(args) -> int:
     from expertstream.bench.cli import chosen, emit
     from expertstream.workdir.workdir import Workdir
 
     wd = Workdir(args.model)
     block = wd.layout.block_bytes
-    expert_bytes = wd.num_layers * wd.num_experts * block
     base = EngineConfig(
-        model=str(wd.path), max_model_len=args.max_model_len, gpu_memory_gb=args.gpu_memory_gb
+        model=str(wd.path),
+        max_model_len=args.max_model_len,
+        gpu_memory_gb=args.gpu_memory_gb,
+        threads=args.threads,
     )
     disk = disk_rate(wd.experts_path, block, base.io_threads)
-    all_in_ram = dataclasses.replace(base, ram_cache_gb=expert_bytes / GiB + 0.1)
-    # (config, VRAM expert cache blocks): none beside the plan's slots in ram and disk
-    regimes = {
-        "ram": (all_in_ram, 0),
-        "disk": (dataclasses.replace(base, ram_cache_gb=0.25 * expert_bytes / GiB), 0),
-    }
-    if torch.cuda.is_available():  # the CUDA bank: every block in a slot, the budget grown to hold them
-        vram = dataclasses.replace(all_in_ram, gpu_memory_gb=base.gpu_memory_gb + expert_bytes / GiB)
-        regimes = {"vram": (vram, wd.num_layers * wd.num_experts), **regimes}
     results = {}
-    for name, (cfg, blocks) in chosen(args, regimes).items():
+    for name, (cfg, blocks) in chosen(args, regimes(wd, base, torch.cuda.is_available())).items():
         results[name] = regime(cfg, args.tokens, blocks)
         log.info("%s: %s", name, results[name])
     disk, disk_note = disk_rates(wd.experts_path, block, base.io_threads, disk)

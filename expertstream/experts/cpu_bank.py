@@ -117,10 +117,7 @@ class StreamedExperts(ExpertBank):
         self.host_syncs = 0  # `.tolist()` reads of the routing (device syncs when it runs on a GPU)
         self.threads = threads or (lambda: 1)
         self.swiglu_limit = swiglu_limit
-        # the C kernel (NVFP4, unclamped SwiGLU) where it builds; MXFP4 blocks are decoded by their layout in
-        # torch
-        nvfp4 = self.layout.fmt == "nvfp4" and swiglu_limit is None
-        self.kernel = nvfp4 and cpu_moe.library() is not None
+        self.kernel = cpu_moe.library() is not None  # the C kernel where it builds (NVFP4 and MXFP4)
 
     def set_router_weights(self, routers: dict[int, torch.Tensor]) -> None:
         """Routers {layer: W [E, H]} on the compute device in the activation dtype, for speculation."""
@@ -217,7 +214,7 @@ class StreamedExperts(ExpertBank):
         wt[torch.searchsorted(uniq, expert_ids), torch.arange(t)[:, None]] = weights.float()
         ws2 = self.weight_scale_2[layer, experts]  # [n, 3]
         threads = cpu_moe.useful_threads(self.layout, len(blocks), self.threads())
-        return cpu_moe.moe(blocks, ws2, wt, x, self.layout, threads).to(x.dtype)
+        return cpu_moe.moe(blocks, ws2, wt, x, self.layout, threads, self.swiglu_limit).to(x.dtype)
 
 
 def _groups(segments: list[tuple[int, int]], rows: int) -> list[list[tuple[int, int]]]:

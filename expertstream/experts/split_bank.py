@@ -411,7 +411,8 @@ class SplitExperts(WrappedBank):
         if self.copy_engine:
             copies = cpu_moe.Copies(self.bank.copy_view, self._flag, self.k, self._stream)
         self._server = cpu_moe.SplitServer(addr, self.ws2, self._host, self._out, self._box, self.layout,
-                                           self.threads(), SPLIT_SPIN_S, copies)  # fmt: skip
+                                           self.threads(), SPLIT_SPIN_S, copies,
+                                           self.bank.swiglu_limit)  # fmt: skip
 
     @property
     def tuning(self) -> bool:

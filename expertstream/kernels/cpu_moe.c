@@ -1,5 +1,6 @@
-// NVFP4 SwiGLU experts on the CPU for a few tokens, read in place from expert blocks (RAM cache rows).
-// out[t] = sum_e w[e, t] * down_e(silu(gate_e x[t]) * up_e x[t]); codes and E4M3 block scales are decoded in
+// NVFP4 and MXFP4 SwiGLU experts on the CPU for a few tokens, read in place from expert blocks (RAM cache
+// rows). out[t] = sum_e w[e, t] * down_e(silu(gate_e x[t]) * up_e x[t]), gate and up clamped where a limit
+// is given (DeepSeek-V4); codes and block scales (E4M3 per 16 weights, or UE8M0 per 32) are decoded in
 // registers (16 weights = 8 bytes + 1 scale byte per vector), never into a dequantized copy.
 // Built at first use by kernels/cpu_moe.py with the machine's C compiler (-O3 -march=native).
 #include <math.h>
@@ -36,18 +37,20 @@ typedef float vfu __attribute__((vector_size(4 * VL), aligned(4)));  // unaligne
 
 // E2M1 code -> value; codes 8..15 are the negatives of 0..7
 static const float E2M1[16] = {0, .5f, 1, 1.5f, 2, 3, 4, 6, -0.f, -.5f, -1, -1.5f, -2, -3, -4, -6};
-// SLUT[b] = E2M1 * E4M3(b): the 16 values of a group with block scale byte b (exact in FP32: a 4-bit and a
-// 2-bit significand), so decoding a group is one table lookup, with no multiply (16 KB, L1-resident)
-static v16f SLUT[256];
+// SLUT[b] = E2M1 * E4M3(b) and SLUT[256 + b] = E2M1 * UE8M0(b): the 16 values of a group with block scale
+// byte b (exact in FP32: a 4-bit and a 2-bit significand), so decoding a group is one table lookup, with no
+// multiply (16 KB a format, L1-resident)
+#define MX_ROWS 256  // the UE8M0 rows' first
+static v16f SLUT[2 * MX_ROWS];
 
-// Part q (lanes VL q .. VL q + VL - 1) of the 16 weights of one group (8 code bytes p, scale byte s), in the
+// Part q (lanes VL q .. VL q + VL - 1) of the 16 weights of one group (8 code bytes p, table row s), in the
 // order x is permuted to (perm below).
 #if defined(__AVX512VBMI__) && !defined(CPU_MOE_PORTABLE)
 #include <immintrin.h>
 // natural order: vpmultishiftqb puts nibble L (bits 4L..4L+3 of the 8 bytes, broadcast to every qword) in
 // the low byte of dword lane L, and vpermps reads only its low 4 bits
 #define NATURAL 1
-static inline vf decode(const uint8_t *p, uint8_t s, int q) {
+static inline vf decode(const uint8_t *p, int s, int q) {
   (void)q;
   const __m512i ctl = _mm512_set_epi64(0x3c00000038LL, 0x3400000030LL, 0x2c00000028LL, 0x2400000020LL,
                                        0x1c00000018LL, 0x1400000010LL, 0x0c00000008LL, 0x0400000000LL);
@@ -60,7 +63,7 @@ static inline vf decode(const uint8_t *p, uint8_t s, int q) {
 #include <immintrin.h>
 // lanes 0-7 the low nibbles (even elements), 8-15 the high ones (odd elements); vpermps reads the low 4
 // bits of each index, so the neighbouring nibble above them needs no masking
-static inline vf decode(const uint8_t *p, uint8_t s, int q) {
+static inline vf decode(const uint8_t *p, int s, int q) {
   (void)q;
   __m128i b = _mm_loadl_epi64((const __m128i *)p);
   __m128i c = _mm_unpacklo_epi64(b, _mm_srli_epi16(b, 4));
@@ -72,8 +75,8 @@ static inline vf decode(const uint8_t *p, uint8_t s, int q) {
 // part 0 the low nibbles (even elements), part 1 the high ones. vpermps indexes 8 entries, so a code's low 3
 // bits k pick SLUT8[s][k]; code << 28 puts its bit 3 (the sign: E2M1 codes 8..15 are the negatives of 0..7)
 // on bit 31 and k on bits 28-30, where SLUT8[s][k] holds its value's bits xor k, so one xor gives the value
-static float SLUT8[256][8] __attribute__((aligned(32)));
-static inline vf decode(const uint8_t *p, uint8_t s, int q) {
+static float SLUT8[2 * MX_ROWS][8] __attribute__((aligned(32)));
+static inline vf decode(const uint8_t *p, int s, int q) {
   __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));  // shared by the two parts
   if (q) i = _mm256_srli_epi32(i, 4);
   __m256 t = _mm256_permutevar8x32_ps(_mm256_load_ps(SLUT8[s]), i);
@@ -82,7 +85,7 @@ static inline vf decode(const uint8_t *p, uint8_t s, int q) {
 #else
 // portable form, even elements then odd ones (GCC vector extensions; compilers scalarise the widening, so
 // it is several times slower)
-static inline vf decode(const uint8_t *p, uint8_t s, int q) {
+static inline vf decode(const uint8_t *p, int s, int q) {
   (void)q;
   uint64_t b, nib[2];
   memcpy(&b, p, 8);
@@ -95,11 +98,12 @@ static inline vf decode(const uint8_t *p, uint8_t s, int q) {
 #endif
 
 static void init_tables(void) {
-  for (int b = 0; b < 256; b++) {
+  for (int b = 0; b < 2 * MX_ROWS; b++) {
     int e = (b >> 3) & 15, m = b & 7;
     float v = e ? ldexpf(1.f + m / 8.f, e - 7) : ldexpf((float)m, -9);
     if ((b & 0x7f) == 0x7f) v = NAN;
     if (b & 0x80) v = -v;
+    if (b >= MX_ROWS) v = b - MX_ROWS == 255 ? NAN : ldexpf(1.f, b - MX_ROWS - 127);
     for (int i = 0; i < 16; i++) SLUT[b][i] = E2M1[i] * v;
 #ifdef SIGNED_LUT
     for (int k = 0; k < 8; k++) {
@@ -141,11 +145,12 @@ static inline float hsum(vf v) {
 static inline float fold(vf a, vf b) { return VL == 16 ? hsum(a + b) : hsum(a) + hsum(b); }
 
 // res[r][t] = row r . xp[t] over G groups for R <= RMAX rows at once (gate and up rows, or down rows, share
-// each load of x); xp holds x in decode's order. Two accumulators per row and token (even and odd groups, or
-// a group's two parts) keep enough FMA chains in flight for one token.
+// each load of x); xp holds x in decode's order; mx: a UE8M0 scale byte per two groups, else an E4M3 per
+// group. Two accumulators per row and token (even and odd groups, or a group's two parts) keep enough FMA
+// chains in flight for one token.
 static inline __attribute__((always_inline)) void dot_rows(const uint8_t *const *w, const uint8_t *const *s,
-                                                          int R, int G, const float *xp, int stride, int T,
-                                                          long ahead, float res[][TMAX]) {
+                                                          int mx, int R, int G, const float *xp, int stride,
+                                                          int T, long ahead, float res[][TMAX]) {
   vf acc[RMAX][TMAX][2];
   for (int r = 0; r < R; r++)
     for (int t = 0; t < T; t++) acc[r][t][0] = acc[r][t][1] = (vf){0};
@@ -156,13 +161,14 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *const 
     if ((g & 7) == 0)
       for (int r = 0; r < R; r++) {
         __builtin_prefetch(w[r] + 8 * g + ahead);
-        __builtin_prefetch(s[r] + g + ahead / 8);
+        __builtin_prefetch(s[r] + ((g + ahead / 8) >> mx));
       }
     for (int u = 0; u < 2 && g + u < G; u++)
       for (int q = 0; q < PARTS; q++) {
         const int k = PARTS == 1 ? u : q;  // the accumulator
         vf wg[RMAX];
-        for (int r = 0; r < R; r++) wg[r] = decode(w[r] + 8 * (g + u), s[r][g + u], q);
+        for (int r = 0; r < R; r++)
+          wg[r] = decode(w[r] + 8 * (g + u), (mx * MX_ROWS) | s[r][(g + u) >> mx], q);
         for (int t = 0; t < T; t++) {
           vf x = *(const vfu *)(xp + (size_t)t * stride + 16 * (g + u) + VL * q);
           IN_REGISTER(x);
@@ -185,13 +191,15 @@ static inline int perm(int k) {
 
 typedef struct {
   const uint8_t *const *blocks;  // [n] expert blocks
-  const float *ws2;              // [n, 3] global scales (gate, up, down)
+  const float *ws2;              // [n, 3] global scales (gate, up, down); MXFP4 has none (ones)
   const float *wt;               // [n, T] routing weight of expert e for token t (0: not routed)
   const float *xp;               // [T, H] permuted input
   float *hp;                     // [n, T, I] permuted SwiGLU activations
   float *out;                    // [T, H]
   int n, T, H, I;
   long off[6];  // gate, up, down codes; gate, up, down scales (bytes from block start)
+  int mx;       // MXFP4 blocks: a UE8M0 scale per 32 weights (else NVFP4: an E4M3 per 16)
+  float limit;  // gate clamped above, up on both sides (DeepSeek-V4's SwiGLU limit); INFINITY: no clamp
   int kind;     // the phase: 0 gate/up rows into hp, 1 down rows into out
   int items;
   int rows_up, rows_down;  // rows an up item and a down item take (item_rows)
@@ -266,20 +274,24 @@ static inline __attribute__((always_inline)) void up_item(const Job *j, int item
   int rows = j->rows_up, per = (j->I + rows - 1) / rows, e = item / per, r0 = (item % per) * rows;
   int r1 = r0 + rows < j->I ? r0 + rows : j->I, H = j->H, I = j->I, G = H / 16, P = PAIRS(T);
   const uint8_t *b = j->blocks[e];
-  float sg = j->ws2[3 * e], su = j->ws2[3 * e + 1], gu[RMAX][TMAX];
+  float sg = j->mx ? 1.f : j->ws2[3 * e], su = j->mx ? 1.f : j->ws2[3 * e + 1], lim = j->limit;
+  float gu[RMAX][TMAX];
   for (int r = r0; r < r1; r += P) {  // gate rows r..r+P-1 and the same up rows in one pass over x
     if (left_behind(j, ser, me)) return;
     const uint8_t *w[RMAX], *s[RMAX];
     for (int k = 0; k < P; k++) {
-      w[k] = b + j->off[0] + (size_t)(r + k) * H / 2, s[k] = b + j->off[3] + (size_t)(r + k) * G;
-      w[P + k] = b + j->off[1] + (size_t)(r + k) * H / 2, s[P + k] = b + j->off[4] + (size_t)(r + k) * G;
+      w[k] = b + j->off[0] + (size_t)(r + k) * H / 2, s[k] = b + j->off[3] + (size_t)(r + k) * (G >> j->mx);
+      w[P + k] = b + j->off[1] + (size_t)(r + k) * H / 2;
+      s[P + k] = b + j->off[4] + (size_t)(r + k) * (G >> j->mx);
     }
     for (int k = 0; k < 2 * P; k += ROWS_CALL(T))
-      dot_rows(w + k, s + k, ROWS_CALL(T), G, j->xp, H, T, (long)P * H / 2, gu + k);
+      dot_rows(w + k, s + k, j->mx, ROWS_CALL(T), G, j->xp, H, T, (long)P * H / 2, gu + k);
     for (int k = 0; k < P; k++)
       for (int t = 0; t < T; t++) {
-        float gg = gu[k][t] * sg;
-        me->buf[t * ROWS_MAX + perm(r + k) - r0] = gg / (1.f + expf(-gg)) * (gu[P + k][t] * su);
+        float gg = gu[k][t] * sg, uu = gu[P + k][t] * su;
+        gg = gg > lim ? lim : gg;  // NaN stays NaN, as in torch's clamp
+        uu = uu > lim ? lim : uu < -lim ? -lim : uu;
+        me->buf[t * ROWS_MAX + perm(r + k) - r0] = gg / (1.f + expf(-gg)) * uu;
       }
   }
   publish(j, item, ser, me, j->hp + (size_t)e * T * I + r0, I, r1 - r0);  // perm keeps rows in 16-row groups
@@ -296,9 +308,9 @@ static inline __attribute__((always_inline)) void down_item(const Job *j, int it
     for (int e = 0; e < j->n; e++) {
       const uint8_t *b = j->blocks[e], *w[RMAX], *s[RMAX];
       for (int k = 0; k < R; k++)
-        w[k] = b + j->off[2] + (size_t)(r + k) * I / 2, s[k] = b + j->off[5] + (size_t)(r + k) * G;
-      dot_rows(w, s, R, G, j->hp + (size_t)e * T * I, I, T, (long)R * I / 2, d);
-      float sd = j->ws2[3 * e + 2];
+        w[k] = b + j->off[2] + (size_t)(r + k) * I / 2, s[k] = b + j->off[5] + (size_t)(r + k) * (G >> j->mx);
+      dot_rows(w, s, j->mx, R, G, j->hp + (size_t)e * T * I, I, T, (long)R * I / 2, d);
+      float sd = j->mx ? 1.f : j->ws2[3 * e + 2];
       for (int k = 0; k < R; k++)
         for (int t = 0; t < T; t++) acc[k][t] += j->wt[e * T + t] * sd * d[k][t];
     }
@@ -487,18 +499,20 @@ static pthread_once_t once = PTHREAD_ONCE_INIT;
 // one call at a time holds the pool: the exported entry points and the split server (below) take it
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
 
-// x [T, H] -> out [T, H]; hp: scratch [n, T, I] + [T, H] floats; the phases' job in *j
+// x [T, H] -> out [T, H]; hp: scratch [n, T, I] + [T, H] floats; lay: the 6 offsets (Job.off), then 1 for
+// MXFP4 blocks (0: NVFP4); limit: Job.limit; the phases' job in *j
 static int moe_cpu(Job *j, const uint8_t *const *blocks, const float *ws2, const float *wt, const float *x,
-                   float *out, float *scratch, int n, int T, int H, int I, const long *off, int threads,
-                   int rescue) {
-  if (T < 1 || T > TMAX || H % 16 || I % 16) return 1;
+                   float *out, float *scratch, int n, int T, int H, int I, const long *lay, float limit,
+                   int threads, int rescue) {
+  int mx = lay[6] != 0, g = 16 << mx;
+  if (T < 1 || T > TMAX || H % g || I % g || limit != limit) return 1;
   pthread_once(&once, init_tables);
   float *xp = scratch + (size_t)n * T * I;
   for (int t = 0; t < T; t++)
     for (int k = 0; k < H; k++) xp[(size_t)t * H + perm(k)] = x[(size_t)t * H + k];
   *j = (Job){.blocks = blocks, .ws2 = ws2, .wt = wt, .xp = xp, .hp = scratch, .out = out, .n = n, .T = T,
-             .H = H, .I = I, .rescue = rescue};
-  memcpy(j->off, off, sizeof j->off);
+             .H = H, .I = I, .mx = mx, .limit = limit, .rescue = rescue};
+  memcpy(j->off, lay, sizeof j->off);
   j->rows_up = item_rows(n, I, threads, ROWS_UP, ROWS_UP_MAX);
   j->items = n * ((I + j->rows_up - 1) / j->rows_up);
   run_phase(j, threads);
@@ -515,7 +529,7 @@ static int moe_cpu(Job *j, const uint8_t *const *blocks, const float *ws2, const
 // phases as rescue phases: the job and its tables are static, every pointer in them into the server's
 // buffers or the RAM cache, which outlive any thread left behind (serve_stop waits for those).
 static int moe_packed(const long *addr, const float *ws2, const float *packed, float *out, float *scratch, int n,
-                      int E, int H, int I, const long *off, int threads) {
+                      int E, int H, int I, const long *lay, float limit, int threads) {
   static const uint8_t *blocks[NMAX];
   static float w[3 * NMAX];
   static Job job;
@@ -526,14 +540,15 @@ static int moe_packed(const long *addr, const float *ws2, const float *packed, f
     blocks[j] = (const uint8_t *)addr[e];
     memcpy(w + 3 * j, ws2 + 3 * e, 3 * sizeof(float));
   }
-  return moe_cpu(&job, blocks, w, packed + n, packed + 2 * n, out, scratch, n, 1, H, I, off, threads, 1);
+  return moe_cpu(&job, blocks, w, packed + n, packed + 2 * n, out, scratch, n, 1, H, I, lay, limit, threads,
+                 1);
 }
 
-int nvfp4_moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *wt, const float *x,
-                  float *out, float *scratch, int n, int T, int H, int I, const long *off, int threads) {
+int fp4_moe_cpu(const uint8_t *const *blocks, const float *ws2, const float *wt, const float *x, float *out,
+                float *scratch, int n, int T, int H, int I, const long *lay, float limit, int threads) {
   static Job job;  // a worker may still read it once the call returns (run_phase)
   pthread_mutex_lock(&call_mu);
-  int rc = moe_cpu(&job, blocks, ws2, wt, x, out, scratch, n, T, H, I, off, threads, 0);
+  int rc = moe_cpu(&job, blocks, ws2, wt, x, out, scratch, n, T, H, I, lay, limit, threads, 0);
   pthread_mutex_unlock(&call_mu);
   return rc;
 }
@@ -589,7 +604,8 @@ static struct {
   volatile int32_t *box;
   int L, E, H, I;
   int32_t first;  // box[REQ] at the start: requests after it are the server's
-  long off[6], idle_ns;
+  long lay[7], idle_ns;
+  float limit;
   atomic_int threads, stop, running;
   atomic_ulong armed;
   // copies (serve_copies): copy row 0 and the flag word (device addresses, or host ones where cpy is
@@ -661,7 +677,7 @@ static void *serve(void *unused) {
     pthread_mutex_lock(&call_mu);
     if (layer >= 0 && layer < srv.L)
       rc = moe_packed(srv.addr + (size_t)layer * srv.E, srv.ws2 + (size_t)layer * srv.E * 3, srv.packed, srv.out,
-                      srv.scratch, n, srv.E, srv.H, srv.I, srv.off, atomic_load(&srv.threads));
+                      srv.scratch, n, srv.E, srv.H, srv.I, srv.lay, srv.limit, atomic_load(&srv.threads));
     pthread_mutex_unlock(&call_mu);
     if (rc || copied) {
       for (int k = 0; k < srv.H; k++) srv.out[k] = NAN;
@@ -678,14 +694,17 @@ static void *serve(void *unused) {
 }
 
 // start the server on a layer table: addr [L, E], ws2 [L, E, 3], packed [2 NMAX + H] floats or more, out
-// [H], scratch for NMAX experts, box [32] int32 (pinned: the GPU reads and writes it); 1 if one runs
+// [H], scratch for NMAX experts, box [32] int32 (pinned: the GPU reads and writes it), lay and limit as
+// moe_cpu's; 1 if one runs
 int serve_start(const long *addr, const float *ws2, const float *packed, float *out, float *scratch,
-                volatile int32_t *box, int L, int E, int H, int I, const long *off, int threads, long idle_ns) {
+                volatile int32_t *box, int L, int E, int H, int I, const long *lay, float limit, int threads,
+                long idle_ns) {
   if (atomic_load(&srv.running)) return 1;
   pthread_once(&once, init_tables);
   srv.addr = addr, srv.ws2 = ws2, srv.packed = packed, srv.out = out, srv.scratch = scratch, srv.box = box;
   srv.L = L, srv.E = E, srv.H = H, srv.I = I, srv.idle_ns = idle_ns;
-  memcpy(srv.off, off, sizeof srv.off);
+  memcpy(srv.lay, lay, sizeof srv.lay);
+  srv.limit = limit;
   atomic_store(&srv.threads, threads < 1 ? 1 : threads);
   atomic_store(&srv.stop, 0);
   srv.calls = srv.kernel_ns = 0;

@@ -1,5 +1,6 @@
-"""The CPU expert kernel (cpu_moe.c) and its plain-torch twin: a few tokens' routed NVFP4 SwiGLU sum, with
-codes and block scales read in place from expert blocks ([block_bytes] uint8, RAM cache rows).
+"""The CPU expert kernel (cpu_moe.c) and its plain-torch twin: a few tokens' routed SwiGLU sum over NVFP4 or
+MXFP4 experts (with DeepSeek-V4's clamp where a limit is given), codes and block scales read in place from
+expert blocks ([block_bytes] uint8, RAM cache rows).
 
 The C source is compiled once per machine at first use with the machine's C compiler (`cc -O3
 -march=native`, under ~1 s) into ~/.cache/expertstream/kernels/ and loaded through ctypes, which releases
@@ -13,6 +14,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -93,16 +95,16 @@ def _build() -> ctypes.CDLL | None:
             return None
         os.replace(tmp, so)  # atomic: another process may be building the same file
     lib = ctypes.CDLL(str(so))
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.nvfp4_moe_cpu.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i]
-    lib.nvfp4_moe_cpu.restype = i
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.fp4_moe_cpu.argtypes = [p, p, p, p, p, p, i, i, i, i, p, f, i]
+    lib.fp4_moe_cpu.restype = i
     lib.read_sweep.argtypes = [p, ctypes.c_long, i]
     lib.read_sweep.restype = ctypes.c_float
     lib.pool_spin.argtypes = [ctypes.c_long]
     lib.pool_spin.restype = ctypes.c_long
     lib.pool_stall.argtypes = [ctypes.c_long, ctypes.c_int]
     lib.pool_stall.restype = ctypes.c_long
-    lib.serve_start.argtypes = [p, p, p, p, p, p, i, i, i, i, p, i, ctypes.c_long]
+    lib.serve_start.argtypes = [p, p, p, p, p, p, i, i, i, i, p, f, i, ctypes.c_long]
     lib.serve_start.restype = i
     lib.serve_copies.argtypes = [ctypes.c_uint64, ctypes.c_uint64, i, ctypes.c_long, p, p, p, p]
     lib.serve_copies.restype = None
@@ -130,9 +132,17 @@ def library() -> ctypes.CDLL | None:
 
 
 @functools.lru_cache(maxsize=8)
-def offsets(layout: ExpertLayout) -> torch.Tensor:
-    """[6] int64: byte offsets in a block of the gate, up, down codes and the gate, up, down scales."""
-    return torch.tensor([layout.part(n).offset for n in _PARTS], dtype=torch.long)
+def layout_words(layout: ExpertLayout) -> torch.Tensor:
+    """[7] int64: byte offsets in a block of the gate, up, down codes and the gate, up, down scales, then 1
+    for MXFP4 blocks (a UE8M0 scale per 32 weights, no global scale) or 0 for NVFP4 (an E4M3 scale per 16)."""
+    if layout.fmt not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"the CPU expert kernel reads NVFP4 and MXFP4 blocks, not {layout.fmt!r}")
+    offsets = [layout.part(n).offset for n in _PARTS]
+    return torch.tensor([*offsets, int(layout.fmt == "mxfp4")], dtype=torch.long)
+
+
+def _limit(swiglu_limit: float | None) -> float:
+    return math.inf if swiglu_limit is None else float(swiglu_limit)
 
 
 def set_spin(seconds: float) -> float:
@@ -150,15 +160,17 @@ def moe(
     x: torch.Tensor,
     layout: ExpertLayout,
     threads: int = 1,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """The routed sum of n experts over T <= TMAX tokens with the C kernel.
 
     Args:
         blocks: n expert blocks, each [block_bytes] uint8 on the CPU (read in place, not copied).
-        ws2: [n, 3] FP32 global scales (gate, up, down) of those experts.
+        ws2: [n, 3] FP32 global scales (gate, up, down) of those experts (not read for MXFP4, which has none).
         wt: [n, T] FP32 routing weight of expert j for token t, 0 where t does not route to j.
         x: [T, H] FP32.
         threads: threads the call may use (the caller's included).
+        swiglu_limit: clamp gate x above and up x on both sides first (DeepSeek-V4), None: no clamp.
 
     Returns:
         [T, H] FP32.
@@ -173,7 +185,7 @@ def moe(
     ptrs = torch.tensor([b.data_ptr() for b in blocks], dtype=torch.long)
     ws2, wt, x = (a.float().contiguous() for a in (ws2, wt, x))
     out = torch.empty(t, h)
-    moe_into(ptrs, ws2, wt, x, out, torch.empty(scratch_floats(layout, n, t)), layout, threads)
+    moe_into(ptrs, ws2, wt, x, out, torch.empty(scratch_floats(layout, n, t)), layout, threads, swiglu_limit)
     return out
 
 
@@ -200,6 +212,7 @@ def moe_into(
     scratch: torch.Tensor,
     layout: ExpertLayout,
     threads: int = 1,
+    swiglu_limit: float | None = None,
 ) -> None:
     """`moe` on prepared buffers, for callers that keep them from call to call (the CPU share of decode):
     ptrs [n] int64 addresses of the n blocks (checked by the caller), ws2 [n, 3], wt [n, T], x [T, H] and
@@ -211,9 +224,10 @@ def moe_into(
     assert scratch.numel() >= scratch_floats(layout, n, t)
     lib = library()
     assert lib is not None, "the CPU expert kernel could not be built"
-    rc = lib.nvfp4_moe_cpu(
+    rc = lib.fp4_moe_cpu(
         ptrs.data_ptr(), ws2.data_ptr(), wt.data_ptr(), x.data_ptr(), out.data_ptr(),
-        scratch.data_ptr(), n, t, h, i, offsets(layout).data_ptr(), max(1, threads),
+        scratch.data_ptr(), n, t, h, i, layout_words(layout).data_ptr(), _limit(swiglu_limit),
+        max(1, threads),
     )  # fmt: skip
     if rc:
         raise ValueError(f"the CPU expert kernel refused its shapes (T {t}, H {h}, I {i})")
@@ -260,10 +274,21 @@ class SplitServer:
         idle_s: how long the server spins for the next request before it sleeps until armed.
         copies: where the server copies the GPU's share of each request before it computes (`Copies`), or
             None: the request holds the CPU's share only.
+        swiglu_limit: as `moe`'s.
     """
 
     def __init__(
-        self, addr, ws2, packed, out, box, layout: ExpertLayout, threads: int, idle_s: float, copies=None
+        self,
+        addr,
+        ws2,
+        packed,
+        out,
+        box,
+        layout: ExpertLayout,
+        threads: int,
+        idle_s: float,
+        copies=None,
+        swiglu_limit: float | None = None,
     ):
         (nl, e), h = addr.shape, layout.hidden_size
         assert addr.dtype == torch.long and addr.is_contiguous() and ws2.shape == (nl, e, 3)
@@ -273,13 +298,13 @@ class SplitServer:
         assert lib is not None, "the CPU expert kernel could not be built"
         scratch = torch.empty(scratch_floats(layout, NMAX, 1))
         # the C side holds their addresses
-        self._keep = (addr, ws2, packed, out, box, scratch, offsets(layout), copies)
+        self._keep = (addr, ws2, packed, out, box, scratch, layout_words(layout), copies)
         if copies is not None:
             lib.serve_copies(*copies.args(layout.block_bytes))
         rc = lib.serve_start(
             addr.data_ptr(), ws2.data_ptr(), packed.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-            box.data_ptr(), nl, e, h, layout.intermediate_size, self._keep[6].data_ptr(), max(1, threads),
-            int(idle_s * 1e9),
+            box.data_ptr(), nl, e, h, layout.intermediate_size, self._keep[6].data_ptr(),
+            _limit(swiglu_limit), max(1, threads), int(idle_s * 1e9),
         )  # fmt: skip
         if rc:
             why = "a split server already runs in this process" if rc == 1 else "no thread for the server"
@@ -302,14 +327,22 @@ class SplitServer:
 
 
 def moe_twin(
-    blocks: list[torch.Tensor], ws2: torch.Tensor, wt: torch.Tensor, x: torch.Tensor, layout: ExpertLayout
+    blocks: list[torch.Tensor],
+    ws2: torch.Tensor,
+    wt: torch.Tensor,
+    x: torch.Tensor,
+    layout: ExpertLayout,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Plain-torch twin of `moe` (same arguments but threads): decode each block, then SwiGLU in FP32."""
     xf = x.float()
     out = torch.zeros_like(xf)
     for j, block in enumerate(blocks):
         gate, up, down = layout.dequantize(block, ws2[j].float(), torch.float32)
-        y = F.linear(F.silu(F.linear(xf, gate)) * F.linear(xf, up), down)  # [T, H]
+        g, u = F.linear(xf, gate), F.linear(xf, up)  # [T, I]
+        if swiglu_limit is not None:
+            g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
+        y = F.linear(F.silu(g) * u, down)  # [T, H]
         out += wt[j, :, None].float() * y
     return out
 

@@ -155,10 +155,7 @@ class Engine:
             # vram_cache_blocks overrides the plan's cache (the bench emulates the 48-layer model's share)
             cache = self.plan.vram_cache_blocks if vram_cache_blocks is None else vram_cache_blocks
             n_slots = self.plan.slots // self.workdir.layout.block_bytes + cache
-            # the CPU expert kernel reads NVFP4 blocks with an unclamped SwiGLU
-            cpu_share = config.cpu_moe_share and self.workdir.layout.fmt == "nvfp4" and swiglu_limit is None
-            if config.cpu_moe_share and not cpu_share:
-                log.warning("--cpu-moe-share ignored: the CPU expert kernel reads NVFP4 blocks only")
+            cpu_share = config.cpu_moe_share
 
             def make_bank(store):
                 copy_rows = k if cpu_share else 0  # the CPU share's GPU side copies its blocks there
