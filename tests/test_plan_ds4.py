@@ -64,3 +64,24 @@ def test_the_12_gib_plan_holds_the_model_as_the_engine_holds_it(published):
     assert plan.vram_cache_blocks > 0
     fp8 = sum(math.prod(s) for s, d in inventory.values() if d == "F8_E4M3")
     assert plan.resident + fp8 > budget  # one more byte a weight (BF16) would not fit
+
+
+def test_the_cpu_share_times_the_kernel_on_mxfp4_blocks(published, monkeypatch):
+    """`plan`'s CPU share estimate times the CPU kernel on the model's own blocks (MXFP4 here, not NVFP4)."""
+    from argparse import Namespace
+
+    from expertstream.commands import plan
+    from expertstream.kernels import cpu_moe
+
+    seen = []
+
+    def layer_rate(rows, layout, k, threads):
+        seen.append((layout.fmt, layout.block_bytes, rows.shape[1], k))
+        return 12.5
+
+    monkeypatch.setattr(cpu_moe, "library", lambda: object())
+    monkeypatch.setattr(cpu_moe, "layer_rate", layer_rate)
+    model = ConfigModel.from_config(json.loads(published.read_text()))
+    args = Namespace(cpu_gbps=None, cpu_cores=None, mem_gbps=None)
+    assert plan.cpu_rate(args, model, 2) == (12.5, "measured on 2 threads here")
+    assert seen == [("mxfp4", BLOCK, BLOCK, 6)]

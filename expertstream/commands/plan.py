@@ -151,6 +151,11 @@ class ConfigModel:
     def resident_spec(self) -> dict:
         return self.family.resident_spec(self.text_config)
 
+    @property
+    def layout(self):
+        """The family's expert block (NVFP4 or MXFP4), as setup would write it."""
+        return self.family.layout(self.text_config)
+
     def memory_plan(self, budget_bytes: int, max_model_len: int, *args, **kw) -> MemoryPlan:
         """`Workdir.memory_plan`'s plan (same arguments), from the resident tensors setup would write."""
         inventory = {name: (shape, dtype) for name, (dtype, shape) in self.resident_spec().items()}
@@ -231,15 +236,13 @@ def cpu_rate(args, model, threads: int) -> tuple[float, str]:
     `threads` threads."""
     import torch
 
-    from expertstream.formats.expert_block import ExpertLayout
     from expertstream.kernels import cpu_moe
 
     if args.cpu_gbps:
         return args.cpu_gbps, "--cpu-gbps"
     if cpu_moe.library() is None:
         return 0.0, "no C compiler to build the CPU kernel"
-    tc, k = model.text_config, model.text_config["num_experts_per_tok"]
-    layout = ExpertLayout.for_dims(tc["hidden_size"], tc["moe_intermediate_size"])
+    k, layout = model.text_config["num_experts_per_tok"], model.layout  # the model's own block format
     # written (ones, not zeros: untouched zero pages would all map to one cached page)
     rows = torch.ones(max(5 * k, (1 << 30) // layout.block_bytes), layout.block_bytes, dtype=torch.uint8)
     here = cpu_moe.layer_rate(rows, layout, k, threads)
