@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from expertstream.experts.bank import ExpertBank
 from expertstream.experts.speculation import Speculator
 from expertstream.kernels import cpu_moe
+from expertstream.kernels.nvfp4_moe import swiglu_ref
 from expertstream.log import get_logger
 
 log = get_logger(__name__)
@@ -51,10 +52,7 @@ def routed_sum(
             parts = [(tok[i:j], slot[i:j]) for i, j in zip([0, *cuts], [*cuts, tok.numel()]) if j > i]
         for tok_s, slot_s in parts:
             xe = x[tok_s]
-            g, u = F.linear(xe, gate), F.linear(xe, up)  # [n, I]
-            if swiglu_limit is not None:
-                g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
-            h = F.silu(g) * u
+            h = swiglu_ref(F.linear(xe, gate), F.linear(xe, up), swiglu_limit)  # [n, I]
             y = F.linear(h, down) * weights[tok_s, slot_s, None].to(x.dtype)
             out.index_add_(0, tok_s, y)
     return out

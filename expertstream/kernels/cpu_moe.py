@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from expertstream.formats.expert_block import PROJ, ExpertLayout
+from expertstream.kernels.nvfp4_moe import swiglu_ref
 from expertstream.log import get_logger
 
 log = get_logger(__name__)
@@ -339,10 +340,7 @@ def moe_twin(
     out = torch.zeros_like(xf)
     for j, block in enumerate(blocks):
         gate, up, down = layout.dequantize(block, ws2[j].float(), torch.float32)
-        g, u = F.linear(xf, gate), F.linear(xf, up)  # [T, I]
-        if swiglu_limit is not None:
-            g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
-        y = F.linear(F.silu(g) * u, down)  # [T, H]
+        y = F.linear(swiglu_ref(F.linear(xf, gate), F.linear(xf, up), swiglu_limit), down)  # [T, H]
         out += wt[j, :, None].float() * y
     return out
 

@@ -155,10 +155,9 @@ class Engine:
             # vram_cache_blocks overrides the plan's cache (the bench emulates the 48-layer model's share)
             cache = self.plan.vram_cache_blocks if vram_cache_blocks is None else vram_cache_blocks
             n_slots = self.plan.slots // self.workdir.layout.block_bytes + cache
-            cpu_share = config.cpu_moe_share
 
             def make_bank(store):
-                copy_rows = k if cpu_share else 0  # the CPU share's GPU side copies its blocks there
+                copy_rows = k if config.cpu_moe_share else 0  # the CPU share's GPU side copies blocks there
                 bank = GpuExperts(
                     self.workdir,
                     store,
@@ -171,7 +170,7 @@ class Engine:
                     copy_rows,
                 )
                 # a CPU share of RAM-resident decode wraps it (experts/split_bank.py)
-                return self._split_bank(bank, config.cpu_moe_share) if cpu_share else bank
+                return self._split_bank(bank, config.cpu_moe_share) if config.cpu_moe_share else bank
 
         else:
 
