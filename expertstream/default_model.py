@@ -1,8 +1,10 @@
 """The model used when no WORKDIR is given: prepared once into the cache directory, reused afterwards.
 
-The demo snapshot shipped at `expertstream/assets/demo-snapshot` is set up into `<cache>/demo` and set up
-again when the shipped one changes (a package upgrade) or lies elsewhere (another install). The cache is
-$EXPERTSTREAM_CACHE or ~/.cache/expertstream.
+The demo snapshot shipped at `expertstream/assets/demo-snapshot` is set up into `<cache>/demo-<key>`, the key
+a hash of the snapshot's place and bytes: each install (venv, checkout) and each shipped revision has a
+workdir of its own, so setting one up never rewrites files a process of another install is reading. Setting
+one up also removes the demo workdirs no install can use any more (their snapshot gone or changed). The
+cache is $EXPERTSTREAM_CACHE or ~/.cache/expertstream.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 from expertstream.log import get_logger
@@ -26,29 +29,53 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EXPERTSTREAM_CACHE") or Path.home() / ".cache" / "expertstream")
 
 
-def demo_fingerprint() -> str:
-    """sha256 over every file of the shipped demo snapshot (26 MB: milliseconds). A retrained demo keeps the
-    same config and shard sizes, so only the bytes tell a package upgrade apart."""
+def demo_fingerprint(snapshot: Path | None = None) -> str:
+    """sha256 over every file of a demo snapshot (the shipped one by default; 26 MB: milliseconds). A
+    retrained demo keeps the same config and shard sizes, so only the bytes tell a package upgrade apart."""
     h = hashlib.sha256()
-    for f in sorted(DEMO_SNAPSHOT.iterdir()):
+    for f in sorted((snapshot or DEMO_SNAPSHOT).iterdir()):
         if f.is_file():
             h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
-def _stale(workdir: Path) -> bool:
-    """True when the shipped demo changed (a package upgrade) since its workdir was set up, or when the
-    workdir was set up from the demo of another install (another venv or checkout): it reads the PLE table
-    in place there, which may be gone."""
+def demo_workdir_name(fingerprint: str) -> str:
+    """`demo-` and 12 hex digits of the shipped snapshot's resolved path and fingerprint."""
+    key = hashlib.sha256(f"{DEMO_SNAPSHOT.resolve()}\0{fingerprint}".encode()).hexdigest()[:12]
+    return f"demo-{key}"
+
+
+def _built_from(workdir: Path, snapshot: Path, fingerprint: str) -> bool:
+    """A finished workdir of this format, set up from `snapshot` as its bytes are now (`fingerprint`)."""
     mark = workdir / FINGERPRINT
-    if not mark.is_file() or mark.read_text().strip() != demo_fingerprint() or not is_current(workdir):
-        return True
+    if not is_current(workdir) or not mark.is_file() or mark.read_text().strip() != fingerprint:
+        return False
     source = json.loads((workdir / MANIFEST).read_text())["source"]["snapshot"]
-    return Path(source).resolve() != DEMO_SNAPSHOT.resolve()
+    return Path(source).resolve() == snapshot.resolve()
+
+
+def _unusable(workdir: Path) -> bool:
+    """True when no install can use this demo workdir: unfinished, or its snapshot (which it reads the PLE
+    table of in place) removed or changed since; an older format's is kept for the install that made it."""
+    try:
+        source = Path(json.loads((workdir / MANIFEST).read_text())["source"]["snapshot"])
+        mark = (workdir / FINGERPRINT).read_text().strip()
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    return not (source / "config.json").is_file() or mark != demo_fingerprint(source)
+
+
+def _remove_unusable(cache: Path, keep: Path) -> None:
+    """Removes the demo workdirs no install can use (under the cache's lock: none is being set up)."""
+    for old in sorted(cache.glob("demo*")):
+        if old != keep and old.is_dir() and _unusable(old):
+            log.info("removing the unused demo workdir %s", old)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def default_workdir() -> Path:
-    """Path of the default model's workdir, building it on first use (safe against concurrent callers)."""
+    """Path of this install's default model workdir, building it on first use (safe against concurrent
+    callers, of this install or another)."""
     from expertstream.workdir.repack import setup_workdir
 
     cache = cache_dir()
@@ -57,16 +84,18 @@ def default_workdir() -> Path:
         raise FileNotFoundError(
             f"the bundled demo model is missing from {DEMO_SNAPSHOT}: reinstall expertstream"
         )
-    workdir = cache / "demo"
+    fingerprint = demo_fingerprint()
+    workdir = cache / demo_workdir_name(fingerprint)
     # one builder at a time; the others wait here and then find the manifest
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (workdir / MANIFEST).is_file() and not _stale(workdir):
+        if _built_from(workdir, DEMO_SNAPSHOT, fingerprint):
             log.info("default model: %s", workdir)
             return workdir
+        _remove_unusable(cache, keep=workdir)
         log.info("setting up the default model %s -> %s (once)", DEMO_SNAPSHOT, workdir)
         setup_workdir(DEMO_SNAPSHOT, workdir, progress=False)
-        (workdir / FINGERPRINT).write_text(demo_fingerprint() + "\n")
+        (workdir / FINGERPRINT).write_text(fingerprint + "\n")
     return workdir
 
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -404,50 +405,55 @@ def test_default_model_is_built_once(tmp_path, monkeypatch):
 
     monkeypatch.setenv("EXPERTSTREAM_CACHE", str(tmp_path))
     assert resolve_model("/some/workdir") == "/some/workdir"
-    first = resolve_model("")  # the shipped demo model
-    manifest = tmp_path / "demo" / "manifest.json"
-    assert first == str(tmp_path / "demo") and manifest.is_file()
+    first = Path(resolve_model(""))  # the shipped demo model
+    manifest = first / "manifest.json"
+    assert first.parent == tmp_path and first.name.startswith("demo-") and manifest.is_file()
     stamp = manifest.stat().st_mtime_ns
-    assert resolve_model("") == first and manifest.stat().st_mtime_ns == stamp
+    assert resolve_model("") == str(first) and manifest.stat().st_mtime_ns == stamp
 
 
-def test_shipped_demo_is_set_up_and_refreshed_when_it_changes(tmp_path, monkeypatch, tiny_snapshot):
+def test_each_install_and_revision_of_the_demo_has_its_own_workdir(tmp_path, monkeypatch, tiny_snapshot):
     import shutil
 
     import expertstream.default_model as dm
+    from expertstream.workdir.workdir import Workdir
 
-    demo = tmp_path / "assets" / "demo-snapshot"
+    demo = tmp_path / "venv1" / "demo-snapshot"
     shutil.copytree(tiny_snapshot, demo)
     monkeypatch.setattr(dm, "DEMO_SNAPSHOT", demo)
-    monkeypatch.setenv("EXPERTSTREAM_CACHE", str(tmp_path / "cache"))
-    workdir = dm.resolve_model("")
-    manifest = tmp_path / "cache" / "demo" / "manifest.json"
-    assert workdir == str(tmp_path / "cache" / "demo") and manifest.is_file()
-    stamp = manifest.stat().st_mtime_ns
-    assert dm.resolve_model("") == workdir and manifest.stat().st_mtime_ns == stamp
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EXPERTSTREAM_CACHE", str(cache))
+    first = Path(dm.resolve_model(""))
+    stamp = (first / "manifest.json").stat().st_mtime_ns
+    assert dm.resolve_model("") == str(first) and (first / "manifest.json").stat().st_mtime_ns == stamp
+    # the same demo in another install (its PLE table is read in place): a workdir of its own, and the first
+    # install's stays as it is, for a process of that install may be reading it
+    other = tmp_path / "venv2" / "demo-snapshot"
+    shutil.copytree(demo, other)
+    monkeypatch.setattr(dm, "DEMO_SNAPSHOT", other)
+    second = Path(dm.resolve_model(""))
+    assert second != first and (first / "manifest.json").stat().st_mtime_ns == stamp
+    assert Workdir(second).ple["shards"][0]["path"].startswith(str(other))
+    assert Workdir(first).ple["shards"][0]["path"].startswith(str(demo))
+    # the first install upgraded in place: a new config, then a retrained demo (same config, same shard
+    # sizes, other weights): a new workdir each time, the ones no install can use any more removed
+    monkeypatch.setattr(dm, "DEMO_SNAPSHOT", demo)
     config = json.loads((demo / "config.json").read_text())
     (demo / "config.json").write_text(json.dumps({**config, "demo_revision": 2}))
-    assert dm.resolve_model("") == workdir and manifest.stat().st_mtime_ns != stamp
-    # a retrained demo: same config, same shard sizes, other weights
-    stamp = manifest.stat().st_mtime_ns
+    revised = Path(dm.resolve_model(""))
+    assert revised not in (first, second) and not first.exists() and second.is_dir()
     shard = sorted(demo.glob("model-0*.safetensors"))[-1]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert dm.resolve_model("") == workdir and manifest.stat().st_mtime_ns != stamp
-    # the same demo in another install (its PLE table is read in place): set up again from there, so that
-    # removing the first install breaks nothing
-    other = tmp_path / "venv2" / "demo-snapshot"
-    shutil.copytree(demo, other)
-    monkeypatch.setattr(dm, "DEMO_SNAPSHOT", other)
-    stamp = manifest.stat().st_mtime_ns
-    assert dm.resolve_model("") == workdir and manifest.stat().st_mtime_ns != stamp
-    assert json.loads(manifest.read_text())["source"]["snapshot"] == str(other)
-    shutil.rmtree(demo)
-    from expertstream.workdir.workdir import Workdir
-
-    assert dm.resolve_model("") == workdir
-    assert Workdir(workdir).ple["shards"][0]["path"].startswith(str(other))
+    retrained = Path(dm.resolve_model(""))
+    assert retrained != revised and not revised.exists() and (retrained / "manifest.json").is_file()
+    # the second install removed: its workdir goes at the next setup, and the first's still serves
+    shutil.rmtree(other.parent)
+    (cache / "demo-unfinished").mkdir()  # a setup stopped before its manifest
+    (demo / "config.json").write_text(json.dumps({**config, "demo_revision": 3}))
+    last = Path(dm.resolve_model(""))
+    assert sorted(p.name for p in cache.glob("demo*")) == [last.name]
 
 
 def test_penalties_follow_vllm_and_openai():
