@@ -143,14 +143,6 @@ class EngineConfig:
             "may move or turn off); 0: off (llama.cpp: --moe-cache-cpu-share)"
         },
     )
-    cpu_moe_copy: str = field(
-        default="kernel",
-        metadata={
-            "help": "with --cpu-moe-share, how the GPU's share of a layer's experts crosses the bus into "
-            "VRAM: kernel (a Triton kernel reads it from pinned RAM) or engine (the CPU share's server "
-            "thread queues it on the copy engine; it has not yet run on a GPU, docs/runtime.md)"
-        },
-    )
     cpu_affinity: str | None = field(
         default=None,
         metadata={
@@ -184,8 +176,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
-        if self.cpu_moe_copy not in ("kernel", "engine"):
-            raise ValueError(f"cpu_moe_copy must be kernel or engine, got {self.cpu_moe_copy!r}")
         if self.speculation_width < 1:
             raise ValueError(
                 f"speculation_width must be >= 1 (K guesses or more), got {self.speculation_width}"

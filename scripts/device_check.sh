@@ -13,10 +13,9 @@
 #              bound, the regimes' greedy tokens, the block checksums' share of a disk-bound token
 #   cpu-share  the CPU share of GPU decode (--cpu-moe-share): `bench cpu --with-copy` on $CPU_THREADS (14:
 #              the split's default on 16 cores) threads (the kernel alone and beside the copy engine),
-#              `plan`'s estimate, `bench decode` in vram ram ram_unstaged ram_CPU_share and
-#              ram_CPU_share_copy_engine (the auto share on the default threads, the GPU's share copied by
-#              a kernel or by the copy engine: its breakdown, model, and the log's tuning by token time), then
-#              shares $SHARES (0.4) by hand on $SHARE_THREADS (8) threads, then the auto share against `ram` in a
+#              `plan`'s estimate, `bench decode` in vram ram ram_unstaged ram_CPU_share (the auto share on
+#              the default threads: its breakdown, model, and the log's tuning by token time), then shares
+#              $SHARES (0.4) by hand on $SHARE_THREADS (8) threads, then the auto share against `ram` in a
 #              process each on $AUTO_THREADS threads (none by default; e.g. "14 12 10": where a pool on most
 #              cores has slow calls) over $AUTO_TOKENS (128: past the tuner's first 64-token watch) tokens
 #   serve      `bench serve` (Open WebUI's flow, 1/2/4 concurrent decodes) on 4 full-shape layers, with decode
@@ -102,10 +101,8 @@ part_cpu_share() {  # ~3 min: kernel beside the copy engine; plan; decode with e
     | grep -v INFO | tail -4 | tee $OUT/cpu_share_plan.txt
   # vram gives d (a layer's dense GPU work) to the split's model; the auto share, on the free cores less 2,
   # tunes itself by token time over its first tokens and may move or turn off (the log's lines)
-  # ram_CPU_share_copy_engine: the same with --cpu-moe-copy engine (the server copies the GPU's share)
-  timeout ${BENCH_S:-240} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens 16 \
-    --regimes vram ram ram_unstaged ram_CPU_share ram_CPU_share_copy_engine --out $OUT/cpu_share.md \
-    > $OUT/cpu_share.log 2>&1
+  timeout ${BENCH_S:-170} python3 -m expertstream bench decode --layers 4 --workdir $W --tokens 16 \
+    --regimes vram ram ram_unstaged ram_CPU_share --out $OUT/cpu_share.md > $OUT/cpu_share.log 2>&1
   grep -E "^\| (vram|ram)|Greedy tokens|CPU share\`|^Model" $OUT/cpu_share.md
   grep -E "CPU share (of|tuned)" $OUT/cpu_share.log | sed 's/.*INFO[^:]*: //'
   # the share set by hand: split on every layer, its breakdown; on $SHARE_THREADS (8) of the cores

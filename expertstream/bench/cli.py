@@ -131,8 +131,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         nargs="+",
         help="decode, prefill: run only these regimes (names as in the table, spaces and commas as _: "
         "decode: vram, vram_eager, ram, ram_unstaged, ram_CPU_share, ram_24_GiB_VRAM, disk, "
-        "disk_24_GiB_VRAM, and only when named ram_CPU_share_copy_engine; prefill: vram, ram, disk); "
-        "default all",
+        "disk_24_GiB_VRAM; prefill: vram, ram, disk); default all",
     )
     p.add_argument(
         "--no-speculation", action="store_true", help="decode, prefill: run the engine without speculation"
@@ -196,11 +195,10 @@ def regime_slug(name: str) -> str:
     return name.replace(",", "").replace(" ", "_")
 
 
-def chosen(args: argparse.Namespace, regimes: dict, named_only: tuple = ()) -> dict:
-    """The regimes --regimes names (when not given: all but `named_only`, which run only when named); an
-    unknown name is an error that lists them."""
+def chosen(args: argparse.Namespace, regimes: dict) -> dict:
+    """The regimes --regimes names (all when not given); an unknown name is an error that lists them."""
     if not getattr(args, "regimes", None):
-        return {n: r for n, r in regimes.items() if n not in named_only}
+        return regimes
     slugs = {regime_slug(n): n for n in regimes}
     unknown = [r for r in args.regimes if r not in slugs]
     if unknown:

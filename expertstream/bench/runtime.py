@@ -10,8 +10,6 @@ efficiency = bound / actual:
   ram, CPU share: the same, with the CPU computing a share of each layer's routed experts in place
                (--cpu-moe-share; -1, the default: the share the rates measured at start balance); its
                bound is max(PCIe bytes / PCIe rate, CPU bytes / CPU kernel rate, GPU)
-  ram, CPU share, copy engine: the same, the GPU's share copied by the copy engine (--cpu-moe-copy engine;
-               only when --regimes names it)
   disk:        RAM cache = 25% of the expert bytes, the rest read from disk (disk-bound)
   disk, 24 GiB VRAM: the disk regime's RAM cache with the VRAM cache a 24 GiB card's plan leaves
 Per-token times are for the bench's layers and scaled to the real 48. Each regime also reports the
@@ -37,6 +35,7 @@ from expertstream.bench.split_report import (
     gpu_split_times,
     needed_pcie_bytes,
     split_fields,
+    spread,
 )
 from expertstream.config import EngineConfig
 from expertstream.experts.split_bank import SplitExperts
@@ -167,8 +166,11 @@ def decode_regime(
     n0 = len(timed) if timed is not None else 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    walls = []  # each token's wall time: step() reads its logits back, so a token's host work is in it
     for _ in range(tokens):
+        t = time.perf_counter()
         tok = step([tok])
+        walls.append(time.perf_counter() - t)
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / tokens
     # the GPU's time a token (CUDA events around its replays; each read at the next token's step)
@@ -195,6 +197,9 @@ def decode_regime(
         "margins": margins,
         "ms_per_token": dt * 1e3,
         "gpu_ms_per_token": gpu_token[len(gpu_token) // 2] * 1e3 if gpu_token else None,  # median
+        # a mean far above the median: a few tokens held up (on the GPU; in the wall time, or by the host)
+        "gpu_ms_spread": spread(gpu_token) if gpu_token else None,
+        "wall_ms_spread": spread(walls),
         "disk_bytes_per_token": (s1.bytes_read - s0.bytes_read) / tokens,
         # copies, and blocks the decode kernel read from RAM in place
         "pcie_bytes_per_token": (c1.bytes_copied - c0.bytes_copied + s1.bus_read_bytes - s0.bus_read_bytes)
@@ -440,13 +445,6 @@ def decode_regimes(
             dataclasses.replace(all_in_ram, stage_guesses=staged, cpu_moe_share=cpu_moe_share),
             vram_blocks + 2 * staged + k,
         ),
-        # the same, the GPU's share copied by the copy engine, queued by the CPU share's server
-        "ram, CPU share, copy engine": (
-            dataclasses.replace(
-                all_in_ram, stage_guesses=staged, cpu_moe_share=cpu_moe_share, cpu_moe_copy="engine"
-            ),
-            vram_blocks + 2 * staged + k,
-        ),
         # every expert in RAM beside a large VRAM cache: decode reads the hot set there (not an issue regime)
         f"ram, {BIG_BUDGET_GB:g} GiB VRAM": (
             dataclasses.replace(all_in_ram, gpu_memory_gb=BIG_BUDGET_GB, stage_guesses=staged),
@@ -490,8 +488,7 @@ def run(args) -> int:
     regimes, info = decode_regimes(wd, base, args.stage_guesses, args.cpu_moe_share)
     vram_blocks, share, share24, staged = (info[n] for n in ("vram_blocks", "share", "share24", "staged"))
     results = {}
-    # --cpu-moe-copy engine has not run on a GPU: timed only where named
-    for name, (cfg, blocks) in chosen(args, regimes, named_only=("ram, CPU share, copy engine",)).items():
+    for name, (cfg, blocks) in chosen(args, regimes).items():
         where = Path(args.profile) / regime_slug(name) if args.profile else None
         results[name] = decode_regime(cfg, blocks, args.tokens, where)
         log.info("%s: %s", name, results[name])

@@ -53,13 +53,9 @@ def split_fields(
         out["eager_stages_per_token"] = sum(len(stages) for graphable, stages in program if not graphable)
     if window.kernel > 0:  # the kernel's rate in place: beside the bus's reads of the same RAM
         out["cpu_gbps_in_place"] = cpu_bytes / window.kernel / 1e9
-    calls = sorted(split.kernel_log(window.calls)) if window.calls else []
-    if calls:  # median, p90 and max of a call (a parked thread or a late wake-up holds one up)
-        out["split_kernel_call_ms"] = [
-            calls[len(calls) // 2] * 1e3,
-            calls[len(calls) * 9 // 10] * 1e3,
-            calls[-1] * 1e3,
-        ]
+    calls = split.kernel_log(window.calls) if window.calls else []
+    if calls:  # a parked thread or a late wake-up holds a call up
+        out["split_kernel_call_ms"] = spread(calls)[1:]
     if gpu is not None and gpu.timed:
         g = 1e3 / GPU_TIMED_TOKENS
         out.update(split_gpu_share_ms=gpu.gpu_share * g, split_gpu_idle_ms=gpu.gpu_idle * g)
@@ -104,6 +100,12 @@ def cpu_share_note(results: dict[str, dict], pcie_gbps: float, layers: int) -> s
     return "".join(lines)
 
 
+def spread(seconds) -> list[float]:
+    """Mean, median, p90 and max of some durations, in ms."""
+    s = sorted(seconds)
+    return [sum(s) / len(s) * 1e3, s[len(s) // 2] * 1e3, s[len(s) * 9 // 10] * 1e3, s[-1] * 1e3]
+
+
 def breakdown(name: str, r: dict) -> str:
     """Where a token's split layers' time went: the server's kernel, then the GPU's."""
     rate = f" ({r['cpu_gbps_in_place']:.1f} GB/s in place)" if "cpu_gbps_in_place" in r else ""
@@ -117,6 +119,12 @@ def breakdown(name: str, r: dict) -> str:
     )
     if r.get("gpu_ms_per_token"):  # the wall time less the host's work between tokens
         text += f"; the GPU's time a token {r['gpu_ms_per_token']:.2f} ms (median, CUDA events around it)"
+    for what, key in (("GPU", "gpu_ms_spread"), ("wall", "wall_ms_spread")):
+        if r.get(key):  # a mean far above the median: a few tokens held up
+            mean, med, p90, top = r[key]
+            text += (
+                f"; a token's {what} time: mean {mean:.2f} ms, median {med:.2f}, p90 {p90:.2f}, max {top:.2f}"
+            )
     if "graphs_per_token" in r:
         text += (
             f"; a token replays {r['graphs_per_token']} graphs around {r['eager_stages_per_token']} eager "

@@ -51,7 +51,7 @@ class GpuExperts(ExpertBank):
         swiglu_limit: clamp gate x above and up x on both sides first (DeepSeek-V4), None: no clamp. The
             kernels read the workdir's block format (NVFP4 or MXFP4) from its layout.
         copy_rows: VRAM rows, taken from n_slots, for the CPU share's GPU side (experts/split_bank.py): its
-            routed RAM blocks are copied there before its kernel reads them (`copy_view`); 0: none.
+            routed RAM blocks are copied there before its kernel reads them; 0: none.
     """
 
     def __init__(
@@ -316,11 +316,6 @@ class GpuExperts(ExpertBank):
             x, expert_ids[0], loc, self.scales[layer], weights[0].float(), self.layout, self.cache.slots,
             host, swiglu_limit=self.swiglu_limit,
         )  # fmt: skip
-
-    @property
-    def copy_view(self) -> torch.Tensor:
-        """The copy rows, [copy_rows, B] uint8, from slot `copy_first` on."""
-        return self.cache.slots[self.copy_first : self.copy_first + self.copy_rows]
 
     @property
     def decode_reads_vram(self) -> bool:

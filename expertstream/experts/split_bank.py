@@ -9,10 +9,9 @@ ordered with those the GPU reads from VRAM (hot set, staged guesses) first and t
 last n go to the CPU, the first K - n to the GPU, a split that needs nothing from the host. split_send
 orders them, packs the CPU's ids, weights and x into one buffer and posts it to the split server through a
 pinned mailbox (kernels/mailbox.py); split_gpu queues the GPU's share behind it (where the engine gives the
-GPU bank K copy rows, its RAM blocks are first copied there, by a kernel or, with `copy_engine`, by the
-server on the copy engine while the GPU waits for them; then the decode kernel reads them from VRAM: a few
-blocks read in place leave the bus partly idle); split_take spins on the GPU until the server's answer
-lands and adds it. The server (`cpu_moe.SplitServer`, a C thread) spins on the mailbox, gathers the
+GPU bank K copy rows, a kernel first copies its RAM blocks there, then the decode kernel reads them from
+VRAM: a few blocks read in place leave the bus partly idle); split_take spins on the GPU until the server's
+answer lands and adds it. The server (`cpu_moe.SplitServer`, a C thread) spins on the mailbox, gathers the
 request's blocks from the layers' address table and runs the kernel while the bus carries the GPU's blocks.
 No host call or sync sits between a layer's GPU and CPU work, so the decode graphs replay a token without an
 eager point for the split; the host only arms the server once a token is queued (`split_launched`).
@@ -36,7 +35,6 @@ import torch
 
 from expertstream.experts.bank import ExpertBank, WrappedBank
 from expertstream.kernels import cpu_moe, mailbox
-from expertstream.kernels.cuda_driver import CopyStream
 from expertstream.kernels.stage_blocks import stage_blocks
 from expertstream.log import get_logger
 
@@ -183,8 +181,6 @@ class SplitExperts(WrappedBank):
         cpu_gbps: the CPU kernel's rate; None: measured on the RAM cache's rows on `threads()` threads.
         tune: the auto share tunes itself by token time (the decode graphs time the tokens; without them
             it keeps the rates' choice).
-        copy_engine: where the GPU's share is copied (`copies`), the server queues the copies on the copy
-            engine (`cpu_moe.Copies`) instead of a kernel copying them (`--cpu-moe-copy engine`).
     """
 
     def __init__(
@@ -196,7 +192,6 @@ class SplitExperts(WrappedBank):
         bus_gbps: float | None = None,
         cpu_gbps: float | None = None,
         tune: bool = True,
-        copy_engine: bool = False,
     ):
         super().__init__(gpu)
         self.layout, self.threads = workdir.layout, threads
@@ -229,18 +224,14 @@ class SplitExperts(WrappedBank):
         self._ids = torch.zeros(1, k, dtype=torch.int64, device=dev)
         self._w = torch.zeros(1, k, device=dev)
         self._pos = torch.arange(k, device=dev)
-        # the CPU's ids and weights, x, the GPU's ids to copy (-1: in VRAM), packed on the GPU
-        self._dev = torch.empty(3 * k + h, device=dev)
+        # the CPU's ids and weights, x, packed on the GPU
+        self._dev = torch.empty(2 * k + h, device=dev)
         self._host = torch.empty(2 * cpu_moe.NMAX + h, pin_memory=pin)  # ... posted here (the request)
         self._out = torch.empty(h, pin_memory=pin)  # the server's answer, the CPU's [H] sum
         self._box = mailbox.new_box(pin)
         self._words = self._box.numpy()  # the host reads FAIL and ERR here without a device call
         self._seq = torch.zeros(1, dtype=torch.int32, device=dev)  # the last request's number
-        self._flag = torch.zeros(1, dtype=torch.int32, device=dev)  # ... once the GPU's copies have landed
         self._loc = torch.zeros(gpu.num_experts, dtype=torch.int32, device=dev)  # the GPU's share's places
-        self.copy_engine = usable and copy_engine and self.copies
-        # the server's copy stream on CUDA: made here, as the server may start inside a capture
-        self._stream = CopyStream(dev) if self.copy_engine and dev.type == "cuda" else None
         self._server: cpu_moe.SplitServer | None = None  # started at the first split layer
         self._ev: tuple = ()  # the split layer's CUDA events, set by split_send
         self.cpu_blocks = 0  # routed blocks posted to the CPU
@@ -284,26 +275,27 @@ class SplitExperts(WrappedBank):
         return (*self.bank.decode_key, self.n_cpu, self.graphed)
 
     def warm_up(self, dtype: torch.dtype) -> None:
-        """The GPU bank's warm-up, then the decode kernel for the GPU side's K - n experts (`_warm_share`)."""
-        self.bank.warm_up(dtype)
-        self._warm_share()
-
-    def _warm_share(self) -> None:
-        """The decode kernel for the GPU side's K - n experts with FP32 input compiled (K is a compile-time
-        constant of its down kernel): before a capture, which cannot compile."""
+        """The GPU bank's warm-up, then the decode kernel for the GPU side's K - n experts with FP32 input (K
+        is a compile-time constant of its down kernel) for each n the share may take: every n the auto share
+        may move to (a compile is ~0.9 s on a cold Triton cache: a move in decode once stalled a token that
+        long), or the share set by hand. Decode never compiles then, and a capture cannot."""
         from expertstream.kernels import nvfp4_moe
 
-        if not self.n_cpu or self.k == self.n_cpu:
-            return
-        dev, h, n = self.bank.cache.device, self.layout.hidden_size, self.k - self.n_cpu
+        self.bank.warm_up(dtype)
+        shares = (
+            range(1, self.k) if self.tuner is not None else [self.n_cpu] if 0 < self.n_cpu < self.k else []
+        )
+        dev, h = self.bank.cache.device, self.layout.hidden_size
         e2s = torch.zeros(self.bank.num_experts, dtype=torch.int32, device=dev)
-        ids, w = torch.zeros(n, dtype=torch.int64, device=dev), torch.ones(n, device=dev)
-        if self.copy_engine:  # its wait (on a flag that already holds the number)
-            mailbox.wait(self._seq, self._seq, w, self._box)
-        elif self.copies:  # its copy kernel (every entry of e2s a slot: nothing is copied)
-            stage_blocks(ids[:1], e2s, self.bank.host_blocks, self.bank.cache.slots, 0, e2s.clone())
-        nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, device=dev), ids, e2s, self.bank.scales[0], w,
-                                   self.layout, self.bank.cache.slots, self.bank.host_blocks)  # fmt: skip
+        if shares and self.copies:  # its copy kernel (every entry of e2s a slot: nothing is copied)
+            ids = torch.zeros(1, dtype=torch.int64, device=dev)
+            stage_blocks(ids, e2s, self.bank.host_blocks, self.bank.cache.slots, 0, e2s.clone())
+        for n in shares:
+            g = self.k - n
+            ids, w = torch.zeros(g, dtype=torch.int64, device=dev), torch.ones(g, device=dev)
+            nvfp4_moe.nvfp4_moe_decode(torch.zeros(1, h, device=dev), ids, e2s, self.bank.scales[0], w,
+                                       self.layout, self.bank.cache.slots, self.bank.host_blocks,
+                                       swiglu_limit=self.bank.swiglu_limit)  # fmt: skip
 
     def __call__(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, **kw):
         if x.shape[0] != 1 or not self.splitting:  # prompts and batches (`segments`): the GPU bank's
@@ -334,16 +326,7 @@ class SplitExperts(WrappedBank):
         self._ids.copy_(expert_ids)
         self._w.copy_(weights)
         m = 2 * self.n_cpu + self.layout.hidden_size
-        parts = [self._ids[0, g:].float(), self._w[0, g:], x[0].float()]
-        if self.copy_engine and g:  # the GPU's experts the server copies (in RAM; -1: in VRAM), and the
-            loc = self.bank.residency.loc[layer]  # places its kernel reads them from: expert i in copy row i
-            place = loc[self._ids[0, :g]]
-            ram = place < 0
-            parts.append(torch.where(ram, self._ids[0, :g], -1).float())
-            self._loc.copy_(loc)
-            self._loc[self._ids[0, :g]] = torch.where(ram, self._pos[:g].int() + self.bank.copy_first, place)
-            m += g
-        torch.cat(parts, out=self._dev[:m])
+        torch.cat([self._ids[0, g:].float(), self._w[0, g:], x[0].float()], out=self._dev[:m])
         self._seq.add_(1)
         mailbox.post(self._dev[:m], self._host, self._seq, self._box, layer, self.n_cpu)
         if self.gpu_timing:  # timed tokens send eagerly: the GPU's share is timed from the send's end, so
@@ -354,7 +337,7 @@ class SplitExperts(WrappedBank):
     @property
     def copies(self) -> bool:
         """The GPU's share is copied into VRAM rows of its own before its kernel reads it (the GPU bank has
-        K copy rows): by a kernel, or by the server (`copy_engine`); else the kernel reads it in place."""
+        K copy rows) by a kernel; else the kernel reads it in place."""
         return self.bank.copy_rows >= self.k
 
     def split_gpu(self, layer: int, x) -> torch.Tensor:
@@ -365,12 +348,9 @@ class SplitExperts(WrappedBank):
             return torch.zeros(1, self.layout.hidden_size, device=x.device)
         if not self.copies:
             return self.bank.decode_compute(layer, x.float(), self._ids[:, :g], self._w[:, :g])
-        if self.copy_engine:  # split_send named the blocks and pointed self._loc at the copy rows
-            mailbox.wait(self._flag, self._seq, self._w[0, :g], self._box)
-        else:  # a kernel copies them and points self._loc there
-            bank = self.bank
-            loc, rows = bank.residency.loc[layer], bank.cache.slots
-            stage_blocks(self._ids[0, :g], loc, bank.host_blocks, rows, bank.copy_first, self._loc)
+        bank = self.bank  # a kernel copies them and points self._loc there
+        loc, rows = bank.residency.loc[layer], bank.cache.slots
+        stage_blocks(self._ids[0, :g], loc, bank.host_blocks, rows, bank.copy_first, self._loc)
         return self.bank.decode_compute(layer, x.float(), self._ids[:, :g], self._w[:, :g], loc=self._loc)
 
     def split_launched(self, layer: int) -> None:
@@ -407,12 +387,8 @@ class SplitExperts(WrappedBank):
         rows = torch.stack([torch.from_numpy(self.bank.ram_rows(i)) for i in range(self.ws2.shape[0])])
         host = self.bank.host_blocks
         addr = (rows.long() * host.stride(0) + host.data_ptr()).contiguous()  # [L, E]
-        copies = None
-        if self.copy_engine:
-            copies = cpu_moe.Copies(self.bank.copy_view, self._flag, self.k, self._stream)
         self._server = cpu_moe.SplitServer(addr, self.ws2, self._host, self._out, self._box, self.layout,
-                                           self.threads(), SPLIT_SPIN_S, copies,
-                                           self.bank.swiglu_limit)  # fmt: skip
+                                           self.threads(), SPLIT_SPIN_S, self.bank.swiglu_limit)  # fmt: skip
 
     @property
     def tuning(self) -> bool:
@@ -436,7 +412,6 @@ class SplitExperts(WrappedBank):
             self.n_cpu = n
             if n:
                 cpu_moe.set_spin(SPLIT_SPIN_S)
-                self._warm_share()
 
     def split_times(self) -> SplitTimes:
         """The split layers' times so far: the server's calls, and with `gpu_timing` the GPU's, which waits
@@ -468,9 +443,6 @@ class SplitExperts(WrappedBank):
                 torch.cuda.synchronize(self.bank.cache.device)
             self._server.close()
             self._server = None
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
         self.bank.close()
 
     @property

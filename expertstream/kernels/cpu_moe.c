@@ -588,12 +588,8 @@ float read_sweep(const float *buf, long n, int threads) {
 // system-scope fence, box[REQ] = a new sequence number; the server computes that layer's n experts from its
 // tables into `out` and sets box[DONE] to the number (box[ERR] to the kernel's code and `out` to NaN where it
 // refused the request). Idle, it spins for `idle_ns`, then sleeps until armed (once a token, `serve_arm`) or
-// for 1 ms at most. With copies set (`serve_copies`), the request also names the GPU's K - n experts (as
-// floats after x; -1: read from VRAM), and before it computes, the server queues each named block's copy
-// from its RAM row into copy row i, then the request's number into a flag word the GPU waits on: on CUDA
-// by the copy engine (cuMemcpyHtoDAsync on a stream of its own, ~55 GB/s where the GPU's own reads of
-// pinned RAM take 21-33), elsewhere (tests) by memcpy.
-enum { REQ = 0, LAYER = 1, NREQ = 2, DONE = 16, ERR = 17, COPIED = 19 };
+// for 1 ms at most.
+enum { REQ = 0, LAYER = 1, NREQ = 2, DONE = 16, ERR = 17 };
 #define LOGN 4096  // the last calls' kernel times kept (serve_log)
 
 static struct {
@@ -608,47 +604,15 @@ static struct {
   float limit;
   atomic_int threads, stop, running;
   atomic_ulong armed;
-  // copies (serve_copies): copy row 0 and the flag word (device addresses, or host ones where cpy is
-  // NULL), the layer's K, the block bytes; cpy has cuMemcpyHtoDAsync_v2's form, set_ctx cuCtxSetCurrent's
-  uint64_t copy_dst, flag_dst;
-  int K;
-  long block_bytes;
-  int (*cpy)(uint64_t dst, const void *src, size_t bytes, void *stream);
-  int (*set_ctx)(void *ctx);
-  void *stream, *ctx;
   pthread_t tid;
   pthread_mutex_t mu;  // stats and sleep
   pthread_cond_t wake;
   long calls, kernel_ns, log[LOGN];
 } srv = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
-// the GPU's share of a request (after its n ids, n weights and x) into the copy rows, then the number into
-// the flag word; 0, or 4 where a copy could not be queued
-static int serve_copy(int layer, int n, int32_t seq) {
-  const float *g = srv.packed + 2 * n + srv.H;
-  int rc = 0;
-  for (int i = 0; i < srv.K - n && !rc; i++) {
-    long e = (long)g[i];
-    if (e < 0) continue;  // read from VRAM
-    if (e >= srv.E) {
-      rc = 4;
-      break;
-    }
-    const void *src = (const void *)srv.addr[(size_t)layer * srv.E + e];
-    uint64_t dst = srv.copy_dst + (uint64_t)i * srv.block_bytes;
-    if (srv.cpy) rc = srv.cpy(dst, src, srv.block_bytes, srv.stream) ? 4 : 0;
-    else memcpy((void *)dst, src, srv.block_bytes);
-  }
-  srv.box[COPIED] = seq;  // the copy's source: the next request comes only once the GPU has seen this one
-  if (srv.cpy) rc = srv.cpy(srv.flag_dst, (const void *)&srv.box[COPIED], 4, srv.stream) || rc ? 4 : 0;
-  else __atomic_store_n((int32_t *)srv.flag_dst, seq, __ATOMIC_RELEASE);
-  return rc;
-}
-
 static void *serve(void *unused) {
   (void)unused;
   int32_t seen = srv.first;
-  if (srv.set_ctx && srv.set_ctx(srv.ctx)) srv.box[ERR] = 5;  // every copy then fails too (code 4)
   while (!atomic_load(&srv.stop)) {
     long until = now_ns() + srv.idle_ns;
     unsigned long armed = atomic_load(&srv.armed);
@@ -672,16 +636,14 @@ static void *serve(void *unused) {
     seen = __atomic_load_n(&srv.box[REQ], __ATOMIC_ACQUIRE);
     int layer = srv.box[LAYER], n = srv.box[NREQ], rc = 3;
     long t0 = now_ns();
-    int copied = 0;
-    if (srv.copy_dst && layer >= 0 && layer < srv.L && n >= 0 && n <= srv.K) copied = serve_copy(layer, n, seen);
     pthread_mutex_lock(&call_mu);
     if (layer >= 0 && layer < srv.L)
       rc = moe_packed(srv.addr + (size_t)layer * srv.E, srv.ws2 + (size_t)layer * srv.E * 3, srv.packed, srv.out,
                       srv.scratch, n, srv.E, srv.H, srv.I, srv.lay, srv.limit, atomic_load(&srv.threads));
     pthread_mutex_unlock(&call_mu);
-    if (rc || copied) {
+    if (rc) {
       for (int k = 0; k < srv.H; k++) srv.out[k] = NAN;
-      srv.box[ERR] = rc ? rc : copied;
+      srv.box[ERR] = rc;
     }
     long dt = now_ns() - t0;
     __atomic_store_n(&srv.box[DONE], seen, __ATOMIC_RELEASE);
@@ -714,17 +676,6 @@ int serve_start(const long *addr, const float *ws2, const float *packed, float *
   return 0;
 }
 
-// The next server started also copies the GPU's share of each request (see serve above): copy row 0 at
-// copy_dst, rows block_bytes apart, the number into flag_dst; K the layer's routed experts. cpy NULL: host
-// addresses, copied by memcpy; else cuMemcpyHtoDAsync_v2 on `stream`, the server thread first making
-// `ctx` current (set_ctx: cuCtxSetCurrent). copy_dst 0: no copies.
-void serve_copies(uint64_t copy_dst, uint64_t flag_dst, int K, long block_bytes, void *cpy, void *stream,
-                  void *set_ctx, void *ctx) {
-  srv.copy_dst = copy_dst, srv.flag_dst = flag_dst, srv.K = K, srv.block_bytes = block_bytes;
-  srv.cpy = (int (*)(uint64_t, const void *, size_t, void *))cpy, srv.stream = stream;
-  srv.set_ctx = (int (*)(void *))set_ctx, srv.ctx = ctx;
-}
-
 // a token's requests are coming: wake the server if it sleeps, on `threads` threads from now
 void serve_arm(int threads) {
   atomic_store(&srv.threads, threads < 1 ? 1 : threads);
@@ -743,7 +694,6 @@ int serve_stop(void) {
   pthread_mutex_lock(&call_mu);
   wait_inside();  // a thread left behind a rescue phase reads the buffers the caller frees next
   pthread_mutex_unlock(&call_mu);
-  serve_copies(0, 0, 0, 0, NULL, NULL, NULL, NULL);
   atomic_store(&srv.running, 0);
   return 1;
 }

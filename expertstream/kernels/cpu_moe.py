@@ -11,7 +11,6 @@ included. Without a compiler the twin runs instead (one warning).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import hashlib
 import math
@@ -107,8 +106,6 @@ def _build() -> ctypes.CDLL | None:
     lib.pool_stall.restype = ctypes.c_long
     lib.serve_start.argtypes = [p, p, p, p, p, p, i, i, i, i, p, f, i, ctypes.c_long]
     lib.serve_start.restype = i
-    lib.serve_copies.argtypes = [ctypes.c_uint64, ctypes.c_uint64, i, ctypes.c_long, p, p, p, p]
-    lib.serve_copies.restype = None
     lib.serve_arm.argtypes = [i]
     lib.serve_arm.restype = None
     lib.serve_stop.argtypes = []
@@ -237,28 +234,6 @@ def moe_into(
 NMAX = 64  # most experts a split server's request takes (cpu_moe.c's NMAX)
 
 
-@dataclasses.dataclass
-class Copies:
-    """Where a split server copies the GPU's share of each request before it computes (cpu_moe.c's
-    `serve_copy`): the block of the GPU's expert i (of k - n) into rows[i], then the request's number into
-    `flag`. On CUDA by the copy engine on `stream` (kernels/cuda_driver.py), elsewhere (tests) by memcpy."""
-
-    rows: torch.Tensor  # [>= k, B] uint8 copy rows, contiguous
-    flag: torch.Tensor  # [1] int32 on the rows' device
-    k: int  # a layer's routed experts
-    stream: object = None  # a cuda_driver.CopyStream where the rows are on CUDA
-
-    def args(self, block_bytes: int) -> tuple:
-        """serve_copies's arguments."""
-        r, f = self.rows, self.flag
-        assert r.dtype == torch.uint8 and r.is_contiguous() and r.shape == (r.shape[0], block_bytes)
-        assert r.shape[0] >= self.k, f"{r.shape[0]} copy rows for {self.k} experts"
-        assert f.dtype == torch.int32 and f.numel() == 1 and f.device == r.device
-        assert (r.device.type == "cuda") == (self.stream is not None), "CUDA rows are copied on a stream"
-        cpy, stream, set_ctx, ctx = self.stream.entry_points() if self.stream is not None else (None,) * 4
-        return r.data_ptr(), f.data_ptr(), self.k, block_bytes, cpy, stream, set_ctx, ctx
-
-
 class SplitServer:
     """The C split server (cpu_moe.c's `serve`): a thread that answers the CPU share of split decode layers
     the GPU posts into a mailbox (kernels/mailbox.py) from a table of L layers, gathering each request's
@@ -267,14 +242,11 @@ class SplitServer:
     Args:
         addr: [L, E] int64 each block's address (rows of `layout.block_bytes`, checked by the caller).
         ws2: [L, E, 3] FP32 the layers' global scales.
-        packed: FP32 [2 NMAX + H] or longer: a request's n expert ids (as floats), n weights and x [H]; with
-            `copies`, then the GPU's K - n expert ids (-1: read from VRAM, nothing to copy).
+        packed: FP32 [2 NMAX + H] or longer: a request's n expert ids (as floats), n weights and x [H].
         out: FP32 [H]: the answer, NaN where the kernel refused the request (box[ERR] says why).
         box: the mailbox (`mailbox.new_box`); packed, out and box pinned where the GPU posts.
         threads: the kernel's threads, the server's own included, until `arm` gives others.
         idle_s: how long the server spins for the next request before it sleeps until armed.
-        copies: where the server copies the GPU's share of each request before it computes (`Copies`), or
-            None: the request holds the CPU's share only.
         swiglu_limit: as `moe`'s.
     """
 
@@ -288,7 +260,6 @@ class SplitServer:
         layout: ExpertLayout,
         threads: int,
         idle_s: float,
-        copies=None,
         swiglu_limit: float | None = None,
     ):
         (nl, e), h = addr.shape, layout.hidden_size
@@ -299,9 +270,7 @@ class SplitServer:
         assert lib is not None, "the CPU expert kernel could not be built"
         scratch = torch.empty(scratch_floats(layout, NMAX, 1))
         # the C side holds their addresses
-        self._keep = (addr, ws2, packed, out, box, scratch, layout_words(layout), copies)
-        if copies is not None:
-            lib.serve_copies(*copies.args(layout.block_bytes))
+        self._keep = (addr, ws2, packed, out, box, scratch, layout_words(layout))
         rc = lib.serve_start(
             addr.data_ptr(), ws2.data_ptr(), packed.data_ptr(), out.data_ptr(), scratch.data_ptr(),
             box.data_ptr(), nl, e, h, layout.intermediate_size, self._keep[6].data_ptr(),

@@ -9,12 +9,7 @@ part + answer. The number lives in a device word the caller increments before ea
 fixed kernel arguments), so each word of the box has one writer. A take that waits past `TAKE_SPINS` reads
 (seconds: each is a bus round trip) gives NaN and writes the number into box[FAIL] for the host to raise.
 
-Where the server also copies the GPU's share of a request (`cpu_moe.Copies`), it then writes the number into
-a device flag word by the same stream as the copies; `wait` spins on the GPU until the flag holds the
-number, so the GPU's kernel after it reads the copied blocks.
-
-Shapes: box [BOX_WORDS] int32 pinned; seq [1] int32 and flag [1] int32 on the device; the answer [H] FP32
-pinned.
+Shapes: box [BOX_WORDS] int32 pinned; seq [1] int32 on the device; the answer [H] FP32 pinned.
 """
 
 from __future__ import annotations
@@ -25,9 +20,8 @@ import torch
 
 from expertstream.kernels.codec import jit, next_pow2, require_triton, tl
 
-# the mailbox's words (cpu_moe.c's enum): the GPU writes REQ, LAYER, NREQ and FAIL, the server DONE, ERR and
-# COPIED (the source of the flag's copy)
-REQ, LAYER, NREQ, DONE, ERR, FAIL, COPIED = 0, 1, 2, 16, 17, 18, 19
+# the mailbox's words (cpu_moe.c's enum): the GPU writes REQ, LAYER, NREQ and FAIL, the server DONE and ERR
+REQ, LAYER, NREQ, DONE, ERR, FAIL = 0, 1, 2, 16, 17, 18
 BOX_WORDS = 32
 TAKE_SPINS = 1 << 24  # reads of box[DONE] before a take gives up: seconds of bus round trips
 BLOCK = 1024
@@ -64,18 +58,6 @@ def take_ref(part: torch.Tensor, out: torch.Tensor, seq: torch.Tensor, box: torc
             return torch.full_like(part, float("nan"))
         time.sleep(0)
     return part + out.view_as(part).to(part.device)
-
-
-def wait_ref(flag: torch.Tensor, seq: torch.Tensor, w: torch.Tensor, box: torch.Tensor,
-             timeout_s: float = 10.0) -> None:  # fmt: skip
-    """Plain-torch twin of `wait` (same arguments but a timeout in seconds for the spin count)."""
-    lib, want, t0 = _words(), int(seq), time.monotonic()
-    while lib.box_get(flag.data_ptr()) != want:
-        if time.monotonic() - t0 > timeout_s:
-            box[FAIL] = want
-            w.fill_(float("nan"))
-            return
-        time.sleep(0)
 
 
 @jit(do_not_specialize=("m", "layer", "n"))
@@ -130,21 +112,6 @@ def _take_kernel(
     tl.store(box + W_FAIL + one, tl.zeros([1], tl.int32) + s, mask=(tl.zeros([1], tl.int32) + ok) == 0)
 
 
-@jit(do_not_specialize=("g", "spins"))
-def _wait_kernel(flag, seq, w, g, box, spins, W_FAIL: tl.constexpr, BLOCK: tl.constexpr):
-    # spin until flag == seq (volatile reads of device memory); past `spins` reads: w[:g] NaN, box[FAIL] seq
-    s = tl.load(seq)
-    got = tl.load(flag, volatile=True)
-    i = 0
-    while (got != s) & (i < spins):
-        got = tl.load(flag, volatile=True)
-        i += 1
-    offs = tl.arange(0, BLOCK)
-    bad = (tl.zeros([BLOCK], tl.int32) + got) != s
-    tl.store(w + offs, tl.full([BLOCK], float("nan"), tl.float32), mask=(offs < g) & bad)
-    tl.store(box + W_FAIL + offs, tl.zeros([BLOCK], tl.int32) + s, mask=(offs == 0) & bad)
-
-
 def _check_box(seq: torch.Tensor, box: torch.Tensor) -> None:
     assert box.dtype == torch.int32 and box.shape == (BOX_WORDS,) and box.device.type == "cpu"
     assert seq.dtype == torch.int32 and seq.shape == (1,)
@@ -180,17 +147,3 @@ def take(
     _take_kernel[(1,)](part, out, dst, seq, box, part.numel(), spins, W_DONE=DONE, W_FAIL=FAIL,
                        BLOCK=min(BLOCK, next_pow2(part.numel())))  # fmt: skip
     return dst
-
-
-def wait(flag: torch.Tensor, seq: torch.Tensor, w: torch.Tensor, box: torch.Tensor, spins: int = TAKE_SPINS):
-    """Graphable: wait for flag[0] == seq[0] (the server's copies of the GPU's share have landed); past
-    `spins` reads of the flag, w (the GPU's routing weights, [g] FP32) = NaN, so its sum is NaN, and
-    box[FAIL] = seq[0]; the twin where flag is on the CPU."""
-    _check_box(seq, box)
-    assert flag.dtype == torch.int32 and flag.numel() == 1 and flag.device == seq.device == w.device
-    assert w.dtype == torch.float32 and w.is_contiguous()
-    if flag.device.type != "cuda":
-        return wait_ref(flag, seq, w, box)
-    require_triton(flag)
-    assert box.is_pinned(), "the GPU notes a failed wait in pinned memory"
-    _wait_kernel[(1,)](flag, seq, w, w.numel(), box, spins, W_FAIL=FAIL, BLOCK=next_pow2(max(1, w.numel())))

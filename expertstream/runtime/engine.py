@@ -269,8 +269,7 @@ class Engine:
             torch.cuda.empty_cache()  # the probe's 64 MB go back, outside the plan's budget
         # the decode graphs time the tokens the auto share tunes itself by: eager, it keeps the rates' choice
         threads, tune = split_threads(self.cpu_threads), not self.config.enforce_eager
-        engine = self.config.cpu_moe_copy == "engine"
-        return SplitExperts(bank, self.workdir, share, threads, bus_gbps=bus, tune=tune, copy_engine=engine)
+        return SplitExperts(bank, self.workdir, share, threads, bus_gbps=bus, tune=tune)
 
     def _plan_gpu_memory(self) -> MemoryPlan:
         """Plan VRAM for the budget and enforce it through the caching allocator's per-process limit."""
