@@ -22,6 +22,7 @@ from expertstream.workdir.workdir import MANIFEST, is_current
 log = get_logger(__name__)
 
 DEMO_SNAPSHOT = Path(__file__).parent / "assets" / "demo-snapshot"
+DEMO_NAME = "demo"  # the bundled model's id on the server (its workdir's name carries a key)
 FINGERPRINT = "demo.sha256"  # beside the manifest: which shipped snapshot the workdir was built from
 
 
@@ -97,6 +98,13 @@ def default_workdir() -> Path:
         setup_workdir(DEMO_SNAPSHOT, workdir, progress=False)
         (workdir / FINGERPRINT).write_text(fingerprint + "\n")
     return workdir
+
+
+def model_id(workdir: str) -> str:
+    """A workdir's name as the server and chat show it: its directory's, `demo` for the bundled model's."""
+    path = Path(workdir).resolve()
+    demo = path.parent == cache_dir().resolve() and path.name.startswith("demo-")
+    return DEMO_NAME if demo else path.name
 
 
 def resolve_model(model: str) -> str:

@@ -401,13 +401,14 @@ def test_chat_loop_reuses_state_between_turns(engine):
 
 
 def test_default_model_is_built_once(tmp_path, monkeypatch):
-    from expertstream.default_model import resolve_model
+    from expertstream.default_model import model_id, resolve_model
 
     monkeypatch.setenv("EXPERTSTREAM_CACHE", str(tmp_path))
     assert resolve_model("/some/workdir") == "/some/workdir"
     first = Path(resolve_model(""))  # the shipped demo model
     manifest = first / "manifest.json"
     assert first.parent == tmp_path and first.name.startswith("demo-") and manifest.is_file()
+    assert model_id(str(first)) == "demo" and model_id("/some/workdir") == "workdir"  # its id, as served
     stamp = manifest.stat().st_mtime_ns
     assert resolve_model("") == str(first) and manifest.stat().st_mtime_ns == stamp
 

@@ -147,7 +147,8 @@ def test_cli_serves_a_workdir(tiny_workdir, tmp_path, bundled):
     # without WORKDIR it serves the bundled demo model, set up into a fresh cache on first use
     workdir = [] if bundled else [str(tiny_workdir)]
     cmd = [sys.executable, "-m", "expertstream", "serve", *workdir, "--port", str(port)]
-    cmd += ["--device", "cpu", "--max-model-len", "256", "--api-key", KEY, "--served-model-name", "demo"]
+    cmd += ["--device", "cpu", "--max-model-len", "256", "--api-key", KEY]
+    cmd += [] if bundled else ["--served-model-name", "demo"]  # the bundled model's id is demo by default
     env = {**os.environ, "EXPERTSTREAM_CACHE": str(tmp_path / "cache")}
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -16,7 +16,6 @@ import dataclasses
 import signal
 import sys
 import threading
-from pathlib import Path
 
 from expertstream.commands.generate import (
     add_chat_and_sampling_args,
@@ -53,7 +52,9 @@ def turn_end(tokenizer) -> str:
 
 
 def banner(engine, args: argparse.Namespace) -> str:
-    name = Path(engine.config.model).name
+    from expertstream.default_model import model_id  # imports torch: after the flags are checked
+
+    name = model_id(engine.config.model)
     think = "off" if args.no_think else "as the template has it"
     return (
         f"expertstream chat: {name}, context {engine.config.max_model_len:,} tokens, "

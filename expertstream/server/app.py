@@ -197,7 +197,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, sock: socket.socket) -
     """Load the model and serve on `sock` (bound by `server.cli`, the flags checked there) until stopped."""
     import uvicorn
 
-    from expertstream.default_model import resolve_model
+    from expertstream.default_model import model_id, resolve_model
     from expertstream.runtime.engine import Engine, resolve_device_dtype
     from expertstream.tokenizer import Tokenizer
     from expertstream.workdir.workdir import Workdir
@@ -206,7 +206,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, sock: socket.socket) -
     Workdir(config.model)  # a partial manifest or a changed file: refused before the engine loads
     resolve_device_dtype(config)  # --device cuda without a GPU, likewise
     settings = ServerSettings(
-        served_model_name=args.served_model_name or Path(config.model).resolve().name,
+        served_model_name=args.served_model_name or model_id(config.model),
         max_model_len=config.max_model_len,
         defaults=sampling_defaults(args, Path(config.model)),
         default_max_tokens=args.max_tokens,

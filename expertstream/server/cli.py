@@ -24,7 +24,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--served-model-name",
         default=None,
-        help=f"model id (default: the workdir's name); NAME{THINKING_SUFFIX} is the same with thinking on",
+        help=f"model id (default: the workdir's name, demo for the bundled model); NAME{THINKING_SUFFIX} "
+        "is the same with thinking on",
     )
     g.add_argument(
         "--api-key",
