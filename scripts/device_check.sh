@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU box's checks and benches, one script: `bash scripts/device_check.sh [PART ...]` runs the named parts
-# in order (default: tests kernels checks). Needs .whl/ carried (the wheels the box lacks: transformers,
-# llguidance, crc32c, fastapi, ...); writes under $OUT. Each part's time limit is an environment variable.
+# in order (default: tests kernels checks). Needs .whl/ carried (the wheels the box lacks, which
+# scripts/device_wheels.sh downloads); writes under $OUT. Each part's time limit is an environment variable.
 #   tests      the GPU tests, in the background beside the parts after it (~6 min; waited for at the end)
 #   kernels    every kernel in BF16 on real shapes against its twin (scripts/device_kernel_check.py)
 #   checks     `check` of the tiny model on CUDA (bf16, graphs, --long; then layer-major spans), and of the
