@@ -46,24 +46,26 @@ def demo_workdir_name(fingerprint: str) -> str:
     return f"demo-{key}"
 
 
+def _made_from(workdir: Path) -> tuple[Path, str] | None:
+    """The snapshot a demo workdir was set up from and that snapshot's fingerprint then; None: unfinished."""
+    try:
+        source = json.loads((workdir / MANIFEST).read_text())["source"]["snapshot"]
+        return Path(source), (workdir / FINGERPRINT).read_text().strip()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _built_from(workdir: Path, snapshot: Path, fingerprint: str) -> bool:
     """A finished workdir of this format, set up from `snapshot` as its bytes are now (`fingerprint`)."""
-    mark = workdir / FINGERPRINT
-    if not is_current(workdir) or not mark.is_file() or mark.read_text().strip() != fingerprint:
-        return False
-    source = json.loads((workdir / MANIFEST).read_text())["source"]["snapshot"]
-    return Path(source).resolve() == snapshot.resolve()
+    made = _made_from(workdir) if is_current(workdir) else None
+    return made is not None and made[1] == fingerprint and made[0].resolve() == snapshot.resolve()
 
 
 def _unusable(workdir: Path) -> bool:
     """True when no install can use this demo workdir: unfinished, or its snapshot (which it reads the PLE
     table of in place) removed or changed since; an older format's is kept for the install that made it."""
-    try:
-        source = Path(json.loads((workdir / MANIFEST).read_text())["source"]["snapshot"])
-        mark = (workdir / FINGERPRINT).read_text().strip()
-    except (OSError, ValueError, KeyError, TypeError):
-        return True
-    return not (source / "config.json").is_file() or mark != demo_fingerprint(source)
+    made = _made_from(workdir)
+    return made is None or not (made[0] / "config.json").is_file() or made[1] != demo_fingerprint(made[0])
 
 
 def _remove_unusable(cache: Path, keep: Path) -> None:
