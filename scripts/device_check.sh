@@ -15,9 +15,9 @@
 #              the split's default on 16 cores) threads (the kernel alone and beside the copy engine),
 #              `plan`'s estimate, `bench decode` in vram ram ram_unstaged ram_CPU_share (the auto share on
 #              the default threads: its breakdown, model, and the log's tuning by token time), then shares
-#              $SHARES (0.4) by hand on $SHARE_THREADS (8) threads, then the auto share against `ram` in a
-#              process each on $AUTO_THREADS threads (none by default; e.g. "14 12 10": where a pool on most
-#              cores has slow calls) over $AUTO_TOKENS (128: past the tuner's first 64-token watch) tokens
+#              $SHARES (0.4) by hand on $SHARE_THREADS (8) threads
+#   cpu-auto   the auto share against `ram`, $AUTO_RUNS (4) fresh processes over $AUTO_TOKENS (128: past the
+#              tuner's first 64-token watch) tokens, on the default threads or on $AUTO_THREADS (e.g. 12)
 #   serve      `bench serve` (Open WebUI's flow, 1/2/4 concurrent decodes) on 4 full-shape layers, with decode
 #              graphs and with --enforce-eager (shared fetches; $SERVE_MODES), in a $GPU_GB (4) GiB budget
 #   ds4        DeepSeek-V4-Flash: full-shape layers through setup, `check` in bf16 on CUDA through the CUDA
@@ -112,14 +112,19 @@ part_cpu_share() {  # ~3 min: kernel beside the copy engine; plan; decode with e
       --out $OUT/cpu_share_$share.md > /dev/null 2>&1
     grep -E "^\| ram, CPU share|CPU share\`|^Model" $OUT/cpu_share_$share.md
   done
-  local t
-  for t in ${AUTO_THREADS:-}; do
+}
+
+part_cpu_auto() {  # each process times `ram` and the split in turn: the ratio is within one process
+  local i threads=${AUTO_THREADS:+--threads $AUTO_THREADS}
+  model 4
+  for i in $(seq ${AUTO_RUNS:-4}); do
+    # shellcheck disable=SC2086
     timeout ${AUTO_S:-120} python3 -m expertstream bench decode --layers 4 --workdir $W \
-      --tokens ${AUTO_TOKENS:-128} --regimes ram ram_CPU_share --cpu-moe-share -1 --threads $t \
-      --out $OUT/cpu_share_auto_$t.md > $OUT/cpu_share_auto_$t.log 2>&1
-    echo "auto share on $t threads:"
-    grep -E "^\| ram|CPU share\` a token" $OUT/cpu_share_auto_$t.md
-    grep -E "CPU share (of|tuned|on|off)" $OUT/cpu_share_auto_$t.log | sed 's/.*INFO[^:]*: //'
+      --tokens ${AUTO_TOKENS:-128} --regimes ram ram_CPU_share --cpu-moe-share -1 $threads \
+      --out $OUT/cpu_auto_$i.md > $OUT/cpu_auto_$i.log 2>&1
+    echo "auto share, process $i: rc $?"
+    grep -E "^\| ram|CPU share\` a token|Greedy tokens" $OUT/cpu_auto_$i.md
+    grep -E "CPU share (of|tuned|on|off)" $OUT/cpu_auto_$i.log | sed 's/.*INFO[^:]*: //'
   done
 }
 
