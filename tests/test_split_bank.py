@@ -14,6 +14,7 @@ from expertstream.experts.split_bank import (
     SPARE_CORES,
     TUNE_TOKENS,
     WATCH_TOKENS,
+    RETIME,
     ShareTuner,
     SplitExperts,
     SplitTimes,
@@ -192,8 +193,8 @@ def test_the_tuner_descends_to_the_fastest_share():
     tuner = ShareTuner(10, n0=6)
     assert tune(tuner, cost) == [6, 7, 5, 4, 3, 4]  # down while faster, each neighbour of the best measured
     assert tuner.best() == 4 and set(tuner.times) == {3, 4, 5, 6, 7}
-    # the bus alone is fastest: off, from the top
-    assert tune(ShareTuner(4, n0=4), lambda n: 1.0 + n) == [4, 3, 2, 1, 0]
+    # the bus alone is fastest: off, from the top; 1's median, twice 0's, is timed once more
+    assert tune(ShareTuner(4, n0=4), lambda n: 1.0 + n) == [4, 3, 2, 1, 0, 1, 0]
     # a slow token among each share's TUNE_TOKENS (the median counts): the same choice
     noisy = ShareTuner(10, n0=6)
     seen: dict[int, int] = {}
@@ -203,6 +204,26 @@ def test_the_tuner_descends_to_the_fastest_share():
         return cost(n) * (3.0 if seen[n] == 1 else 1.0)
 
     assert tune(noisy, jittery)[-1] == 4 and all(v == TUNE_TOKENS for v in seen.values())
+
+
+def test_a_neighbour_whose_first_median_reads_far_slower_is_timed_again():
+    """The first TUNE_TOKENS tokens at 5 are slow (a transient, as two first descents on an H100 box read
+    8.6 and 9.8 ms at 5 of 10 beside 2.7-2.9 at 4): 5 is timed once more and kept. A neighbour that is
+    slower on its second timing too is not timed a third time, and one within RETIME of the fastest never
+    twice."""
+    cost = {3: 3.0, 4: 2.8, 5: 2.6, 6: 2.75}
+    seen: dict[int, int] = {}
+
+    def transient(n):
+        seen[n] = seen.get(n, 0) + 1
+        return 9.5 if n == 5 and seen[n] <= TUNE_TOKENS else cost[n]
+
+    tuner = ShareTuner(10, n0=4)
+    assert tune(tuner, transient) == [4, 5, 3, 5, 6, 5] and tuner.best() == 5
+    assert seen == {4: TUNE_TOKENS, 5: 2 * TUNE_TOKENS, 3: TUNE_TOKENS, 6: TUNE_TOKENS}
+    slow = ShareTuner(10, n0=4)  # 5 really is slow: timed twice, then 4 is kept
+    assert tune(slow, lambda n: {3: 3.0, 4: 2.8, 5: 9.5}[n]) == [4, 5, 3, 5, 4] and slow.best() == 4
+    assert RETIME * 2.8 > 3.0  # 3 stays at its one median
 
 
 def run_tokens(tuner: ShareTuner, token_seconds, tokens: int) -> list[int]:
@@ -219,15 +240,15 @@ def test_the_kept_share_is_watched_by_its_mean_and_left_when_slower():
     the first descent keeps it, its first watch window's mean is slower than the bus alone's, and the tuner
     moves there and stays; the slow tokens count once a window, never more."""
     tuner = ShareTuner(4, n0=2)
-    base = {0: 1.0, 1: 0.9, 2: 0.7, 3: 0.8, 4: 1.2}
+    base = {0: 1.0, 1: 0.9, 2: 0.7, 3: 0.8, 4: 1.1}  # 4 within RETIME of 3: timed once
     stalls = lambda n, i: base[n] * (8.0 if n == 2 and i % 8 == 7 else 1.0)  # noqa: E731
     ran = run_tokens(tuner, stalls, 3 * TUNE_TOKENS + WATCH_TOKENS + 3 * TUNE_TOKENS)
     assert tuner.settled and ran[: 3 * TUNE_TOKENS] == [2] * 3 + [3] * 3 + [1] * 3  # the descent: keeps 2
     assert ran[3 * TUNE_TOKENS : 3 * TUNE_TOKENS + WATCH_TOKENS] == [2] * WATCH_TOKENS  # watched
     assert tuner.times[2] == pytest.approx(0.7 * (1 + 7 / 8))  # its mean: 1.31, slower than 1 and 3
-    # 3 (0.8) is now the fastest measured: its unmeasured neighbour 4 is tried (1.2), then 3 is watched
+    # 3 (0.8) is now the fastest measured: its unmeasured neighbour 4 is tried (1.1), then 3 is watched
     after = ran[3 * TUNE_TOKENS + WATCH_TOKENS :]
-    assert after == [4] * TUNE_TOKENS + [3] * 2 * TUNE_TOKENS and tuner.times[4] == 1.2
+    assert after == [4] * TUNE_TOKENS + [3] * 2 * TUNE_TOKENS and tuner.times[4] == 1.1
     assert run_tokens(tuner, stalls, 3 * WATCH_TOKENS) == [3] * (3 * WATCH_TOKENS)  # and kept
 
 
@@ -271,14 +292,14 @@ def test_the_auto_share_tunes_itself_by_token_time(tiny_workdir, host_alloc, ker
         bank(0, *(v.to(kernel_device) for v in (x, ids, w)))  # a prompt: the GPU bank adopts the rows
         assert bank.splitting
         decode_mode, ran = gpu.decode_mode, [bank.n_cpu]
-        for token in range(40):  # every share splits correctly while it is tried; 1 ms a token per expert
+        for token in range(40):  # every share splits correctly while tried; 4 ms a token, 1 more an expert
             x, ids, w = routing(wd, 1, seed=20 + token)
             got = bank(token % wd.num_layers, *(v.to(kernel_device) for v in (x, ids, w))).cpu()
             want = ref(token % wd.num_layers, x, ids, w)
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
             if not bank.tuning:
                 break
-            bank.decode_token_seconds(1e-3 * bank.n_cpu)
+            bank.decode_token_seconds(1e-3 * (4 + bank.n_cpu))
             if bank.n_cpu != ran[-1]:
                 ran.append(bank.n_cpu)
         # down to the bus alone, which the timed tokens found fastest: the GPU bank's own program

@@ -89,14 +89,20 @@ class ShareTuner:
     milliseconds leave a few tokens' median alone but not the mean (on the H200 box a share kept by its
     3-token median then ran at 0.93x the bus alone). Times older than FORGET_WINDOWS windows are
     dropped, so their neighbours are measured again: the box's load changes (another process takes cores,
-    then leaves). A rate model cannot see where a split layer's time goes on a given box (the bus's and the
-    CPU's reads of the same RAM, the mailbox's round trips, the GPU's share's copy); tokens can."""
+    then leaves). A neighbour of the fastest whose one median reads above RETIME times the fastest is timed
+    once more before it counts: one step of n moves one block between the two sides, which cannot cost half
+    a token, while a few slow tokens can (on an H100 box two first descents read 8.6 and 9.8 ms at 5 of 10
+    beside 2.7-2.9 at 4, and kept 4). A rate model cannot see where a split layer's time goes on a given box
+    (the bus's and the CPU's reads of the same RAM, the mailbox's round trips, the GPU's share's copy);
+    tokens can."""
 
     def __init__(self, k: int, n0: int):
         self.k, self.n = k, n0
         self.times: dict[int, float] = {}  # n -> seconds a token (a first median, then a watch's mean)
         self._when: dict[int, int] = {}  # n -> the window that set times[n]
         self._samples: list[float] = []
+        self._once: set[int] = set()  # n whose time is one median not yet timed again (RETIME)
+        self._again: int | None = None  # the n being timed again
         self.windows = 0  # timing windows ended so far
         self.settled = False  # the first descent has ended: the kept n is watched
 
@@ -104,12 +110,17 @@ class ShareTuner:
         return min(self.times, key=self.times.get) if self.times else self.n
 
     def next(self) -> int | None:
-        """The n to measure next, or None once the fastest has both neighbours measured."""
+        """The n to measure next, or None once the fastest has both neighbours measured (a neighbour's one
+        median above RETIME times the fastest is measured again)."""
         if self.n not in self.times:
             return self.n
         best = self.best()
-        for c in (best + 1, best - 1):
-            if 0 <= c <= self.k and c not in self.times:
+        near = [c for c in (best + 1, best - 1) if 0 <= c <= self.k]
+        for c in near:
+            if c not in self.times:
+                return c
+        for c in near:
+            if c in self._once and self.times[c] > RETIME * self.times[best]:
                 return c
         return None
 
@@ -121,13 +132,22 @@ class ShareTuner:
             return self.n
         s = sorted(self._samples)
         self.times[self.n] = sum(s) / len(s) if watching else s[len(s) // 2]
-        self._samples = []
+        if watching or self._again == self.n:  # a mean, or a median timed again: it stands
+            self._once.discard(self.n)
+        else:
+            self._once.add(self.n)
+        self._samples, self._again = [], None
         self.windows += 1
         self._when[self.n] = self.windows
         if watching:
             for c in [c for c, w in self._when.items() if self.windows - w > FORGET_WINDOWS]:
                 del self.times[c], self._when[c]
+                self._once.discard(c)
         nxt = self.next()
+        if nxt in self.times:  # timed once more: its first median is dropped, the next one counts
+            del self.times[nxt], self._when[nxt]
+            self._once.discard(nxt)
+            self._again = nxt
         self.settled = self.settled or nxt is None
         self.n = self.best() if nxt is None else nxt
         return self.n
@@ -158,6 +178,7 @@ SPARE_CORES = 2
 TUNE_TOKENS = 3  # replayed tokens the auto share first times each n over (`ShareTuner`)
 WATCH_TOKENS = 64  # replayed tokens a kept n is watched over (the mean counts)
 FORGET_WINDOWS = 8  # timing windows after which a time is measured again (~512 tokens while watching)
+RETIME = 1.5  # a neighbour's first median this many times the fastest is timed once more (`ShareTuner`)
 
 
 def split_threads(threads) -> Callable[[], int]:
