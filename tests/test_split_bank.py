@@ -11,10 +11,10 @@ from expertstream.experts.cpu_bank import StreamedExperts
 from expertstream.experts.gpu_bank import GpuExperts
 from expertstream.experts.split_bank import (
     FORGET_WINDOWS,
+    RETIME,
     SPARE_CORES,
     TUNE_TOKENS,
     WATCH_TOKENS,
-    RETIME,
     ShareTuner,
     SplitExperts,
     SplitTimes,
