@@ -101,7 +101,7 @@ class ShareTuner:
         self.times: dict[int, float] = {}  # n -> seconds a token (a first median, then a watch's mean)
         self._when: dict[int, int] = {}  # n -> the window that set times[n]
         self._samples: list[float] = []
-        self._once: set[int] = set()  # n whose time is one median not yet timed again (RETIME)
+        self._once: set[int] = set()  # n whose time, where it has one, is a median not yet timed again
         self._again: int | None = None  # the n being timed again
         self.windows = 0  # timing windows ended so far
         self.settled = False  # the first descent has ended: the kept n is watched
@@ -142,11 +142,9 @@ class ShareTuner:
         if watching:
             for c in [c for c, w in self._when.items() if self.windows - w > FORGET_WINDOWS]:
                 del self.times[c], self._when[c]
-                self._once.discard(c)
         nxt = self.next()
         if nxt in self.times:  # timed once more: its first median is dropped, the next one counts
             del self.times[nxt], self._when[nxt]
-            self._once.discard(nxt)
             self._again = nxt
         self.settled = self.settled or nxt is None
         self.n = self.best() if nxt is None else nxt
