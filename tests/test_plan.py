@@ -157,6 +157,21 @@ def test_the_cpu_share_takes_what_balances_the_bus():
     assert cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=25.0, how="given")[1] == want + " the bus alone"
 
 
+def test_the_cpu_share_weighs_the_gpu_side_at_its_own_rate():
+    from expertstream.commands.plan import cpu_share_lines
+
+    ram_gb = 64 * 1e8 / GiB + 1
+    tb = token_bytes(1, 64, 10, int(1e8), vram_blocks=0, ram_gb=ram_gb)
+    # the bus alone 50 GB/s (20 ms); while splitting the GPU's share crosses at 40 (2.5 ms a block), the CPU
+    # takes 4 ms a block: 4 on the CPU (16 ms) beside 6 (15 ms), where the bus rate alone would give 3
+    lines = cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=25.0, how="given", stage=(40.0, "measured"))
+    assert "the GPU's share crossing at 40.0 GB/s (measured)" in lines[0]
+    want = "  4 of 10 experts a layer on the CPU, 6 on the GPU: at most 62.5 tok/s from these bytes, 1.25x"
+    assert lines[1] == want + " the bus alone"
+    alone = cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=25.0, how="")
+    assert "the GPU's share crossing at 50.0 GB/s (the bus rate)" in alone[0]
+
+
 def test_plan_says_what_a_cpu_share_gives_another_box(tmp_path, capsys):
     import json
 
@@ -172,6 +187,9 @@ def test_plan_says_what_a_cpu_share_gives_another_box(tmp_path, capsys):
     assert "CPU share of decode (--cpu-moe-share -1), the CPU expert kernel at 25.0 GB/s (--cpu-gbps)" in out
     # the hot set the 8 GiB plan keeps in VRAM serves a share of the 10: 2 on the CPU, not the rates' 3
     assert "2 of 10 experts a layer on the CPU, 8 on the GPU" in out
+    assert "the GPU's share crossing at 50.0 GB/s (not measured: the bus rate, an upper bound)" in out
+    assert cli_main(argv + ["--pcie-gbps", "50", "--cpu-gbps", "25", "--stage-gbps", "40"]) == 0
+    assert "the GPU's share crossing at 40.0 GB/s (--stage-gbps)" in capsys.readouterr().out
     # another box weighed from its cores and memory rate, with this box's kernel rates
     assert cli_main(argv + ["--pcie-gbps", "50", "--cpu-cores", "16", "--mem-gbps", "100"]) == 0
     assert "16 cores x " in capsys.readouterr().out

@@ -283,6 +283,11 @@ def test_the_auto_share_tunes_itself_by_token_time(tiny_workdir, host_alloc, ker
         kept = SplitExperts(gpu, wd, share=-1.0, threads=lambda: 1, bus_gbps=100.0, cpu_gbps=1e6, tune=False)
         kept.decode_token_seconds(1.0)
         assert kept.n_cpu == k and not kept.tuning
+        # the GPU's share weighed at its own rate while splitting: at the bus's 100 GB/s the CPU's 100 take 2
+        # of the 4; where the share crosses at 50, 3 (0.03 against 0.02 of a block's GB) beat 2 (0.04)
+        rates = dict(share=-1.0, threads=lambda: 1, bus_gbps=100.0, cpu_gbps=100.0, tune=False)
+        assert SplitExperts(gpu, wd, **rates).n_cpu == 2
+        assert SplitExperts(gpu, wd, **rates, share_gbps=50.0).n_cpu == 3
         bank.decode_token_seconds(1.0)  # before every block has a RAM row: not a token that could split
         assert bank.tuner.times == {} and not bank.tuner._samples
         for h in store.request([(layer, e) for layer in range(wd.num_layers) for e in range(wd.num_experts)]):

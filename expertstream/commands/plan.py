@@ -48,6 +48,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="pinned host->device rate (default: measured now when a GPU is visible, else unknown)",
     )
     p.add_argument(
+        "--stage-gbps",
+        type=float,
+        help="the rate at which --cpu-moe-share's GPU side crosses the bus (a kernel's reads of pinned RAM, "
+        "which can be slower than the copy engine's; default: measured now when a GPU is visible and "
+        "--pcie-gbps is not given, else --pcie-gbps)",
+    )
+    p.add_argument(
         "--cpu-gbps",
         type=float,
         help="the CPU expert kernel's rate for one token (default: measured now on this box's free cores, "
@@ -254,16 +261,39 @@ def cpu_rate(args, model, threads: int) -> tuple[float, str]:
     return rate, f"{cores} cores x {one:.1f} GB/s a core here, at most the {mem:.0f} GB/s memory rate"
 
 
-def cpu_share_lines(tb: TokenBytes, layers: int, k: int, pcie: float, cpu: float, how: str) -> list[str]:
+def stage_rate(args, model, k: int) -> tuple[float | None, str]:
+    """(GB/s or None, how it was found) of the GPU side of a CPU share crossing the bus: --stage-gbps;
+    else measured here (`probes.stage_rate` on half a layer's K blocks) when a GPU is visible and the bus is
+    this box's; else None (taken as the bus rate, an upper bound)."""
+    if args.stage_gbps:
+        return args.stage_gbps, "--stage-gbps"
+    import torch
+
+    if args.pcie_gbps or not torch.cuda.is_available():
+        return None, "not measured: the bus rate, an upper bound"
+    from expertstream.runtime.probes import stage_rate as probe
+
+    return probe(model.block_bytes, max(1, k // 2)), "the staging kernel, measured here"
+
+
+def cpu_share_lines(
+    tb: TokenBytes, layers: int, k: int, pcie: float, cpu: float, how: str, stage=(None, "")
+) -> list[str]:
     """What a CPU share of decode gives when every expert is in RAM: the CPU takes n of a layer's K routed
     experts, those that would cross the bus first (a hot set in VRAM serves its share of the K), the bus
-    the rest; n makes the slower side least (`expert_seconds`, as --cpu-moe-share -1 first picks)."""
+    the rest at `stage` = (GB/s or None: pcie, how) while the CPU reads its own; n makes the slower side
+    least (`expert_seconds`, as --cpu-moe-share -1 first picks)."""
     from expertstream.experts.split_bank import cpu_experts, expert_seconds
 
     block, hot = tb.routed / (layers * k), k * tb.vram_share  # a block's bytes; hot-set hits a layer
-    n = cpu_experts(k, cpu, pcie, block, in_vram=hot)
-    alone, split = (layers * expert_seconds(k, c, block, cpu, pcie, hot) for c in (0, n))
-    lines = [f"CPU share of decode (--cpu-moe-share -1), the CPU expert kernel at {cpu:.1f} GB/s ({how}):"]
+    share = stage[0] or pcie
+    n = cpu_experts(k, cpu, share, block, alone_gbps=pcie, in_vram=hot)
+    alone = layers * expert_seconds(k, 0, block, cpu, pcie, hot)
+    split = layers * expert_seconds(k, n, block, cpu, share, hot)
+    lines = [
+        f"CPU share of decode (--cpu-moe-share -1), the CPU expert kernel at {cpu:.1f} GB/s ({how}), the "
+        f"GPU's share crossing at {share:.1f} GB/s ({stage[1] or 'the bus rate'}):"
+    ]
     if not n:
         lines.append(f"  none: the bus at {pcie:.1f} GB/s is much faster than the CPU kernel")
     else:
@@ -394,5 +424,7 @@ def main(args: argparse.Namespace) -> int:
         from expertstream.runtime.cpu_threads import CpuThreads
 
         threads = split_threads(CpuThreads(cfg.threads))()  # those the share runs on
-        print("\n" + "\n".join(cpu_share_lines(tb, L, k, pcie, *cpu_rate(args, model, threads))))
+        cpu, how = cpu_rate(args, model, threads)
+        lines = cpu_share_lines(tb, L, k, pcie, cpu, how, stage_rate(args, model, k))
+        print("\n" + "\n".join(lines))
     return 0

@@ -196,7 +196,9 @@ class SplitExperts(WrappedBank):
             from `cpu_gbps` and `bus_gbps` (`cpu_experts`), then tuned by the first decode tokens' time
             (`ShareTuner`), which may move the share or turn it off.
         threads: callable -> the CPU kernel's threads now (`split_threads`).
-        bus_gbps: the host -> device rate (needed when share < 0).
+        bus_gbps: the host -> device rate (needed when share < 0): the bus alone's.
+        share_gbps: the rate at which the GPU's share crosses while the CPU reads its own (the staging
+            kernel's reads of pinned RAM, `probes.stage_rate`); None: bus_gbps.
         cpu_gbps: the CPU kernel's rate; None: measured on the RAM cache's rows on `threads()` threads.
         tune: the auto share tunes itself by token time (the decode graphs time the tokens; without them
             it keeps the rates' choice).
@@ -211,6 +213,7 @@ class SplitExperts(WrappedBank):
         bus_gbps: float | None = None,
         cpu_gbps: float | None = None,
         tune: bool = True,
+        share_gbps: float | None = None,
     ):
         super().__init__(gpu)
         self.layout, self.threads = workdir.layout, threads
@@ -230,11 +233,14 @@ class SplitExperts(WrappedBank):
             self.n_cpu = (
                 min(k, round(share * k))
                 if share >= 0
-                else cpu_experts(k, self.cpu_gbps, bus_gbps or 0, self.layout.payload_bytes, in_vram=hot)
+                else cpu_experts(
+                    k, self.cpu_gbps, share_gbps or bus_gbps or 0, self.layout.payload_bytes, bus_gbps, hot
+                )
             )
             if self.n_cpu:  # the pool's threads stay up over a layer's dense GPU work between two requests
                 cpu_moe.set_spin(SPLIT_SPIN_S)
             bus = f"bus {bus_gbps:.1f} GB/s" if bus_gbps else "bus not measured"
+            bus += f", the GPU's share {share_gbps:.1f} GB/s" if share_gbps else ""
             log.info("CPU share of RAM-resident decode: %d of %d experts a layer (CPU kernel %.1f GB/s on %d "
                      "threads, %s)", self.n_cpu, k, self.cpu_gbps, threads(), bus)  # fmt: skip
         pin = host is not None and host.is_pinned()

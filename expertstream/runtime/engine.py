@@ -261,15 +261,17 @@ class Engine:
         the bus here for it."""
         from expertstream.experts.split_bank import SplitExperts, split_threads
 
-        bus = None
-        if share < 0:
-            from expertstream.runtime.probes import pcie_rate
+        bus = stage = None
+        if share < 0:  # the bus alone, and the GPU's share as it crosses while splitting (half the K)
+            from expertstream.runtime.probes import pcie_rate, stage_rate
 
             bus = pcie_rate(64 << 20)
-            torch.cuda.empty_cache()  # the probe's 64 MB go back, outside the plan's budget
+            k = self.workdir.text_config["num_experts_per_tok"]
+            stage = stage_rate(self.workdir.layout.block_bytes, max(1, k // 2))
+            torch.cuda.empty_cache()  # the probes' memory goes back, outside the plan's budget
         # the decode graphs time the tokens the auto share tunes itself by: eager, it keeps the rates' choice
         threads, tune = split_threads(self.cpu_threads), not self.config.enforce_eager
-        return SplitExperts(bank, self.workdir, share, threads, bus_gbps=bus, tune=tune)
+        return SplitExperts(bank, self.workdir, share, threads, bus_gbps=bus, tune=tune, share_gbps=stage)
 
     def _plan_gpu_memory(self) -> MemoryPlan:
         """Plan VRAM for the budget and enforce it through the caching allocator's per-process limit."""

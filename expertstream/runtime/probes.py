@@ -71,3 +71,28 @@ def pcie_rate(nbytes: int = 1 << 30, block: int | None = None, repeats: int = 5)
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     return moved / best / 1e9
+
+
+def stage_rate(block_bytes: int, blocks: int, repeats: int = 5) -> float:
+    """GB/s of the staging kernel (kernels/stage_blocks.py) copying `blocks` expert blocks from pinned RAM
+    rows into VRAM rows: how a CPU share's GPU side crosses the bus (`SplitExperts.split_gpu`). The SMs' reads
+    of pinned RAM can be slower than the copy engine (40-41 GB/s against 54.6 on an H100 box,
+    docs/benchmarks.md). The best of `repeats`, each from other rows, timed by CUDA events."""
+    from expertstream.kernels.stage_blocks import stage_blocks
+
+    rows = 4 * blocks  # expert e sits in RAM row e (loc -1 - e); each repeat copies blocks of its own
+    host = torch.ones(rows, block_bytes, dtype=torch.uint8).pin_memory()  # written: no shared zero pages
+    slots = torch.empty(blocks, block_bytes, dtype=torch.uint8, device="cuda")
+    loc = -1 - torch.arange(rows, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(loc)
+    best = math.inf
+    for i in range(repeats + 1):  # the first compiles the kernel and is not timed
+        ids = torch.arange(blocks, device="cuda") + (i % 4) * blocks
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        stage_blocks(ids, loc, host, slots, 0, out)
+        end.record()
+        end.synchronize()
+        if i:
+            best = min(best, start.elapsed_time(end) / 1e3)
+    return blocks * block_bytes / best / 1e9
