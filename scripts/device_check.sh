@@ -17,7 +17,8 @@
 #              the default threads: its breakdown, model, and the log's tuning by token time), then shares
 #              $SHARES (0.4) by hand on $SHARE_THREADS (8) threads
 #   cpu-auto   the auto share against `ram`, $AUTO_RUNS (4) fresh processes over $AUTO_TOKENS (128: past the
-#              tuner's first 64-token watch) tokens, on the default threads or on $AUTO_THREADS (e.g. 12)
+#              tuner's first 64-token watch) tokens of $AUTO_LAYERS (4) full-shape layers, on the default
+#              threads or on $AUTO_THREADS (e.g. 12)
 #   serve      `bench serve` (Open WebUI's flow, 1/2/4 concurrent decodes) on 4 full-shape layers, with decode
 #              graphs and with --enforce-eager (shared fetches; $SERVE_MODES), in a $GPU_GB (4) GiB budget
 #   ds4        DeepSeek-V4-Flash: full-shape layers through setup, `check` in bf16 on CUDA through the CUDA
@@ -115,11 +116,11 @@ part_cpu_share() {  # ~3 min: kernel beside the copy engine; plan; decode with e
 }
 
 part_cpu_auto() {  # each process times `ram` and the split in turn: the ratio is within one process
-  local i threads=${AUTO_THREADS:+--threads $AUTO_THREADS}
-  model 4
+  local i threads=${AUTO_THREADS:+--threads $AUTO_THREADS} layers=${AUTO_LAYERS:-4}
+  model $layers
   for i in $(seq ${AUTO_RUNS:-4}); do
     # shellcheck disable=SC2086
-    timeout ${AUTO_S:-120} python3 -m expertstream bench decode --layers 4 --workdir $W \
+    timeout ${AUTO_S:-120} python3 -m expertstream bench decode --layers $layers --workdir $W \
       --tokens ${AUTO_TOKENS:-128} --regimes ram ram_CPU_share --cpu-moe-share -1 $threads \
       --out $OUT/cpu_auto_$i.md > $OUT/cpu_auto_$i.log 2>&1
     echo "auto share, process $i: rc $?"
