@@ -147,14 +147,14 @@ def test_the_cpu_share_takes_what_balances_the_bus():
     # 25 / 75 of 10 -> 3 on the CPU (300 MB at 25 GB/s = 12 ms), 7 over the bus (14 ms): 71.4 tok/s
     assert "the CPU expert kernel at 25.0 GB/s (given)" in lines[0]
     want = "  3 of 10 experts a layer on the CPU, 7 on the GPU: at most 71.4 tok/s from these bytes, 1.43x"
-    assert lines[1] == want + " the bus alone"
-    assert "none" in cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=1.0, how="given")[1]
+    assert lines[2] == want + " the bus alone"
+    assert "none" in cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=1.0, how="given")[2]
     # a hot set of 16 of the 64 blocks in VRAM serves 2.5 of the 10: the bus alone carries 7.5 (15 ms); the
     # CPU takes blocks that would cross it, so 2 on the CPU (8 ms) leave 5.5 to the bus (11 ms): 90.9 tok/s
     # (3, as the rates alone choose, would take 12 ms on the CPU)
     tb = token_bytes(1, 64, 10, int(1e8), vram_blocks=16, ram_gb=ram_gb, hot_blocks=16)
     want = "  2 of 10 experts a layer on the CPU, 8 on the GPU: at most 90.9 tok/s from these bytes, 1.36x"
-    assert cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=25.0, how="given")[1] == want + " the bus alone"
+    assert cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=25.0, how="given")[2] == want + " the bus alone"
 
 
 def test_the_cpu_share_weighs_the_gpu_side_at_its_own_rate():
@@ -165,11 +165,11 @@ def test_the_cpu_share_weighs_the_gpu_side_at_its_own_rate():
     # the bus alone 50 GB/s (20 ms); while splitting the GPU's share crosses at 40 (2.5 ms a block), the CPU
     # takes 4 ms a block: 4 on the CPU (16 ms) beside 6 (15 ms), where the bus rate alone would give 3
     lines = cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=25.0, how="given", stage=(40.0, "measured"))
-    assert "the GPU's share crossing at 40.0 GB/s (measured)" in lines[0]
+    assert lines[1] == "  the GPU's share crossing at 40.0 GB/s beside it (measured)"
     want = "  4 of 10 experts a layer on the CPU, 6 on the GPU: at most 62.5 tok/s from these bytes, 1.25x"
-    assert lines[1] == want + " the bus alone"
+    assert lines[2] == want + " the bus alone"
     alone = cpu_share_lines(tb, 1, 10, pcie=50.0, cpu=25.0, how="")
-    assert "the GPU's share crossing at 50.0 GB/s (the bus rate)" in alone[0]
+    assert alone[1] == "  the GPU's share crossing at 50.0 GB/s beside it (the bus rate)"
 
 
 def test_plan_says_what_a_cpu_share_gives_another_box(tmp_path, capsys):
@@ -187,9 +187,9 @@ def test_plan_says_what_a_cpu_share_gives_another_box(tmp_path, capsys):
     assert "CPU share of decode (--cpu-moe-share -1), the CPU expert kernel at 25.0 GB/s (--cpu-gbps)" in out
     # the hot set the 8 GiB plan keeps in VRAM serves a share of the 10: 2 on the CPU, not the rates' 3
     assert "2 of 10 experts a layer on the CPU, 8 on the GPU" in out
-    assert "the GPU's share crossing at 50.0 GB/s (not measured: the bus rate, an upper bound)" in out
+    assert "crossing at 50.0 GB/s beside it (not measured: the bus rate, an upper bound)" in out
     assert cli_main(argv + ["--pcie-gbps", "50", "--cpu-gbps", "25", "--stage-gbps", "40"]) == 0
-    assert "the GPU's share crossing at 40.0 GB/s (--stage-gbps)" in capsys.readouterr().out
+    assert "the GPU's share crossing at 40.0 GB/s beside it (--stage-gbps)" in capsys.readouterr().out
     # another box weighed from its cores and memory rate, with this box's kernel rates
     assert cli_main(argv + ["--pcie-gbps", "50", "--cpu-cores", "16", "--mem-gbps", "100"]) == 0
     assert "16 cores x " in capsys.readouterr().out

@@ -291,8 +291,8 @@ def cpu_share_lines(
     alone = layers * expert_seconds(k, 0, block, cpu, pcie, hot)
     split = layers * expert_seconds(k, n, block, cpu, share, hot)
     lines = [
-        f"CPU share of decode (--cpu-moe-share -1), the CPU expert kernel at {cpu:.1f} GB/s ({how}), the "
-        f"GPU's share crossing at {share:.1f} GB/s ({stage[1] or 'the bus rate'}):"
+        f"CPU share of decode (--cpu-moe-share -1), the CPU expert kernel at {cpu:.1f} GB/s ({how}):",
+        f"  the GPU's share crossing at {share:.1f} GB/s beside it ({stage[1] or 'the bus rate'})",
     ]
     if not n:
         lines.append(f"  none: the bus at {pcie:.1f} GB/s is much faster than the CPU kernel")
