@@ -273,7 +273,7 @@ def stage_rate(args, model, k: int) -> tuple[float | None, str]:
         return None, "not measured: the bus rate, an upper bound"
     from expertstream.runtime.probes import stage_rate as probe
 
-    return probe(model.block_bytes, max(1, k // 2)), "the staging kernel, measured here"
+    return probe(model.block_bytes, k), "the staging kernel, measured here"
 
 
 def cpu_share_lines(

@@ -234,7 +234,12 @@ class SplitExperts(WrappedBank):
                 min(k, round(share * k))
                 if share >= 0
                 else cpu_experts(
-                    k, self.cpu_gbps, share_gbps or bus_gbps or 0, self.layout.payload_bytes, bus_gbps, hot
+                    k,
+                    self.cpu_gbps,
+                    share_gbps or bus_gbps or 0,
+                    self.layout.payload_bytes,
+                    alone_gbps=bus_gbps,
+                    in_vram=hot,
                 )
             )
             if self.n_cpu:  # the pool's threads stay up over a layer's dense GPU work between two requests

@@ -262,12 +262,12 @@ class Engine:
         from expertstream.experts.split_bank import SplitExperts, split_threads
 
         bus = stage = None
-        if share < 0:  # the bus alone, and the GPU's share as it crosses while splitting (half the K)
+        if share < 0:  # the bus alone, and the GPU's share as it crosses while splitting
             from expertstream.runtime.probes import pcie_rate, stage_rate
 
             bus = pcie_rate(64 << 20)
             k = self.workdir.text_config["num_experts_per_tok"]
-            stage = stage_rate(self.workdir.layout.block_bytes, max(1, k // 2))
+            stage = stage_rate(self.workdir.layout.block_bytes, k)
             torch.cuda.empty_cache()  # the probes' memory goes back, outside the plan's budget
         # the decode graphs time the tokens the auto share tunes itself by: eager, it keeps the rates' choice
         threads, tune = split_threads(self.cpu_threads), not self.config.enforce_eager

@@ -56,43 +56,44 @@ def pcie_rate(nbytes: int = 1 << 30, block: int | None = None, repeats: int = 5)
         pairs = [(dst[i], src[r]) for i, r in enumerate(torch.randperm(rows).tolist())]
     moved = sum(d.numel() for d, _ in pairs)
 
-    def copy() -> None:
+    def copy(_: int) -> None:
         for d, src_row in pairs:
             d.copy_(src_row, non_blocking=True)
 
-    copy()
+    return moved / _best_seconds(copy, repeats) / 1e9
+
+
+def _best_seconds(run, repeats: int) -> float:
+    """The fastest of `repeats` calls run(1) .. run(repeats) on the GPU by CUDA events, after an untimed
+    run(0) (a first copy, a kernel's compile)."""
+    run(0)
     torch.cuda.synchronize()
     best = math.inf
-    for _ in range(repeats):
+    for i in range(1, repeats + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        copy()
+        run(i)
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
-    return moved / best / 1e9
+    return best
 
 
-def stage_rate(block_bytes: int, blocks: int, repeats: int = 5) -> float:
-    """GB/s of the staging kernel (kernels/stage_blocks.py) copying `blocks` expert blocks from pinned RAM
-    rows into VRAM rows: how a CPU share's GPU side crosses the bus (`SplitExperts.split_gpu`). The SMs' reads
-    of pinned RAM can be slower than the copy engine (40-41 GB/s against 54.6 on an H100 box,
-    docs/benchmarks.md). The best of `repeats`, each from other rows, timed by CUDA events."""
+def stage_rate(block_bytes: int, k: int, repeats: int = 5) -> float:
+    """GB/s of the staging kernel (kernels/stage_blocks.py) copying half a layer's k expert blocks (the GPU's
+    side of a split near balance) from pinned RAM rows into VRAM rows: how a CPU share's GPU side crosses the
+    bus (`SplitExperts.split_gpu`). The SMs' reads of pinned RAM can be slower than the copy engine (40-41
+    GB/s against 54.6 on an H100 box, docs/benchmarks.md). The best of `repeats`, each from other rows."""
     from expertstream.kernels.stage_blocks import stage_blocks
 
-    rows = 4 * blocks  # expert e sits in RAM row e (loc -1 - e); each repeat copies blocks of its own
+    blocks = max(1, k // 2)
+    rows = 4 * blocks  # expert e sits in RAM row e (loc -1 - e); each run copies blocks of its own
     host = torch.ones(rows, block_bytes, dtype=torch.uint8).pin_memory()  # written: no shared zero pages
     slots = torch.empty(blocks, block_bytes, dtype=torch.uint8, device="cuda")
     loc = -1 - torch.arange(rows, dtype=torch.int32, device="cuda")
     out = torch.empty_like(loc)
-    best = math.inf
-    for i in range(repeats + 1):  # the first compiles the kernel and is not timed
-        ids = torch.arange(blocks, device="cuda") + (i % 4) * blocks
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        stage_blocks(ids, loc, host, slots, 0, out)
-        end.record()
-        end.synchronize()
-        if i:
-            best = min(best, start.elapsed_time(end) / 1e3)
-    return blocks * block_bytes / best / 1e9
+
+    def stage(i: int) -> None:
+        stage_blocks(torch.arange(blocks, device="cuda") + (i % 4) * blocks, loc, host, slots, 0, out)
+
+    return blocks * block_bytes / _best_seconds(stage, repeats) / 1e9
